@@ -1,0 +1,213 @@
+"""Shared tools for stages: content hashes, decision rows, versioned replacement of blocks.
+
+All functions take and return polars LazyFrames and stay pure (no I/O, clock or randomness).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Mapping
+
+import orjson
+import polars as pl
+
+from schemas.blocks import BLOCKS, CONTENT_COLUMNS
+from schemas.check import conform, polars_schema
+from schemas.decisions import STAGE_DECISION
+
+# Fixed namespace for synthetic ids: never change it (layer-semantics §1).
+PIPELINE_NS = uuid.UUID("6f1c2a9e-5b7d-4c3e-9a41-7d2e8b0c5f13")
+
+BLOCK_SCHEMA = polars_schema(BLOCKS)
+DECISION_SCHEMA = polars_schema(STAGE_DECISION)
+
+
+def canonical_json(obj: object) -> bytes:
+    """Canonical JSON: sorted keys, UTF-8, no insignificant whitespace."""
+    return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS)
+
+
+def sha256_hex(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()
+
+
+def content_dict(row: Mapping[str, object]) -> dict[str, object]:
+    """The content of a block row: CONTENT_COLUMNS without nulls (what content_sha256 covers)."""
+    return {c: row.get(c) for c in CONTENT_COLUMNS if row.get(c) is not None}
+
+
+def content_sha256(row: Mapping[str, object]) -> str:
+    return sha256_hex(canonical_json(content_dict(row)))
+
+
+def _sha_batch(s: pl.Series) -> pl.Series:
+    return pl.Series([content_sha256(r) for r in s.to_list()], dtype=pl.String)
+
+
+def content_sha_expr() -> pl.Expr:
+    """Expression recomputing content_sha256 from the content columns."""
+    return pl.struct(CONTENT_COLUMNS).map_batches(_sha_batch, return_dtype=pl.String)
+
+
+def rehash(blocks: pl.LazyFrame, mask: pl.Expr | str | None = None) -> pl.LazyFrame:
+    """Recompute content_sha256 (only where `mask` holds, when given)."""
+    new = content_sha_expr()
+    if mask is None:
+        return blocks.with_columns(content_sha256=new)
+    m = pl.col(mask) if isinstance(mask, str) else mask
+    return blocks.with_columns(content_sha256=pl.when(m).then(new).otherwise(pl.col("content_sha256")))
+
+
+def synthetic_id(session_id: str, layer: str, kind: str, source_id: str, occurrence: int) -> str:
+    """uuid5 over content, fixed namespace (layer-semantics §1)."""
+    return str(uuid.uuid5(PIPELINE_NS, f"{session_id}|{layer}|{kind}|{source_id}|{occurrence}"))
+
+
+def synthetic_id_expr(layer: str, kind: str, source: pl.Expr, occurrence: pl.Expr | int = 0) -> pl.Expr:
+    occ = occurrence if isinstance(occurrence, pl.Expr) else pl.lit(occurrence)
+    return (
+        pl.struct(s=pl.col("session_id"), src=source.cast(pl.String), occ=occ.cast(pl.Int64))
+        .map_batches(
+            lambda s: pl.Series(
+                [synthetic_id(r["s"], layer, kind, r["src"] or "", r["occ"] or 0) for r in s.to_list()],
+                dtype=pl.String,
+            ),
+            return_dtype=pl.String,
+        )
+    )
+
+
+def block_json_expr() -> pl.Expr:
+    """Canonical JSON of a row's content (for the ledger's `replacement`)."""
+    return pl.struct(CONTENT_COLUMNS).map_batches(
+        lambda s: pl.Series([canonical_json(content_dict(r)).decode() for r in s.to_list()], dtype=pl.String),
+        return_dtype=pl.String,
+    )
+
+
+def content_len_expr() -> pl.Expr:
+    """Length in bytes of a row's main payload (text, tool input or image data)."""
+    return pl.coalesce(
+        pl.col("text").str.len_bytes(),
+        pl.col("image_data").str.len_bytes(),
+        pl.col("tool_input").str.len_bytes(),
+        pl.lit(0, pl.UInt32),
+    ).cast(pl.Int64)
+
+
+def empty_decisions() -> pl.LazyFrame:
+    return pl.LazyFrame(schema=DECISION_SCHEMA)
+
+
+def decisions_from(
+    changed: pl.LazyFrame,
+    *,
+    action: str | pl.Expr,
+    reason: str | pl.Expr,
+    before_sha256: pl.Expr | None = None,
+    after_sha256: pl.Expr | None = None,
+    before_len: pl.Expr | None = None,
+    after_len: pl.Expr | None = None,
+    replacement: pl.Expr | None = None,
+    from_call: pl.Expr | None = None,
+) -> pl.LazyFrame:
+    """Decision rows for the blocks in `changed` (a blocks-shaped frame); returns STAGE_DECISION."""
+    lit = lambda v: pl.lit(v) if isinstance(v, str) else v  # noqa: E731
+    return conform(
+        changed.select(
+            "session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id",
+            from_call=from_call if from_call is not None else pl.col("first_call"),
+            action=lit(action),
+            reason=lit(reason),
+            before_sha256=before_sha256 if before_sha256 is not None else pl.lit(None, pl.String),
+            after_sha256=after_sha256 if after_sha256 is not None else pl.lit(None, pl.String),
+            before_len=before_len if before_len is not None else pl.lit(None, pl.Int64),
+            after_len=after_len if after_len is not None else pl.lit(None, pl.Int64),
+            replacement=replacement if replacement is not None else pl.lit(None, pl.String),
+            cache_epoch=pl.col("cache_epoch"),
+        ),
+        STAGE_DECISION,
+    )
+
+
+def replace_where(
+    blocks: pl.LazyFrame,
+    mask: pl.Expr,
+    new_values: Mapping[str, pl.Expr],
+    *,
+    action: str,
+    reason: str | pl.Expr,
+    from_call: pl.Expr | None = None,
+) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """Replace columns of the rows where `mask` holds; one decision per changed row.
+
+    With `from_call`, rows that other calls saw before that call keep their old version up to it
+    (last_call = from_call) and a new version starts there. Rows whose content hash does not change
+    are left alone and get no decision. Returns (blocks, decisions).
+    """
+    fc = from_call if from_call is not None else pl.col("first_call")
+    marked = blocks.with_columns(
+        _m=mask.fill_null(False),
+        _from=pl.max_horizontal(fc.cast(pl.Int32), pl.col("first_call")),
+    )
+    # a version that ends before from_call is not touched
+    marked = marked.with_columns(
+        _m=pl.col("_m") & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_from")))
+    )
+    # compare the new content hash with the old one: unchanged rows get no decision
+    cand = marked.filter("_m").with_columns(_old_sha=pl.col("content_sha256"), _old_len=content_len_expr())
+    cand = cand.with_columns(**dict(new_values))
+    cand = rehash(cand).with_columns(_changed=pl.col("content_sha256") != pl.col("_old_sha"))
+    changed = cand.filter("_changed")
+    decisions = decisions_from(
+        changed.with_columns(first_call=pl.col("_from")),
+        action=action,
+        reason=reason,
+        before_sha256=pl.col("_old_sha"),
+        after_sha256=pl.col("content_sha256"),
+        before_len=pl.col("_old_len"),
+        after_len=content_len_expr(),
+        replacement=block_json_expr(),
+    )
+    key = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "first_call"]
+    changed_keys = changed.select(key)
+    untouched = marked.join(changed_keys, on=key, how="anti", nulls_equal=True)
+    old_part = (
+        marked.join(changed_keys, on=key, how="semi", nulls_equal=True)
+        .filter(pl.col("_from") > pl.col("first_call"))
+        .with_columns(last_call=pl.col("_from"))
+    )
+    new_part = changed.with_columns(first_call=pl.col("_from"))
+    cols = list(BLOCK_SCHEMA.names())
+    out = pl.concat([untouched.select(cols), old_part.select(cols), new_part.select(cols)], how="vertical")
+    return out, decisions
+
+
+def drop_where(
+    blocks: pl.LazyFrame, mask: pl.Expr, *, reason: str | pl.Expr, from_call: pl.Expr | None = None,
+    action: str = "drop",
+) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """Drop rows where `mask` holds (from `from_call` on when given); one decision per row."""
+    fc = from_call if from_call is not None else pl.col("first_call")
+    marked = blocks.with_columns(_m=mask.fill_null(False), _from=pl.max_horizontal(fc.cast(pl.Int32), pl.col("first_call")))
+    marked = marked.with_columns(
+        _m=pl.col("_m") & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_from")))
+    )
+    hit = marked.filter("_m")
+    decisions = decisions_from(
+        hit.with_columns(first_call=pl.col("_from")),
+        action=action, reason=reason,
+        before_sha256=pl.col("content_sha256"), before_len=content_len_expr(),
+    )
+    cols = list(BLOCK_SCHEMA.names())
+    kept = marked.filter(~pl.col("_m"))
+    shortened = hit.filter(pl.col("_from") > pl.col("first_call")).with_columns(last_call=pl.col("_from"))
+    return pl.concat([kept.select(cols), shortened.select(cols)]), decisions
+
+
+def sort_blocks(blocks: pl.LazyFrame) -> pl.LazyFrame:
+    """Deterministic order: thread, working order, block, part, version."""
+    return blocks.sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call", "entry_id"])

@@ -1,0 +1,357 @@
+"""What every loader produces, and the shared machinery: line reading, accounting, blocks building.
+
+A loader turns files into `Thread`s (ordered `Message`s) plus a `FileLoad` per file that accounts
+for every non-blank physical line: message line, other line (by kind), or quarantined line.
+`threads_to_blocks` turns threads into the blocks table, with the call structure
+(`is_call`, `first_call`, `last_call`) computed from message order and recorded compactions.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from pipeline.blockops import canonical_json, content_sha256
+from schemas.blocks import BLOCKS
+
+ORDER_STRIDE = 1024  # order_key = position * ORDER_STRIDE leaves room for inserted rows
+
+
+@dataclass
+class QuarantineRow:
+    file: str
+    line: int
+    raw: str
+    reason: str
+
+
+@dataclass
+class FileLoad:
+    """Accounting for one input file."""
+
+    path: str
+    format: str
+    sha256: str = ""
+    bytes: int = 0
+    lines: int = 0  # non-blank physical lines
+    message_lines: int = 0
+    other_lines: Counter[str] = field(default_factory=Counter)  # by kind
+    quarantine: list[QuarantineRow] = field(default_factory=list)
+    recovered: list[dict[str, Any]] = field(default_factory=list)  # e.g. two objects on one line
+
+    @property
+    def quarantined_lines(self) -> int:
+        return len({q.line for q in self.quarantine})
+
+    def check(self) -> None:
+        total = self.message_lines + sum(self.other_lines.values()) + self.quarantined_lines
+        if total != self.lines:
+            from pipeline.errors import CheckFailed
+
+            msg = (f"{self.path}: line accounting failed: {self.message_lines} message + "
+                   f"{sum(self.other_lines.values())} other + {self.quarantined_lines} quarantined "
+                   f"!= {self.lines} lines; this is a bug in ctxreplay's {self.format} loader")
+            raise CheckFailed(msg)
+
+
+@dataclass
+class Block:
+    """One content block (or one part of a tool_result's content)."""
+
+    block_type: str  # text | thinking | redacted_thinking | tool_use | tool_result | image | document | ...
+    text: str | None = None
+    signature: str | None = None
+    tool_use_id: str | None = None
+    tool_name: str | None = None
+    tool_input: str | None = None  # canonical JSON text
+    is_error: bool | None = None
+    part_type: str | None = None  # tool_result parts: string | text | image | tool_reference | empty
+    part_pos: int = 0
+    image_media_type: str | None = None
+    image_data: str | None = None
+    extra: dict[str, Any] | None = None  # other keys of the block, kept
+
+
+@dataclass
+class Message:
+    """One logical message (all blocks of one model response, or one user/tool/system message)."""
+
+    entry_id: str
+    role: str  # system | user | assistant | tool
+    blocks: list[Block]
+    source_file: str
+    source_line: int
+    raw_line: str
+    parent_id: str | None = None
+    msg_key: str | None = None  # defaults to entry_id
+    message_id: str | None = None
+    request_id: str | None = None
+    timestamp: datetime | None = None
+    model: str | None = None
+    provider: str | None = None
+    api: str | None = None
+    stop_reason: str | None = None
+    usage: dict[str, int | None] | None = None  # input, output, cache_read, cache_write, cache_write_5m, cache_write_1h
+    is_call: bool | None = None  # None: assistant messages are calls
+    is_sidechain: bool = False
+    is_meta: bool = False
+    is_compact_summary: bool = False
+    is_display_only: bool = False
+    provenance: dict[str, str | None] | None = None  # kind, source_session, channel, tool
+    visible_from: int | None = None  # position (in the thread) from which calls see it; default its own
+    # per-block source lines when a message spans several physical lines (Claude Code split messages)
+    block_lines: list[tuple[str, int, str, str]] | None = None  # (entry_id, line, raw, file) per block
+
+
+@dataclass
+class Compaction:
+    """From the first call that starts after position `at`, messages before `keep_from` are gone."""
+
+    at: int
+    keep_from: int
+
+
+@dataclass
+class Thread:
+    session_id: str
+    thread_id: str
+    source_format: str
+    source_file: str
+    messages: list[Message]
+    compactions: list[Compaction] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- line reading
+
+_decoder = json.JSONDecoder()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def iter_json_lines(path: Path, load: FileLoad) -> Iterator[tuple[int, str, list[Any]]]:
+    """Yield (line number, raw line, parsed objects) for every non-blank physical line.
+
+    A line that holds several JSON values back to back yields them all (recorded in
+    `load.recovered`). A line that cannot be parsed at all is quarantined and not yielded; a line
+    with a parsable head and garbage after it yields the head and quarantines nothing but records
+    the loss in `load.recovered`.
+    """
+    data = path.read_bytes()
+    load.bytes = len(data)
+    load.sha256 = hashlib.sha256(data).hexdigest()
+    text = data.decode("utf-8", errors="surrogateescape")
+    for i, raw in enumerate(text.split("\n"), start=1):
+        line = raw.rstrip("\r")
+        if not line.strip():
+            continue
+        load.lines += 1
+        try:
+            yield i, line, [orjson.loads(line)]
+            continue
+        except orjson.JSONDecodeError:
+            pass
+        objs: list[Any] = []
+        pos, n = 0, len(line)
+        error: str | None = None
+        while pos < n:
+            while pos < n and line[pos] in " \t\r":
+                pos += 1
+            if pos >= n:
+                break
+            try:
+                obj, end = _decoder.raw_decode(line, pos)
+            except json.JSONDecodeError as exc:
+                error = f"invalid JSON at column {exc.colno}: {exc.msg}"
+                break
+            objs.append(obj)
+            pos = end
+        if not objs:
+            reason = error or "invalid JSON"
+            if any("\udc80" <= ch <= "\udcff" for ch in line):
+                reason += " (the line is not valid UTF-8)"
+            load.quarantine.append(QuarantineRow(str(path), i, line, reason))
+            continue
+        note = {"file": str(path), "line": i, "objects": len(objs)}
+        if error:
+            note["lost_tail"] = error
+        load.recovered.append(note)
+        yield i, line, objs
+
+
+# ---------------------------------------------------------------- helpers for loaders
+
+
+def parse_ts(value: Any) -> datetime | None:
+    """ISO-8601 string or epoch milliseconds → aware UTC datetime (None when absent/invalid)."""
+    if value is None or value == "":
+        return None
+    try:
+        if isinstance(value, (int, float)):
+            return datetime.fromtimestamp(value / 1000.0, tz=timezone.utc)
+        if isinstance(value, str):
+            s = value.strip()
+            if s.endswith("Z"):
+                s = s[:-1] + "+00:00"
+            dt = datetime.fromisoformat(s)
+            return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+    except (ValueError, OverflowError, OSError):
+        return None
+    return None
+
+
+def json_text(obj: Any) -> str:
+    """Canonical JSON text of a value (sorted keys; strings kept exactly)."""
+    return canonical_json(obj).decode()
+
+
+def b64_decoded_len(data: str | None) -> int | None:
+    if not data:
+        return 0 if data == "" else None
+    n = len(data)
+    pad = len(data) - len(data.rstrip("="))
+    return max(0, (n * 3) // 4 - pad)
+
+
+def valid_b64(data: str) -> bool:
+    try:
+        base64.b64decode(data, validate=True)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+# ---------------------------------------------------------------- threads → blocks
+
+
+def _row_base(t: Thread, m: Message, pos: int) -> dict[str, Any]:
+    u = m.usage or {}
+    p = m.provenance or {}
+    return {
+        "session_id": t.session_id,
+        "thread_id": t.thread_id,
+        "source_format": t.source_format,
+        "source_file": m.source_file,
+        "source_line": m.source_line,
+        "raw_line": m.raw_line,
+        "entry_order": pos,
+        "order_key": pos * ORDER_STRIDE,
+        "entry_id": m.entry_id,
+        "parent_id": m.parent_id,
+        "msg_key": m.msg_key or m.entry_id,
+        "message_id": m.message_id,
+        "request_id": m.request_id,
+        "role": m.role,
+        "timestamp": m.timestamp,
+        "model": m.model,
+        "provider": m.provider,
+        "api": m.api,
+        "stop_reason": m.stop_reason,
+        "usage_input": u.get("input"),
+        "usage_output": u.get("output"),
+        "usage_cache_read": u.get("cache_read"),
+        "usage_cache_write": u.get("cache_write"),
+        "usage_cache_write_5m": u.get("cache_write_5m"),
+        "usage_cache_write_1h": u.get("cache_write_1h"),
+        "is_sidechain": m.is_sidechain,
+        "is_meta": m.is_meta,
+        "is_compact_summary": m.is_compact_summary,
+        "is_display_only": m.is_display_only,
+        "provenance_kind": p.get("kind"),
+        "provenance_source_session": p.get("source_session"),
+        "provenance_channel": p.get("channel"),
+        "provenance_tool": p.get("tool"),
+        "origin": "transcript",
+        "cache_epoch": 0,
+    }
+
+
+def call_ranges(t: Thread) -> tuple[list[bool], list[int], list[int | None]]:
+    """Per message: is it a call, first call that sees it, first call that no longer does."""
+    n = len(t.messages)
+    is_call = [
+        (m.is_call if m.is_call is not None else m.role == "assistant") for m in t.messages
+    ]
+    starts = [i for i in range(n) if is_call[i]]  # call k starts at message starts[k]
+    import bisect
+
+    def calls_starting_at_or_before(p: int) -> int:
+        return bisect.bisect_right(starts, p)
+
+    first = []
+    for i, m in enumerate(t.messages):
+        p = m.visible_from if m.visible_from is not None else i
+        first.append(calls_starting_at_or_before(p))
+    last: list[int | None] = [None] * n
+    for c in t.compactions:
+        # calls that start after position `at` no longer see messages before keep_from
+        cut = bisect.bisect_right(starts, c.at)
+        for i in range(min(c.keep_from, n)):
+            if last[i] is None or last[i] > cut:  # type: ignore[operator]
+                last[i] = cut
+    return is_call, first, last
+
+
+def threads_to_blocks(threads: list[Thread]) -> pa.Table:
+    """The blocks table of these threads (BLOCKS schema)."""
+    rows: list[dict[str, Any]] = []
+    for t in threads:
+        is_call, first, last = call_ranges(t)
+        for pos, m in enumerate(t.messages):
+            base = _row_base(t, m, pos)
+            base["is_call"] = is_call[pos]
+            base["first_call"] = first[pos]
+            base["last_call"] = last[pos]
+            if last[pos] is not None and last[pos] <= first[pos]:
+                continue  # never visible (e.g. compacted away before any call saw it) — still counted as a line
+            block_pos = -1
+            for bi, b in enumerate(m.blocks):
+                # parts of one tool_result share block_pos; a part_pos of 0 starts a new block
+                if b.part_pos == 0 or block_pos < 0:
+                    block_pos += 1
+                r = dict(base)
+                if m.block_lines is not None:
+                    eid, line, raw, f = m.block_lines[bi]
+                    r["entry_id"], r["source_line"], r["raw_line"], r["source_file"] = eid, line, raw, f
+                r.update(
+                    block_pos=block_pos,
+                    part_pos=b.part_pos,
+                    block_type=b.block_type,
+                    part_type=b.part_type,
+                    text=b.text,
+                    signature=b.signature,
+                    tool_use_id=b.tool_use_id,
+                    tool_name=b.tool_name,
+                    tool_input=b.tool_input,
+                    is_error=b.is_error,
+                    image_media_type=b.image_media_type,
+                    image_data=b.image_data,
+                    image_bytes=b64_decoded_len(b.image_data) if b.image_data is not None else None,
+                    image_width=None,
+                    image_height=None,
+                    extra_json=json_text(b.extra) if b.extra else None,
+                )
+                r["content_sha256"] = content_sha256(r)
+                rows.append(r)
+    cols = {f.name: [r.get(f.name) for r in rows] for f in BLOCKS}
+    return pa.Table.from_pydict(cols, schema=BLOCKS)
+
+
+def blocks_frame(threads: list[Thread]) -> pl.DataFrame:
+    return pl.from_arrow(threads_to_blocks(threads))  # type: ignore[return-value]

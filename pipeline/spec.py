@@ -1,0 +1,221 @@
+"""The declarative pipeline spec (TOML): read, validate before any data is read, resolve, hash.
+
+```toml
+[pipeline]
+name = "default"
+
+[[stage]]
+use = "sanitize"
+thinking_policy = "keep_signed"
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pipeline.blockops import canonical_json, sha256_hex
+from pipeline.errors import SpecError
+from pipeline.registry import Stage, UnknownStage, get_stage
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "data" / "pipelines"
+PIPELINE_KEYS = {"name", "description", "target", "window_tokens"}
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    stage: Stage
+    params: Any  # the stage's frozen params dataclass
+
+    @property
+    def params_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self.params))
+
+    @property
+    def config_digest(self) -> str:
+        return sha256_hex(canonical_json({"stage": self.stage.name, "version": self.stage.version,
+                                          "params": self.params_dict}))
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    name: str
+    source: str  # file path or preset:<name>
+    stages: tuple[ResolvedStage, ...]
+    settings: dict[str, Any]
+
+    def resolved(self) -> dict[str, Any]:
+        """The resolved spec, defaults filled in (what the hash covers)."""
+        return {
+            "pipeline": {"name": self.name, **self.settings},
+            "stage": [{"use": s.stage.name, "version": s.stage.version, **s.params_dict} for s in self.stages],
+        }
+
+    @property
+    def sha256(self) -> str:
+        return sha256_hex(canonical_json(self.resolved()))
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    return v
+
+
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check a TOML value against a params field type; returns (ok, converted value)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin is Literal:
+        return value in get_args(tp), value
+    if origin in (typing.Union, types.UnionType):
+        for a in get_args(tp):
+            if a is type(None) and value is None:
+                return True, None
+            ok, conv = _type_ok(value, a)
+            if ok:
+                return True, conv
+        return False, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (tuple, list) or tp in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        args = get_args(tp)
+        inner = args[0] if args else Any
+        conv = []
+        for x in value:
+            ok, c = _type_ok(x, inner)
+            if not ok:
+                return False, value
+            conv.append(c)
+        return True, tuple(conv) if (origin is tuple or tp is tuple) else conv
+    if origin is dict or tp is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, tp) if isinstance(tp, type) else True, value
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def resolve_params(st: Stage, raw: dict[str, Any], *, where: str) -> Any:
+    """Validate `raw` against the stage's params dataclass and build it (defaults filled in)."""
+    hints = typing.get_type_hints(st.params)
+    fields = {f.name: f for f in dataclasses.fields(st.params)}
+    names = list(fields)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            msg = f"{where}: unknown parameter '{key}'.{hint} Parameters: {', '.join(names) or 'none'}"
+            raise SpecError(msg)
+        tp = hints.get(key, Any)
+        ok, conv = _type_ok(value, tp)
+        if not ok:
+            if get_origin(tp) is Literal:
+                opts = ", ".join(str(a) for a in get_args(tp))
+                msg = f"{where}: {key} must be one of {opts}; got {value!r}"
+            else:
+                msg = f"{where}: {key} must be {_describe(tp)}; got {value!r} ({type(value).__name__})"
+            raise SpecError(msg)
+        kwargs[key] = conv
+    try:
+        params = st.params(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"{where}: {exc}") from exc
+    validate = getattr(params, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ValueError as exc:
+            raise SpecError(f"{where}: {exc}") from exc
+    return params
+
+
+def parse_spec(text: str, *, source: str) -> PipelineSpec:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: not valid TOML: {exc}") from exc
+    unknown_top = [k for k in doc if k not in ("pipeline", "stage")]
+    if unknown_top:
+        close = difflib.get_close_matches(unknown_top[0], ["pipeline", "stage"], n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise SpecError(f"{source}: unknown table '{unknown_top[0]}'.{hint} A spec has [pipeline] and [[stage]] tables")
+    head = doc.get("pipeline", {})
+    if not isinstance(head, dict):
+        raise SpecError(f"{source}: [pipeline] must be a table")
+    for k in head:
+        if k not in PIPELINE_KEYS:
+            close = difflib.get_close_matches(k, sorted(PIPELINE_KEYS), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise SpecError(f"{source} [pipeline]: unknown key '{k}'.{hint} Keys: {', '.join(sorted(PIPELINE_KEYS))}")
+    raw_stages = doc.get("stage", [])
+    if not isinstance(raw_stages, list):
+        raise SpecError(f"{source}: 'stage' must be an array of tables: write [[stage]], not [stage]")
+    resolved = []
+    for i, raw in enumerate(raw_stages, start=1):
+        if not isinstance(raw, dict) or "use" not in raw:
+            raise SpecError(f"{source} [[stage]] #{i}: missing 'use' (the stage name), e.g. use = \"sanitize\"")
+        raw = dict(raw)
+        name = raw.pop("use")
+        try:
+            st = get_stage(str(name))
+        except UnknownStage as exc:
+            raise SpecError(f"{source} [[stage]] #{i}: {exc.message}") from exc
+        resolved.append(ResolvedStage(st, resolve_params(st, raw, where=f"{source} [[stage]] #{i} ({name})")))
+    name = str(head.get("name", Path(source).stem))
+    settings = {k: v for k, v in head.items() if k not in ("name", "description")}
+    return PipelineSpec(name=name, source=source, stages=tuple(resolved), settings=settings)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def load_spec(path: str | Path | None = None, *, preset: str | None = None) -> PipelineSpec:
+    """Load a spec file, or a preset from data/pipelines/ (default: `default`)."""
+    if path is not None and preset is not None:
+        raise SpecError("give either --pipeline or --preset, not both")
+    if path is None:
+        name = preset or "default"
+        p = PRESET_DIR / f"{name}.toml"
+        if not p.is_file():
+            names = preset_names()
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise SpecError(f"unknown preset '{name}'.{hint} Presets: {', '.join(names)}")
+        return parse_spec(p.read_text(encoding="utf-8"), source=f"preset:{name}")
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"{p}: pipeline spec not found; pass a TOML file or use --preset NAME ({', '.join(preset_names())})")
+    return parse_spec(p.read_text(encoding="utf-8"), source=str(p))

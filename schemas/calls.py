@@ -1,0 +1,32 @@
+"""One row per call (model request) of every thread."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from schemas.blocks import TS
+
+CALLS = pa.schema(
+    [
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("thread_id", pa.string(), nullable=False),
+        pa.field("thread_key", pa.string(), nullable=False),
+        pa.field("call", pa.int32(), nullable=False),  # 0-based
+        pa.field("is_pending", pa.bool_(), nullable=False),
+        pa.field("timestamp", TS),  # time of the row that starts the request (pending: last row)
+        pa.field("model", pa.string()),
+        pa.field("message_id", pa.string()),  # the answer's provider message id (null for pending)
+        pa.field("request_id", pa.string()),
+        pa.field("request_sha256", pa.string(), nullable=False),
+        pa.field("n_messages", pa.int32(), nullable=False),
+        pa.field("prompt_tokens", pa.int64(), nullable=False),
+        pa.field("prefix_break_message", pa.int32()),  # first message index that differs from the previous call
+        pa.field("recorded_input_tokens", pa.int64()),
+        pa.field("recorded_output_tokens", pa.int64()),
+        pa.field("recorded_cache_read_tokens", pa.int64()),
+        pa.field("recorded_cache_write_tokens", pa.int64()),
+        pa.field("recorded_cache_write_5m_tokens", pa.int64()),
+        pa.field("recorded_cache_write_1h_tokens", pa.int64()),
+    ],
+    metadata={"name": "calls", "version": "1"},
+)

@@ -1,0 +1,81 @@
+"""Schema checks at every boundary: on load, after every stage, on write."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+
+class SchemaMismatch(Exception):
+    """A frame does not match its declared schema."""
+
+    def __init__(self, *, where: str, name: str, missing: list[str], extra: list[str],
+                 wrong: list[tuple[str, str, str]]) -> None:
+        self.where, self.name, self.missing, self.extra, self.wrong = where, name, missing, extra, wrong
+        parts = [f"{where}: frame does not match schema '{name}'"]
+        if missing:
+            parts.append(f"missing columns: {missing}")
+        if extra:
+            parts.append(f"unexpected columns: {extra}")
+        for col, exp, got in wrong:
+            parts.append(f"wrong type: {col}: expected {exp}, got {got}")
+        super().__init__(" / ".join(parts))
+
+
+def polars_schema(declared: pa.Schema) -> pl.Schema:
+    """The polars schema of an Arrow schema (strings stay String, not string_view)."""
+    return pl.Schema(pl.from_arrow(declared.empty_table()).schema)
+
+
+def check_frame(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema, *, where: str) -> None:
+    """Raise SchemaMismatch unless the frame has exactly the declared columns and types (any order)."""
+    expected = polars_schema(declared)
+    actual = frame.collect_schema() if isinstance(frame, pl.LazyFrame) else frame.schema
+    missing = [c for c in expected.names() if c not in actual]
+    extra = [c for c in actual.names() if c not in expected]
+    wrong = [
+        (c, str(expected[c]), str(actual[c]))
+        for c in expected.names()
+        if c in actual and actual[c] != expected[c]
+    ]
+    if missing or extra or wrong:
+        name = (declared.metadata or {}).get(b"name", b"?").decode()
+        raise SchemaMismatch(where=where, name=name, missing=missing, extra=extra, wrong=wrong)
+
+
+def conform(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema) -> pl.LazyFrame:
+    """Select and cast to the declared columns and order (missing columns raise)."""
+    expected = polars_schema(declared)
+    lf = frame.lazy() if isinstance(frame, pl.DataFrame) else frame
+    return lf.select([pl.col(n).cast(t) for n, t in expected.items()])
+
+
+def to_arrow(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema, *, where: str) -> pa.Table:
+    """Collect and cast to the declared Arrow schema, enforcing not-null fields and metadata."""
+    df = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
+    check_frame(df, declared, where=where)
+    table = df.select(declared.names).to_arrow()
+    try:
+        return table.cast(declared)
+    except (pa.ArrowInvalid, ValueError) as exc:
+        name = (declared.metadata or {}).get(b"name", b"?").decode()
+        nulls = [f.name for f in declared if not f.nullable and table.column(f.name).null_count]
+        msg = f"{where}: frame does not fit schema '{name}': null values in not-null columns {nulls}" if nulls \
+            else f"{where}: frame does not fit schema '{name}': {exc}"
+        raise SchemaMismatch(where=msg, name=name, missing=[], extra=[], wrong=[]) from exc
+
+
+def empty(declared: pa.Schema) -> pl.DataFrame:
+    """An empty frame with the declared schema."""
+    return pl.from_arrow(declared.empty_table())  # type: ignore[return-value]
+
+
+def frame_from_rows(rows: Iterable[Mapping[str, Any]], declared: pa.Schema) -> pl.DataFrame:
+    """Build a frame from dict rows with the declared schema; absent keys become null."""
+    rows = list(rows)
+    cols = {f.name: [r.get(f.name) for r in rows] for f in declared}
+    table = pa.Table.from_pydict(cols, schema=declared)
+    return pl.from_arrow(table)  # type: ignore[return-value]

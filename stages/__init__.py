@@ -1,0 +1,9 @@
+"""Built-in context layers: importing this package registers every module in it with `@stage`."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+    importlib.import_module(f"{__name__}.{_mod}")

@@ -1,0 +1,38 @@
+"""Shared fixtures: corpus location, hypothesis profile, --update-goldens."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT.parent / "shared" / "corpus"
+
+settings.register_profile("dev", max_examples=100, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-goldens", action="store_true", default=False,
+                     help="rewrite tests/golden/*/*/expected_*.jsonl from the current output")
+
+
+@pytest.fixture
+def update_goldens(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-goldens"))
+
+
+@pytest.fixture(scope="session")
+def corpus() -> Path:
+    """../shared/corpus; skipped when absent, an error when CTXREPLAY_REQUIRE_CORPUS=1."""
+    if not CORPUS.is_dir():
+        if os.environ.get("CTXREPLAY_REQUIRE_CORPUS") == "1":
+            pytest.fail(f"CTXREPLAY_REQUIRE_CORPUS=1 but the corpus is missing at {CORPUS}")
+        pytest.skip(f"the shared corpus is not present at {CORPUS} (only beside the team's checkout)")
+    return CORPUS
