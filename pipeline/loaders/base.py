@@ -318,15 +318,20 @@ def threads_to_blocks(threads: list[Thread]) -> pa.Table:
             base["is_call"] = is_call[pos]
             base["first_call"] = first[pos]
             base["last_call"] = last[pos]
-            if last[pos] is not None and last[pos] <= first[pos]:
-                continue  # never visible (e.g. compacted away before any call saw it) — still counted as a line
+            # a message compacted away before any call saw it keeps its rows with an empty range
+            # (last_call == first_call): it is still a call of its own; the runner drops such rows
+            # after it has read the call structure
             block_pos = -1
-            for bi, b in enumerate(m.blocks):
+            blocks = m.blocks
+            if not blocks:
+                # a message with no content still exists (and may be a call): one "empty" row
+                blocks = [Block("empty")]
+            for bi, b in enumerate(blocks):
                 # parts of one tool_result share block_pos; a part_pos of 0 starts a new block
                 if b.part_pos == 0 or block_pos < 0:
                     block_pos += 1
                 r = dict(base)
-                if m.block_lines is not None:
+                if m.block_lines and bi < len(m.block_lines):
                     eid, line, raw, f = m.block_lines[bi]
                     r["entry_id"], r["source_line"], r["raw_line"], r["source_file"] = eid, line, raw, f
                 r.update(

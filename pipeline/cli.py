@@ -1,0 +1,214 @@
+"""The `ctxreplay` command line. Thin: parse flags, call the runner, print the result."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from pipeline.errors import CtxReplayError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class Failure(click.ClickException):
+    """Could not run: one paragraph on stderr, exit 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"ctxreplay: {self.format_message()}", err=True)
+
+
+def _fail(exc: Exception) -> Failure:
+    return Failure(str(exc))
+
+
+def _progress(quiet: bool, json_: bool) -> Any:
+    if quiet or json_ or not sys.stderr.isatty():
+        return None
+    return lambda msg: click.echo(f"… {msg}", err=True)
+
+
+def _default_paths() -> list[Path]:
+    home = Path.home()
+    return [p for p in (home / ".claude" / "projects", home / ".openclaw" / "agents") if p.is_dir()]
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(package_name="ctxreplay", prog_name="ctxreplay")
+def main() -> None:
+    """Replay, call by call, what an AI agent sent to its model, from session transcripts on disk."""
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
+@click.option("--preset", help="A preset from data/pipelines (default: default).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("ctxreplay-out"), show_default=True,
+              help="Output directory.")
+@click.option("--ledger", "ledger_path", type=click.Path(path_type=Path),
+              help="Ledger file (default: OUT/ledger.duckdb).")
+@click.option("--target", default="anthropic", show_default=True, help="Wire shape of the assembled requests.")
+@click.option("--all-calls", is_flag=True, help="Also write every call's request to requests/<thread_key>.jsonl.")
+@click.option("--json", "json_", is_flag=True, help="Print the summary as one JSON document on stdout.")
+@click.option("--strict", is_flag=True, help="Exit 1 when lines were quarantined or requests violate the target.")
+@click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
+        ledger_path: Path | None, target: str, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
+        quiet: bool) -> None:
+    """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
+
+    PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
+    ~/.openclaw/agents, where they exist.
+
+    \b
+    Example:
+      ctxreplay run ~/.claude/projects --preset identity --out /tmp/replay
+    """
+    from pipeline.runner import RunOptions
+    from pipeline.runner import run as do_run
+    from pipeline.spec import load_spec
+    from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+
+    try:
+        spec = load_spec(pipeline_file, preset=preset)
+        chosen = list(paths) or _default_paths()
+        if not chosen:
+            raise Failure("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
+                          "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
+        opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
+                          strict=strict, token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
+                          progress=_progress(quiet, json_))
+        result = do_run(chosen, spec, opts)
+    except Failure:
+        raise
+    except CtxReplayError as exc:
+        raise _fail(exc) from exc
+    s = result.summary
+    if json_:
+        click.echo(orjson.dumps(s, option=orjson.OPT_SORT_KEYS).decode())
+    else:
+        click.echo(_human(s))
+    if strict and result.found_problems:
+        if not json_:
+            click.echo(f"--strict: {s['quarantined_lines']} quarantined line(s), {s['violations']} violation(s), "
+                       f"{s['conflicts']} ledger conflict(s)", err=True)
+            for v in result.violations[:20]:
+                click.echo(f"  {v}", err=True)
+        sys.exit(1)
+
+
+def _human(s: dict[str, Any]) -> str:
+    lines = [
+        f"ctxreplay: pipeline '{s['pipeline']}' ({s['pipeline_sha256'][:12]}), target {s['target']}",
+        f"  read {s['files']} files, {s['lines']:,} lines: {s['message_lines']:,} message, "
+        f"{s['other_lines']:,} other, {s['quarantined_lines']:,} quarantined",
+        f"  {s['sessions']} sessions, {s['threads']} threads, {s['calls']:,} calls "
+        f"({s['recorded_calls']:,} recorded + {s['pending_calls']} pending)",
+    ]
+    if s["decisions"]:
+        lines.append("  decisions: " + ", ".join(f"{k} {v:,}" for k, v in s["decisions"].items()))
+    else:
+        lines.append("  decisions: none (no context layers in this pipeline)")
+    if s["violations"]:
+        lines.append(f"  {s['violations']} request(s) violate the {s['target']} rules: "
+                     + ", ".join(f"{k} {v}" for k, v in s["violations_by_rule"].items()))
+    if s["quarantined_lines"]:
+        reasons = ", ".join(f"{k}: {v}" for k, v in s["quarantine_reasons"].items())
+        lines.append(f"  {s['quarantined_lines']} of {s['lines']:,} lines quarantined ({reasons}); everything else "
+                     f"was replayed. See them in {s['out_dir']}/quarantine.parquet")
+    if s["recovered_lines"]:
+        lines.append(f"  recovered {len(s['recovered_lines'])} line(s) holding more than one JSON object")
+    lines.append(f"  wrote {s['out_dir']}/calls.parquet, requests/, summary.json; ledger {s['ledger']}")
+    lines.append(f"  took {s['seconds']:.2f} s")
+    return "\n".join(lines)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("thread_key")
+@click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
+@click.option("--target", default="anthropic", show_default=True, help="Wire shape.")
+def request(out_dir: Path, thread_key: str, call: int | None, target: str) -> None:
+    """Print one call's assembled request (canonical JSON) from a run's output directory.
+
+    \b
+    Example:
+      ctxreplay request ctxreplay-out 8d1e0b7c-... --call 3
+    """
+    from pipeline.runner import assemble_call
+
+    try:
+        req = assemble_call(out_dir, thread_key, call, target)
+    except CtxReplayError as exc:
+        raise _fail(exc) from exc
+    click.echo(orjson.dumps(req, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+def stages(json_: bool) -> None:
+    """List the registered stages with version, parameters, defaults and docs.
+
+    \b
+    Example:
+      ctxreplay stages --json
+    """
+    from pipeline.registry import load_stages, params_doc
+
+    reg = load_stages()
+    out = [{"name": s.name, "version": s.version, "module": s.module, "doc": s.doc.splitlines()[0] if s.doc else "",
+            "params": params_doc(s.params)} for s in sorted(reg.values(), key=lambda s: s.name)]
+    if json_:
+        click.echo(orjson.dumps(out, option=orjson.OPT_SORT_KEYS, default=str).decode())
+        return
+    if not out:
+        click.echo("no stages registered")
+    for s in out:
+        click.echo(f"{s['name']} (v{s['version']}): {s['doc']}")
+        for p in s["params"]:
+            click.echo(f"    {p['name']} = {p['default']!r}  {p['doc']}")
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("spec", required=False)
+@click.option("--preset", help="Explain a preset instead of a file.")
+@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+def explain(spec: str | None, preset: str | None, json_: bool) -> None:
+    """Print the resolved pipeline spec (defaults filled in) and its sha256.
+
+    \b
+    Example:
+      ctxreplay explain data/pipelines/default.toml
+    """
+    from pipeline.spec import load_spec
+
+    try:
+        sp = load_spec(spec, preset=preset) if spec else load_spec(preset=preset or "default")
+    except CtxReplayError as exc:
+        raise _fail(exc) from exc
+    doc = {"sha256": sp.sha256, "source": sp.source, **sp.resolved()}
+    if json_:
+        click.echo(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS).decode())
+        return
+    click.echo(f"# {sp.source}\n# sha256 {sp.sha256}")
+    click.echo(_toml(sp.resolved()))
+
+
+def _toml(doc: dict[str, Any]) -> str:
+    def val(v: Any) -> str:
+        return orjson.dumps(v).decode() if not isinstance(v, bool) else ("true" if v else "false")
+
+    out = ["[pipeline]"] + [f"{k} = {val(v)}" for k, v in doc["pipeline"].items()]
+    for st in doc["stage"]:
+        out += ["", "[[stage]]"] + [f"{k} = {val(v)}" for k, v in st.items() if v is not None]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

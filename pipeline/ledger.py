@@ -1,0 +1,157 @@
+"""The content-replacement ledger: an embedded DuckDB file (default OUT/ledger.duckdb).
+
+Tables: `decisions` (append-only, namespaced by spec_sha256), `runs` (one row per completed run),
+`specs` (resolved spec per sha256), `token_cache` (token counts by text sha256 and counter).
+A run writes everything in one transaction: a crash leaves the ledger as before or after the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from pipeline.errors import LedgerError
+from schemas.check import conform, polars_schema
+from schemas.decisions import DECISIONS, STAGE_DECISION
+
+SCHEMA_VERSION = 1
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
+CREATE TABLE IF NOT EXISTS decisions (
+    spec_sha256 VARCHAR NOT NULL, seq BIGINT NOT NULL, stage VARCHAR NOT NULL,
+    stage_version INTEGER NOT NULL, config_digest VARCHAR NOT NULL,
+    session_id VARCHAR NOT NULL, thread_id VARCHAR NOT NULL, entry_id VARCHAR NOT NULL,
+    block_pos INTEGER NOT NULL, part_pos INTEGER NOT NULL, tool_use_id VARCHAR,
+    from_call INTEGER NOT NULL, action VARCHAR NOT NULL, reason VARCHAR NOT NULL,
+    before_sha256 VARCHAR, after_sha256 VARCHAR, before_len BIGINT, after_len BIGINT,
+    replacement VARCHAR, cache_epoch INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    run_seq BIGINT NOT NULL, spec_sha256 VARCHAR NOT NULL, spec_name VARCHAR, started_at VARCHAR,
+    finished_at VARCHAR, input_files VARCHAR, versions VARCHAR, counts VARCHAR
+);
+CREATE TABLE IF NOT EXISTS specs (spec_sha256 VARCHAR PRIMARY KEY, resolved VARCHAR);
+CREATE TABLE IF NOT EXISTS token_cache (
+    counter VARCHAR NOT NULL, sha256 VARCHAR NOT NULL, tokens BIGINT NOT NULL, PRIMARY KEY (counter, sha256)
+);
+"""
+
+
+class Ledger:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            if not read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except (duckdb.Error, OSError) as exc:
+            msg = (f"{self.path}: cannot open the ledger: {exc}. Is another ctxreplay run using it, or is it "
+                   f"not a ctxreplay ledger? Pass another file with --ledger")
+            raise LedgerError(msg) from exc
+        if not read_only:
+            try:
+                self.con.execute(_DDL)
+                row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+                if not row:
+                    self.con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+                elif row[0][0] != str(SCHEMA_VERSION):
+                    raise LedgerError(f"{self.path}: ledger schema version {row[0][0]}, this ctxreplay writes "
+                                      f"{SCHEMA_VERSION}; use a new --ledger file")
+            except duckdb.Error as exc:
+                raise LedgerError(f"{self.path}: not a usable ctxreplay ledger: {exc}") from exc
+        self._pending: list[pa.Table] = []
+        self._pending_tokens: list[pa.Table] = []
+
+    def close(self) -> None:
+        self.con.close()
+
+    # ------------------------------------------------------------------ decisions
+
+    def earlier(self, spec_sha256: str, stage: str, sessions: list[str]) -> pl.LazyFrame:
+        """This stage's decisions in this namespace for these sessions (STAGE_DECISION columns)."""
+        cols = ", ".join(f.name for f in STAGE_DECISION)
+        if not sessions:
+            return pl.LazyFrame(schema=polars_schema(STAGE_DECISION))
+        self.con.register("_sessions", pa.table({"session_id": sessions}))
+        try:
+            t = self.con.sql(
+                f"SELECT {cols} FROM decisions WHERE spec_sha256 = $spec AND stage = $stage "
+                f"AND session_id IN (SELECT session_id FROM _sessions) ORDER BY seq",
+                params={"spec": spec_sha256, "stage": stage},
+            ).to_arrow_table()
+        finally:
+            self.con.unregister("_sessions")
+        return conform(pl.from_arrow(t), STAGE_DECISION)  # type: ignore[arg-type]
+
+    def next_seq(self, spec_sha256: str) -> int:
+        rows = self.con.execute("SELECT coalesce(max(seq), -1) FROM decisions WHERE spec_sha256 = ?",
+                                [spec_sha256]).fetchall()
+        return int(rows[0][0]) + 1
+
+    def stage(self, decisions: pa.Table) -> None:
+        """Queue DECISIONS rows for the commit at the end of the run."""
+        if decisions.num_rows:
+            self._pending.append(decisions.cast(DECISIONS))
+
+    def commit_run(self, run: dict[str, Any], spec_resolved: dict[str, Any]) -> None:
+        """Write the queued decisions, the spec and the run row in one transaction."""
+        con = self.con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for i, t in enumerate(self._pending):
+                con.register(f"_new{i}", t)
+                con.execute(f"INSERT INTO decisions SELECT {', '.join(DECISIONS.names)} FROM _new{i}")
+                con.unregister(f"_new{i}")
+            for i, t in enumerate(self._pending_tokens):
+                con.register(f"_tok{i}", t)
+                con.execute(f"INSERT OR IGNORE INTO token_cache SELECT counter, sha256, tokens FROM _tok{i}")
+                con.unregister(f"_tok{i}")
+            con.execute("INSERT OR IGNORE INTO specs VALUES (?, ?)",
+                        [run["spec_sha256"], orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
+            seq = con.execute("SELECT coalesce(max(run_seq), -1) + 1 FROM runs").fetchall()[0][0]
+            con.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
+                seq, run["spec_sha256"], run.get("spec_name"), run.get("started_at"), run.get("finished_at"),
+                orjson.dumps(run.get("input_files", [])).decode(), orjson.dumps(run.get("versions", {})).decode(),
+                orjson.dumps(run.get("counts", {})).decode(),
+            ])
+            con.execute("COMMIT")
+        except Exception:
+            con.execute("ROLLBACK")
+            raise
+        finally:
+            self._pending = []
+            self._pending_tokens = []
+
+    def decisions(self, spec_sha256: str | None = None) -> pl.DataFrame:
+        q = "SELECT * FROM decisions" + (" WHERE spec_sha256 = $s" if spec_sha256 else "") + " ORDER BY spec_sha256, seq"
+        t = self.con.sql(q, params={"s": spec_sha256} if spec_sha256 else None).to_arrow_table()
+        return pl.from_arrow(t)  # type: ignore[return-value]
+
+    def runs(self) -> pl.DataFrame:
+        return pl.from_arrow(self.con.sql("SELECT * FROM runs ORDER BY run_seq").to_arrow_table())  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ token cache
+
+    def cached_tokens(self, counter: str, shas: list[str]) -> dict[str, int]:
+        if not shas:
+            return {}
+        self.con.register("_q", pa.table({"sha256": shas}))
+        try:
+            rows = self.con.execute(
+                "SELECT t.sha256, t.tokens FROM token_cache t JOIN _q USING (sha256) WHERE t.counter = ?",
+                [counter]).fetchall()
+        finally:
+            self.con.unregister("_q")
+        return {s: int(n) for s, n in rows}
+
+    def store_tokens(self, counter: str, counts: dict[str, int]) -> None:
+        """Queue new token counts; written with the run's commit (same transaction)."""
+        if counts:
+            self._pending_tokens.append(pa.table({"counter": [counter] * len(counts), "sha256": list(counts),
+                                                  "tokens": pa.array(list(counts.values()), pa.int64())}))

@@ -1,0 +1,477 @@
+"""Claude Code session logs (`~/.claude/projects/<project>/<session>.jsonl` and subagent files).
+
+All files of one session (the main file, `<session>/subagents/agent-*.jsonl`, legacy project-level
+`agent-*.jsonl`) are loaded together, because entries link across them by `parentUuid` (the
+compaction agent's request continues the main conversation).
+
+Threads: for each file, the first thread is the ancestry of its last message entry (the main
+chain; `compact_boundary` entries are crossed through `logicalParentUuid`); every later message
+entry not yet covered is a branch tip, and becomes a thread of its own when its ancestry holds a
+model request (message.id, requestId) no earlier thread holds. Inherited requests are context,
+not calls, so each recorded request is replayed exactly once. Parallel tool calls put sibling
+tool_use entries and their results off the parentUuid chain; they are recovered the way Claude
+Code does on resume (entries sharing the message id of an on-chain assistant entry, and the
+tool_result entries that answer them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.loaders.base import (
+    Block,
+    Compaction,
+    FileLoad,
+    Message,
+    QuarantineRow,
+    Thread,
+    iter_json_lines,
+    json_text,
+    parse_ts,
+)
+
+FORMAT = "claude_code"
+
+MESSAGE_TYPES = {"user", "assistant"}
+KNOWN_OTHER = {
+    "summary", "system", "attachment", "progress", "file-history-snapshot", "queue-operation",
+    "last-prompt", "permission-mode", "custom-title", "tag", "agent-name", "pr-link",
+}
+ENVELOPE_KEYS = {"parentUuid", "sessionId", "uuid", "timestamp"}
+
+
+def sniff(first_objects: list[Any], path: Path) -> str | None:
+    for o in first_objects:
+        if not isinstance(o, dict):
+            continue
+        t = o.get("type")
+        if t in MESSAGE_TYPES and isinstance(o.get("message"), dict) and ("uuid" in o or "sessionId" in o):
+            return FORMAT
+        if t in KNOWN_OTHER and ("sessionId" in o or "leafUuid" in o or "snapshot" in o or "uuid" in o):
+            return FORMAT
+    return None
+
+
+@dataclass
+class Node:
+    uuid: str
+    parent: str | None
+    logical_parent: str | None
+    type: str
+    subtype: str | None
+    file_idx: int
+    line: int
+    raw: str
+    obj: dict[str, Any]
+    is_message: bool
+    msg_key: str | None = None  # assistant: message.id|requestId
+    sidechain: bool = False
+    source_tool_assistant: str | None = None
+    tool_result_ids: tuple[str, ...] = ()
+    tool_use_ids: tuple[str, ...] = ()
+
+
+@dataclass
+class SessionFiles:
+    session_id: str
+    files: list[Path] = field(default_factory=list)
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _kind(o: dict[str, Any]) -> str:
+    t = str(o.get("type"))
+    if t == "system" and o.get("subtype"):
+        return f"system:{o['subtype']}"
+    if t == "progress" and isinstance(o.get("data"), dict) and o["data"].get("type"):
+        return f"progress:{o['data']['type']}"
+    if t == "attachment" and isinstance(o.get("attachment"), dict) and o["attachment"].get("type"):
+        return f"attachment:{o['attachment']['type']}"
+    return t
+
+
+def _usage(u: Any) -> dict[str, int | None] | None:
+    if not isinstance(u, dict):
+        return None
+    cc = u.get("cache_creation") if isinstance(u.get("cache_creation"), dict) else {}
+
+    def num(v: Any) -> int | None:
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    return {
+        "input": num(u.get("input_tokens")),
+        "output": num(u.get("output_tokens")),
+        "cache_read": num(u.get("cache_read_input_tokens")),
+        "cache_write": num(u.get("cache_creation_input_tokens")),
+        "cache_write_5m": num(cc.get("ephemeral_5m_input_tokens")),
+        "cache_write_1h": num(cc.get("ephemeral_1h_input_tokens")),
+    }
+
+
+def _usage_total(u: dict[str, int | None] | None) -> int:
+    if not u:
+        return -1
+    return sum(v or 0 for k, v in u.items() if k in ("input", "output", "cache_read", "cache_write"))
+
+
+def _image_block(b: dict[str, Any], **kw: Any) -> Block:
+    src = b.get("source") if isinstance(b.get("source"), dict) else {}
+    extra = None
+    if src.get("type") not in (None, "base64"):
+        extra = {"source": src}
+    return Block("image", image_media_type=src.get("media_type"), image_data=src.get("data"), extra=extra, **kw)
+
+
+def _content_blocks(content: Any, role: str) -> list[Block]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Block("text", text=content)]
+    if isinstance(content, dict):
+        content = [content]
+    if not isinstance(content, list):
+        return [Block("text", text=json_text(content))]
+    out: list[Block] = []
+    for b in content:
+        if not isinstance(b, dict):
+            out.append(Block("text", text=b if isinstance(b, str) else json_text(b)))
+            continue
+        t = b.get("type")
+        rest = {k: v for k, v in b.items() if k not in ("type", "text", "thinking", "signature", "id", "name",
+                                                      "input", "tool_use_id", "content", "is_error", "source",
+                                                      "data")}
+        if t == "text":
+            out.append(Block("text", text=b.get("text"), extra=rest or None))
+        elif t == "thinking":
+            out.append(Block("thinking", text=b.get("thinking"), signature=b.get("signature"), extra=rest or None))
+        elif t == "redacted_thinking":
+            out.append(Block("redacted_thinking", text=b.get("data"), extra=rest or None))
+        elif t in ("tool_use", "server_tool_use"):
+            inp = b.get("input")
+            out.append(Block(t, tool_use_id=b.get("id"), tool_name=b.get("name"),
+                             tool_input=json_text(inp) if "input" in b else None, extra=rest or None))
+        elif t == "tool_result":
+            out.extend(_tool_result_parts(b))
+        elif t == "image":
+            out.append(_image_block(b))
+        else:
+            out.append(Block(str(t), text=b.get("text") if isinstance(b.get("text"), str) else None, extra=b))
+    return out
+
+
+def _tool_result_parts(b: dict[str, Any]) -> list[Block]:
+    common = {"tool_use_id": b.get("tool_use_id"), "is_error": b.get("is_error")}
+    c = b.get("content")
+    if isinstance(c, str):
+        return [Block("tool_result", text=c, part_type="string", **common)]
+    if not isinstance(c, list) or not c:
+        return [Block("tool_result", part_type="empty", **common)]
+    parts = []
+    for i, p in enumerate(c):
+        if isinstance(p, dict) and p.get("type") == "text":
+            parts.append(Block("tool_result", text=p.get("text"), part_type="text", part_pos=i, **common))
+        elif isinstance(p, dict) and p.get("type") == "image":
+            src = p.get("source") if isinstance(p.get("source"), dict) else {}
+            parts.append(Block("tool_result", part_type="image", part_pos=i, image_media_type=src.get("media_type"),
+                               image_data=src.get("data"), **common))
+        elif isinstance(p, dict) and p.get("type") == "tool_reference":
+            parts.append(Block("tool_result", part_type="tool_reference", part_pos=i, tool_name=p.get("tool_name"),
+                               **common))
+        else:
+            parts.append(Block("tool_result", part_type="other", part_pos=i, text=json_text(p), extra={"part": p},
+                               **common))
+    return parts
+
+
+def _message(node: Node, path: str) -> Message:
+    o = node.obj
+    m = o["message"]
+    role = m.get("role") or o.get("type")
+    blocks = _content_blocks(m.get("content"), role)
+    if role == "user" and blocks and all(b.block_type == "tool_result" for b in blocks):
+        role = "tool"
+    return Message(
+        entry_id=node.uuid,
+        role=role,
+        blocks=blocks,
+        source_file=path,
+        source_line=node.line,
+        raw_line=node.raw,
+        parent_id=node.parent,
+        msg_key=node.msg_key,
+        message_id=m.get("id") if node.type == "assistant" else None,
+        request_id=o.get("requestId"),
+        timestamp=parse_ts(o.get("timestamp")),
+        model=m.get("model"),
+        provider="anthropic" if node.type == "assistant" else None,
+        api="anthropic-messages" if node.type == "assistant" else None,
+        stop_reason=m.get("stop_reason"),
+        usage=_usage(m.get("usage")) if node.type == "assistant" else None,
+        is_sidechain=bool(o.get("isSidechain")),
+        is_meta=bool(o.get("isMeta")),
+        is_compact_summary=bool(o.get("isCompactSummary")),
+        is_display_only=bool(o.get("isVisibleInTranscriptOnly")),
+    )
+
+
+def group_sessions(paths: list[Path], first_objects: dict[Path, list[Any]]) -> list[SessionFiles]:
+    """Group Claude Code files by the session they belong to (the `sessionId` inside them)."""
+    groups: dict[str, SessionFiles] = {}
+    for p in paths:
+        sid = None
+        for o in first_objects.get(p, []):
+            if isinstance(o, dict) and isinstance(o.get("sessionId"), str):
+                sid = o["sessionId"]
+                break
+        if sid is None:
+            if p.parent.name == "subagents":
+                sid = p.parent.parent.name
+            else:
+                found = _UUID.findall(p.name)
+                sid = found[-1] if found else p.stem
+        groups.setdefault(sid, SessionFiles(sid)).files.append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+def _is_main_file(p: Path, session_id: str) -> bool:
+    return session_id in p.name and not (p.name.startswith("agent-") or "__subagents__" in p.name
+                                         or p.parent.name == "subagents")
+
+
+def _agent_thread_id(p: Path, nodes: list[Node]) -> str:
+    for n in nodes:
+        aid = n.obj.get("agentId")
+        if isinstance(aid, str) and aid:
+            return f"agent-{aid}"
+    m = re.search(r"agent-([A-Za-z0-9_-]+?)(?:\.jsonl)?$", p.name)
+    return f"agent-{m.group(1)}" if m else p.stem
+
+
+def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dict[str, int]]:
+    """Load every file of one session; returns threads, per-file accounting and stats."""
+    session_id = group.session_id
+    files = sorted(group.files, key=lambda p: (not _is_main_file(p, session_id), str(p)))
+    loads: list[FileLoad] = []
+    nodes: dict[str, Node] = {}
+    per_file: list[list[Node]] = []
+    stats: Counter[str] = Counter()
+    for fi, path in enumerate(files):
+        load = FileLoad(str(path), FORMAT)
+        loads.append(load)
+        file_nodes: list[Node] = []
+        for line_no, raw, objs in iter_json_lines(path, load):
+            kinds: list[str] = []
+            for k, o in enumerate(objs):
+                if not isinstance(o, dict):
+                    kinds.append("!not an object")
+                    continue
+                t = o.get("type")
+                if t is None:
+                    kinds.append("!entry has no 'type' field (expected user, assistant, system, progress, ...)")
+                    continue
+                if t in MESSAGE_TYPES:
+                    msg = o.get("message")
+                    if not isinstance(msg, dict):
+                        kinds.append(f"!'{t}' entry has no 'message' object")
+                        continue
+                    if t == "assistant" and not isinstance(msg.get("content"), (list, str)):
+                        kinds.append("!'assistant' entry: message.content is not a list or string")
+                        continue
+                uid = o.get("uuid")
+                if not isinstance(uid, str) or not uid:
+                    if t in MESSAGE_TYPES:
+                        uid = f"L{fi}:{line_no}.{k}"
+                    else:
+                        kinds.append(_kind(o))
+                        continue
+                if uid in nodes:
+                    # the same entry written twice (seen when sessions are resumed): keep the first
+                    stats["duplicate_entries"] += 1
+                    kinds.append(_kind(o) if t not in MESSAGE_TYPES else "message")
+                    continue
+                msg = o.get("message") if isinstance(o.get("message"), dict) else {}
+                content = msg.get("content") if isinstance(msg, dict) else None
+                tr_ids: tuple[str, ...] = ()
+                tu_ids: tuple[str, ...] = ()
+                if isinstance(content, list):
+                    tr_ids = tuple(b.get("tool_use_id") for b in content
+                                   if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("tool_use_id"))
+                    tu_ids = tuple(b.get("id") for b in content
+                                   if isinstance(b, dict) and b.get("type") == "tool_use" and b.get("id"))
+                node = Node(
+                    uuid=uid,
+                    parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,
+                    logical_parent=o.get("logicalParentUuid") if isinstance(o.get("logicalParentUuid"), str) else None,
+                    type=t,
+                    subtype=o.get("subtype"),
+                    file_idx=fi,
+                    line=line_no,
+                    raw=raw,
+                    obj=o,
+                    is_message=t in MESSAGE_TYPES,
+                    msg_key=(f"{msg.get('id')}|{o.get('requestId')}" if t == "assistant" and msg.get("id") else
+                             (uid if t == "assistant" else None)),
+                    sidechain=bool(o.get("isSidechain")),
+                    source_tool_assistant=o.get("sourceToolAssistantUUID"),
+                    tool_result_ids=tr_ids,
+                    tool_use_ids=tu_ids,
+                )
+                nodes[uid] = node
+                file_nodes.append(node)
+                kinds.append("message" if node.is_message else _kind(o))
+            bad = [k for k in kinds if k.startswith("!")]
+            good = [k for k in kinds if not k.startswith("!")]
+            if not good:
+                load.quarantine.append(QuarantineRow(str(path), line_no, raw, bad[0][1:] if bad else "empty line"))
+            elif "message" in good:
+                load.message_lines += 1
+            else:
+                load.other_lines[good[0]] += 1
+            if good and bad:
+                load.recovered.append({"file": str(path), "line": line_no,
+                                       "note": f"{len(bad)} of {len(kinds)} objects on this line not understood: {bad[0][1:]}"})
+        per_file.append(file_nodes)
+        load.check()
+
+    # groups of assistant entries by request, and results by the tool_use they answer
+    by_key: dict[str, list[Node]] = defaultdict(list)
+    result_by_tool_id: dict[str, list[Node]] = defaultdict(list)
+    for fn in per_file:
+        for n in fn:
+            if n.type == "assistant" and n.msg_key:
+                by_key[n.msg_key].append(n)
+            for tid in n.tool_result_ids:
+                result_by_tool_id[tid].append(n)
+
+    prev_in_file: dict[str, str] = {}
+    for fn in per_file:
+        for a, b in zip(fn, fn[1:]):
+            prev_in_file[b.uuid] = a.uuid
+
+    threads: list[Thread] = []
+    covered: set[str] = set()
+    claimed: set[str] = set()
+    for fi, path in enumerate(files):
+        main_file = _is_main_file(path, session_id)
+        first_thread = True
+        for tip in reversed(per_file[fi]):
+            if not tip.is_message or tip.uuid in covered:
+                continue
+            thread = _build_thread(tip, nodes, by_key, result_by_tool_id, prev_in_file, stats)
+            entries, compaction_at = thread
+            covered.update(n.uuid for n in entries)
+            msgs, compactions = _messages(entries, compaction_at, files)
+            own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
+            for m in msgs:
+                if m.role == "assistant":
+                    m.is_call = m.msg_key not in claimed
+            if not own and not first_thread:
+                stats["branches_without_calls"] += 1
+                continue
+            claimed.update(m.msg_key for m in own if m.msg_key)
+            if first_thread:
+                tid = "main" if main_file else _agent_thread_id(path, per_file[fi])
+            else:
+                prefix = "sidechain" if tip.sidechain and main_file else "branch"
+                tid = f"{prefix}-{tip.uuid[:8]}"
+                if not main_file:
+                    tid = f"{_agent_thread_id(path, per_file[fi])}-{tid}"
+            first_thread = False
+            threads.append(Thread(session_id, tid, FORMAT, str(path), msgs, compactions))
+    stats["off_thread_message_entries"] += sum(
+        1 for fn in per_file for n in fn if n.is_message and n.uuid not in covered)
+    return threads, loads, dict(stats)
+
+
+def _build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]],
+                  result_by_tool_id: dict[str, list[Node]], prev_in_file: dict[str, str],
+                  stats: Counter[str]) -> tuple[list[Node], set[str]]:
+    chain: list[Node] = []
+    seen: set[str] = set()
+    boundaries: set[str] = set()
+    cur: Node | None = tip
+    while cur is not None and cur.uuid not in seen:
+        seen.add(cur.uuid)
+        chain.append(cur)
+        nxt = cur.parent
+        if nxt is None and cur.type == "system" and cur.subtype == "compact_boundary":
+            boundaries.add(cur.uuid)
+            nxt = cur.logical_parent
+            if (nxt is None or nxt not in nodes) and cur.uuid in prev_in_file:
+                # logicalParentUuid missing or pointing nowhere: the conversation before the boundary
+                # is what the file holds right before it
+                stats["compact_boundary_parent_from_file_order"] += 1
+                nxt = prev_in_file[cur.uuid]
+        if nxt is not None and nxt not in nodes:
+            stats["parent_not_found"] += 1
+            nxt = None
+        cur = nodes.get(nxt) if nxt else None
+    chain.reverse()
+    on_chain = {n.uuid for n in chain}
+    recovered: list[Node] = []
+    tool_ids: set[str] = set()
+    answered: set[str] = set()
+    for n in chain:
+        answered.update(n.tool_result_ids)
+    for n in chain:
+        if n.type == "assistant" and n.msg_key:
+            for sib in by_key.get(n.msg_key, []):
+                if sib.uuid not in on_chain and sib.uuid not in seen:
+                    seen.add(sib.uuid)
+                    recovered.append(sib)
+            for sib in by_key.get(n.msg_key, []):
+                tool_ids.update(sib.tool_use_ids)
+    for tid in sorted(tool_ids):
+        if tid in answered:
+            continue
+        for r in result_by_tool_id.get(tid, []):
+            if r.uuid not in seen:
+                seen.add(r.uuid)
+                recovered.append(r)
+                answered.add(tid)
+                stats["recovered_parallel_results"] += 1
+                break
+    # order: files in the order the chain reaches them, then file line
+    file_rank: dict[int, int] = {}
+    for n in chain:
+        file_rank.setdefault(n.file_idx, len(file_rank))
+    entries = chain + recovered
+    entries.sort(key=lambda n: (file_rank.get(n.file_idx, len(file_rank)), n.line, n.uuid))
+    return entries, boundaries
+
+
+def _messages(entries: list[Node], boundaries: set[str], files: list[Path]) -> tuple[list[Message], list[Compaction]]:
+    msgs: list[Message] = []
+    group_index: dict[str, int] = {}
+    compactions: list[Compaction] = []
+    for n in entries:
+        if n.uuid in boundaries:
+            b = len(msgs)
+            if b > 0:
+                compactions.append(Compaction(at=b - 1, keep_from=b))
+            continue
+        if not n.is_message:
+            continue
+        path = str(files[n.file_idx])
+        m = _message(n, path)
+        lines = [(n.uuid, n.line, n.raw, path)] * len(m.blocks)
+        if n.type == "assistant" and n.msg_key in group_index:
+            g = msgs[group_index[n.msg_key]]
+            g.blocks.extend(m.blocks)
+            assert g.block_lines is not None
+            g.block_lines.extend(lines)
+            if _usage_total(m.usage) >= _usage_total(g.usage):
+                g.usage = m.usage
+            if m.stop_reason:
+                g.stop_reason = m.stop_reason
+            continue
+        m.block_lines = lines
+        if n.type == "assistant" and n.msg_key:
+            group_index[n.msg_key] = len(msgs)
+        msgs.append(m)
+    return msgs, compactions

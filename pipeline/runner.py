@@ -1,0 +1,368 @@
+"""The runner: load → stages → replay → outputs and ledger. It owns all I/O; stages stay pure.
+
+Outputs in OUT (see README): calls.parquet, blocks.parquet (the final block versions, for
+`ctxreplay request`), quarantine.parquet, summary.json, requests/<thread_key>.json (pending call)
+and, with all_calls, requests/<thread_key>.jsonl. The ledger (default OUT/ledger.duckdb) gets the
+run's new decisions, the run row and the token counts in one transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import pipeline
+from pipeline.blockops import canonical_json
+from pipeline.errors import CheckFailed, CtxReplayError
+from pipeline.ledger import Ledger
+from pipeline.loaders import LoadResult, load_paths
+from pipeline.registry import StageContext
+from pipeline.replay import CallInfo, call_skeleton, replay_thread, thread_calls, thread_key, thread_rows
+from pipeline.spec import PipelineSpec
+from pipeline.targets import Violation, get_target
+from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from schemas.blocks import BLOCKS
+from schemas.calls import CALLS
+from schemas.check import SchemaMismatch, check_frame, to_arrow
+from schemas.decisions import DECISION_KEY, DECISIONS, STAGE_DECISION
+from schemas.quarantine import QUARANTINE
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class RunOptions:
+    out_dir: Path = Path("ctxreplay-out")
+    ledger_path: Path | None = None
+    target: str = "anthropic"
+    all_calls: bool = False
+    strict: bool = False
+    validate: bool = True
+    token_counter: str = TIKTOKEN_COUNTER
+    progress: Progress | None = None
+
+
+@dataclass
+class RunResult:
+    summary: dict[str, Any]
+    calls: pl.DataFrame
+    blocks: pl.DataFrame
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def found_problems(self) -> bool:
+        return bool(self.summary["quarantined_lines"] or self.summary["violations"] or self.summary["conflicts"])
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, ctx: StageContext,
+               progress: Progress | None = None) -> tuple[pl.DataFrame, list[pa.Table], dict[str, Any]]:
+    """Run every stage in order; returns final blocks, new DECISIONS tables, and per-stage counts."""
+    sessions = sorted(blocks.get_column("session_id").unique().to_list())
+    new_tables: list[pa.Table] = []
+    stats: dict[str, Any] = {}
+    seq = ledger.next_seq(spec.sha256) if ledger else 0
+    for i, rs in enumerate(spec.stages, start=1):
+        st = rs.stage
+        where = f"after stage '{st.name}' (#{i})"
+        if progress:
+            progress(f"stage {i}/{len(spec.stages)}: {st.name}")
+        earlier = ledger.earlier(spec.sha256, st.name, sessions) if ledger else \
+            pl.LazyFrame(schema=pl.from_arrow(STAGE_DECISION.empty_table()).schema)
+        t0 = time.perf_counter()
+        res = st.fn(blocks.lazy(), rs.params, earlier, ctx)
+        check_frame(res.blocks, BLOCKS, where=where)
+        check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{st.name}' (#{i})")
+        blocks = res.blocks.collect()
+        decisions = res.decisions.collect()
+        dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1)
+        if dupes.height:
+            raise CheckFailed(f"stage '{st.name}' made {dupes.height} duplicate decisions for the same block and "
+                              f"call (first: {dupes.row(0, named=True)}); this is a bug in the stage")
+        earlier_df = earlier.collect()
+        new = decisions.join(earlier_df.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True)
+        # the same decision key with another outcome than the ledger holds is a conflict
+        clash = decisions.join(earlier_df.select(*DECISION_KEY, pl.col("after_sha256").alias("_was")),
+                               on=DECISION_KEY, how="inner", nulls_equal=True).filter(
+            pl.col("after_sha256").ne_missing(pl.col("_was")))
+        conflicts = clash.drop("_was").with_columns(action=pl.lit("conflict"),
+                                                    reason=pl.lit("ledger_mismatch"))
+        new = pl.concat([new, conflicts.select(new.columns)]).sort(DECISION_KEY)
+        if new.height:
+            tagged = new.with_columns(
+                spec_sha256=pl.lit(spec.sha256),
+                seq=pl.int_range(seq, seq + new.height, dtype=pl.Int64),
+                stage=pl.lit(st.name),
+                stage_version=pl.lit(st.version, pl.Int32),
+                config_digest=pl.lit(rs.config_digest),
+            )
+            seq += new.height
+            new_tables.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{st.name}'"))
+        by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
+        stats[st.name] = {
+            "decisions": decisions.height,
+            "new_decisions": new.height,
+            "reused_decisions": decisions.height - (new.height - conflicts.height),
+            "conflicts": conflicts.height,
+            "by_reason": dict(sorted(by_reason.items())),
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+    return blocks, new_tables, stats
+
+
+def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, *,
+               all_calls: bool, validate: bool, out_dir: Path | None,
+               progress: Progress | None = None) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
+    target = get_target(target_name)
+    calls_by_thread = thread_calls(skeleton)
+    tokens_all = row_tokens(blocks, counter)
+    blocks = blocks.with_columns(_tok=pl.Series(tokens_all, dtype=pl.Int64))
+    req_dir = out_dir / "requests" if out_dir else None
+    if req_dir:
+        req_dir.mkdir(parents=True, exist_ok=True)
+    rows_out: list[dict[str, Any]] = []
+    violations: list[Violation] = []
+    threads = 0
+    for (sid, tid), part in thread_rows(blocks):
+        threads += 1
+        key = thread_key(sid, tid)
+        calls = calls_by_thread.get((sid, tid), [])
+        rows = part.select(
+            "msg_key", "role", "block_pos", "part_pos", "block_type", "part_type", "text", "signature",
+            "tool_use_id", "tool_name", "tool_input", "is_error", "image_media_type", "image_data", "extra_json",
+            "first_call", "last_call", "timestamp").to_dicts()
+        toks = part.get_column("_tok").to_list()
+        jsonl = open(req_dir / f"{key}.jsonl", "wb") if (req_dir and all_calls) else None
+        try:
+            for res in replay_thread(rows, toks, calls, target,
+                                     materialize=lambda k, pending: pending or all_calls):
+                info: CallInfo | None = calls[res.call] if res.call < len(calls) else None
+                u = (info.usage or {}) if info else {}
+                rows_out.append({
+                    "session_id": sid, "thread_id": tid, "thread_key": key, "call": res.call,
+                    "is_pending": res.is_pending, "timestamp": res.timestamp, "model": res.model,
+                    "message_id": info.message_id if info else None,
+                    "request_id": info.request_id if info else None,
+                    "request_sha256": res.request_sha256, "n_messages": res.n_messages,
+                    "prompt_tokens": res.prompt_tokens, "prefix_break_message": res.prefix_break_message,
+                    "recorded_input_tokens": u.get("input"), "recorded_output_tokens": u.get("output"),
+                    "recorded_cache_read_tokens": u.get("cache_read"),
+                    "recorded_cache_write_tokens": u.get("cache_write"),
+                    "recorded_cache_write_5m_tokens": u.get("cache_write_5m"),
+                    "recorded_cache_write_1h_tokens": u.get("cache_write_1h"),
+                })
+                if res.request is not None:
+                    if validate and (res.is_pending or all_calls):
+                        violations.extend(target.validate(res.request, thread_key=key, call=res.call))
+                    if jsonl is not None:
+                        jsonl.write(canonical_json({"call": res.call, "request": res.request}) + b"\n")
+                    if res.is_pending and req_dir:
+                        (req_dir / f"{key}.json").write_bytes(
+                            orjson.dumps(res.request, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n")
+        finally:
+            if jsonl is not None:
+                jsonl.close()
+        if progress and threads % 20 == 0:
+            progress(f"replayed {threads} threads")
+    calls_df = pl.from_arrow(pa.Table.from_pylist(rows_out, schema=CALLS)) if rows_out else \
+        pl.from_arrow(CALLS.empty_table())
+    return calls_df, violations, {"threads": threads}  # type: ignore[return-value]
+
+
+def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
+    started = _now()
+    t_start = time.perf_counter()
+    say = opts.progress or (lambda s: None)
+    target = get_target(opts.target)  # fail early on an unknown target
+    ledger_path = opts.ledger_path or (opts.out_dir / "ledger.duckdb")
+    say(f"loading {len(paths)} path(s)")
+    loaded: LoadResult = load_paths(paths)
+    for ld in loaded.loads:
+        ld.check()
+    t_load = time.perf_counter()
+    blocks = pl.from_arrow(loaded.blocks)
+    assert isinstance(blocks, pl.DataFrame)
+    check_frame(blocks, BLOCKS, where="on load")
+    skeleton = call_skeleton(blocks)
+    # rows no call ever sees (compacted away before any call) leave the table now
+    blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
+    ledger = Ledger(ledger_path)
+    try:
+        counter = TokenCounter(opts.token_counter, cache=ledger)
+        ctx = StageContext(target=target.name, window_tokens=int(spec.settings.get("window_tokens", 200_000)),
+                           count_tokens=counter.series_counter(), token_counter_version=counter.name)
+        blocks, new_decisions, stage_stats = run_stages(blocks, spec, ledger, ctx, say)
+        t_stages = time.perf_counter()
+        final = to_arrow(blocks, BLOCKS, where="on write (blocks)")
+        say("replaying calls")
+        opts.out_dir.mkdir(parents=True, exist_ok=True)
+        req_dir = opts.out_dir / "requests"
+        if req_dir.exists():
+            shutil.rmtree(req_dir)
+        calls_df, violations, replay_stats = replay_all(
+            pl.from_arrow(final), skeleton, target.name, counter, all_calls=opts.all_calls,  # type: ignore[arg-type]
+            validate=opts.validate, out_dir=opts.out_dir, progress=say)
+        t_replay = time.perf_counter()
+        calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
+        quarantine = pa.Table.from_pylist(
+            [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason} for q in loaded.quarantine],
+            schema=QUARANTINE)
+        _write_parquet(opts.out_dir / "calls.parquet", calls_t)
+        _write_parquet(opts.out_dir / "blocks.parquet", final)
+        _write_parquet(opts.out_dir / "quarantine.parquet", quarantine)
+        for t in new_decisions:
+            ledger.stage(t)
+        conflicts = sum(s["conflicts"] for s in stage_stats.values())
+        summary = _summary(loaded, spec, opts, calls_df, stage_stats, violations, conflicts, ledger_path,
+                           timings={"load": t_load - t_start, "stages": t_stages - t_load,
+                                    "replay": t_replay - t_stages},
+                           counter=counter)
+        summary["threads"] = replay_stats["threads"]
+        finished = _now()
+        ledger.commit_run({
+            "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": finished,
+            "input_files": [{"path": ld.path, "sha256": ld.sha256} for ld in loaded.loads],
+            "versions": summary["versions"],
+            "counts": {k: summary[k] for k in ("files", "lines", "calls", "quarantined_lines")},
+        }, spec.resolved())
+        summary["seconds"] = round(time.perf_counter() - t_start, 3)
+        _write_json(opts.out_dir / "summary.json", summary)
+        return RunResult(summary, calls_df, pl.from_arrow(final), violations)  # type: ignore[arg-type]
+    finally:
+        ledger.close()
+
+
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    Path(tmp).write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+    os.replace(tmp, path)
+
+
+def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, calls: pl.DataFrame,
+             stage_stats: dict[str, Any], violations: list[Violation], conflicts: int, ledger_path: Path,
+             timings: dict[str, float], counter: TokenCounter) -> dict[str, Any]:
+    import duckdb
+    import tiktoken
+
+    other_kinds: Counter[str] = Counter()
+    for ld in loaded.loads:
+        other_kinds.update(ld.other_lines)
+    lines = sum(ld.lines for ld in loaded.loads)
+    message_lines = sum(ld.message_lines for ld in loaded.loads)
+    other_lines = sum(other_kinds.values())
+    quarantined = sum(ld.quarantined_lines for ld in loaded.loads)
+    if message_lines + other_lines + quarantined != lines:
+        raise CheckFailed(f"line accounting failed: {message_lines} + {other_lines} + {quarantined} != {lines}")
+    q_reasons = Counter(q.reason for q in loaded.quarantine)
+    formats = Counter(ld.format for ld in loaded.loads)
+    total_bytes = sum(ld.bytes for ld in loaded.loads)
+    pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
+    return {
+        "pipeline": spec.name,
+        "pipeline_sha256": spec.sha256,
+        "target": opts.target,
+        "files": len(loaded.loads),
+        "files_by_format": dict(sorted(formats.items())),
+        "bytes": total_bytes,
+        "lines": lines,
+        "message_lines": message_lines,
+        "other_lines": other_lines,
+        "other_lines_by_kind": dict(sorted(other_kinds.items())),
+        "quarantined_lines": quarantined,
+        "quarantine_reasons": dict(sorted(q_reasons.items())),
+        "recovered_lines": [r for ld in loaded.loads for r in ld.recovered],
+        "skipped_files": loaded.skipped,
+        "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
+        "threads": loaded.threads,
+        "calls": calls.height,
+        "recorded_calls": calls.height - pending,
+        "pending_calls": pending,
+        "decisions": {k: v["decisions"] for k, v in stage_stats.items()},
+        "decisions_by_stage": stage_stats,
+        "conflicts": conflicts,
+        "violations": len(violations),
+        "violations_by_rule": dict(sorted(Counter(v.rule for v in violations).items())),
+        "loader_stats": dict(sorted(loaded.stats.items())),
+        "tokens": {"counter": counter.name, "texts_counted": counter.counted, "cache_hits": counter.cache_hits},
+        "timings_seconds": {k: round(v, 3) for k, v in timings.items()},
+        "out_dir": str(opts.out_dir),
+        "ledger": str(ledger_path),
+        "versions": {"ctxreplay": pipeline.__version__, "polars": pl.__version__, "pyarrow": pa.__version__,
+                     "duckdb": duckdb.__version__, "tiktoken": tiktoken.__version__,
+                     "python": sys.version.split()[0],
+                     "stages": {s.stage.name: s.stage.version for s in spec.stages}},
+    }
+
+
+def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -> dict[str, Any]:
+    """Any call's assembled request, from a run's blocks.parquet (call None = pending)."""
+    blocks_path = out_dir / "blocks.parquet"
+    if not blocks_path.is_file():
+        raise CtxReplayError(f"{out_dir}: no blocks.parquet here; run `ctxreplay run ... --out {out_dir}` first")
+    blocks = pl.read_parquet(blocks_path)
+    blocks = blocks.with_columns(_key=pl.struct("session_id", "thread_id").map_elements(
+        lambda s: thread_key(s["session_id"], s["thread_id"]), return_dtype=pl.String))
+    part = blocks.filter(pl.col("_key") == key)
+    if part.height == 0:
+        keys = sorted(blocks.get_column("_key").unique().to_list())
+        import difflib
+
+        close = difflib.get_close_matches(key, keys, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise CtxReplayError(f"{out_dir}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
+                             f"{' ...' if len(keys) > 10 else ''}")
+    part = part.drop("_key")
+    calls = thread_calls(call_skeleton_from_calls(out_dir, key))
+    sid, tid = part.row(0, named=True)["session_id"], part.row(0, named=True)["thread_id"]
+    infos = calls.get((sid, tid), [])
+    n = len(infos)
+    k = n if call is None else call
+    if k < 0 or k > n:
+        raise CtxReplayError(f"thread '{key}' has calls 0..{n} ({n} is the pending call); got --call {call}")
+    target = get_target(target_name)
+    (_, rows_df), = list(thread_rows(part))
+    rows = rows_df.to_dicts()
+    for res in replay_thread(rows, [0] * len(rows), infos, target, materialize=lambda kk, p: kk == k, only_call=k):
+        assert res.request is not None
+        return res.request
+    raise CtxReplayError(f"thread '{key}': call {k} not found")
+
+
+def call_skeleton_from_calls(out_dir: Path, key: str) -> pl.DataFrame:
+    calls = pl.read_parquet(out_dir / "calls.parquet").filter((pl.col("thread_key") == key) & ~pl.col("is_pending"))
+    return calls.select(
+        "session_id", "thread_id", pl.col("message_id").alias("msg_key"), "call", "model", "message_id", "request_id",
+        usage_input=pl.col("recorded_input_tokens"), usage_output=pl.col("recorded_output_tokens"),
+        usage_cache_read=pl.col("recorded_cache_read_tokens"), usage_cache_write=pl.col("recorded_cache_write_tokens"),
+        usage_cache_write_5m=pl.col("recorded_cache_write_5m_tokens"),
+        usage_cache_write_1h=pl.col("recorded_cache_write_1h_tokens"),
+    )
+
+
+__all__ = ["RunOptions", "RunResult", "run", "run_stages", "replay_all", "assemble_call", "SchemaMismatch",
+           "CHARS4_COUNTER"]

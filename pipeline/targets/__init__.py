@@ -1,0 +1,125 @@
+"""Provider wire shapes ("targets"): how the blocks of one request become a provider request.
+
+A target turns the logical messages visible at a call (blocks grouped by msg_key, in order) into
+wire messages, and wraps them into the request. The replay hashes requests incrementally, so a
+target exposes its list key (sorted first in the canonical JSON) and the other top-level keys
+separately. Targets register in TARGETS by name; `get_target(name)` finds one.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pipeline.errors import CtxReplayError
+
+
+@dataclass
+class LogicalMessage:
+    """The visible block rows of one message (dicts with the blocks columns), in order."""
+
+    role: str
+    rows: list[dict[str, Any]]
+    msg_key: str = ""
+
+
+@dataclass
+class Violation:
+    thread_key: str
+    call: int
+    message: int | None
+    block: int | None
+    rule: str
+    detail: str
+
+    def __str__(self) -> str:
+        where = f"thread {self.thread_key}, call {self.call}"
+        if self.message is not None:
+            where += f", message {self.message}"
+        if self.block is not None:
+            where += f", block {self.block}"
+        return f"{where}: {self.rule}: {self.detail}"
+
+
+class Target(Protocol):
+    name: str
+    list_key: str
+
+    def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
+        """Wire messages for msgs[start:], each with the index of the first logical message it holds."""
+        ...
+
+    def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
+        """The request's other top-level keys (their names must sort after list_key)."""
+        ...
+
+    def splits_system(self) -> bool:
+        """True when system messages go to the envelope instead of the message list."""
+        ...
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+        ...
+
+
+TARGETS: dict[str, Target] = {}
+
+
+def register(target: Target) -> Target:
+    TARGETS[target.name] = target
+    return target
+
+
+class UnknownTarget(CtxReplayError):
+    pass
+
+
+def get_target(name: str) -> Target:
+    _load_builtin()
+    key = name.replace("_", "-")
+    if key not in TARGETS:
+        close = difflib.get_close_matches(key, list(TARGETS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise UnknownTarget(f"unknown target '{name}'.{hint} Targets: {', '.join(sorted(TARGETS))}")
+    return TARGETS[key]
+
+
+def target_names() -> list[str]:
+    _load_builtin()
+    return sorted(TARGETS)
+
+
+_loaded = False
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if _loaded:
+        return
+    import importlib
+    import pkgutil
+
+    for m in sorted(x.name for x in pkgutil.iter_modules(__path__) if not x.name.startswith("_")):
+        importlib.import_module(f"{__name__}.{m}")
+    _loaded = True
+
+
+@dataclass
+class Parts:
+    """Helpers shared by targets."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def group_blocks(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Rows of one message grouped into blocks (tool_result parts share block_pos), in order."""
+    out: list[list[dict[str, Any]]] = []
+    last = None
+    for r in rows:
+        key = r["block_pos"]
+        if out and key == last and r["block_type"] == "tool_result" and out[-1][0]["block_type"] == "tool_result":
+            out[-1].append(r)
+        else:
+            out.append([r])
+        last = key
+    return out

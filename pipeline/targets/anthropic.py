@@ -1,0 +1,131 @@
+"""Anthropic Messages: {"messages": [...], "model": ..., "system": [text blocks]}.
+
+Adjacent messages that map to the same wire role are merged (user content concatenated in order;
+in a user message tool_result blocks come first, other blocks after) — layer-semantics §10.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+
+WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
+
+
+def _input(r: dict[str, Any]) -> Any:
+    t = r.get("tool_input")
+    if t is None:
+        return {}
+    try:
+        return orjson.loads(t)
+    except orjson.JSONDecodeError:
+        return t
+
+
+def _image(r: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": r.get("image_media_type"),
+                                        "data": r.get("image_data")}}
+
+
+def _extra(r: dict[str, Any]) -> dict[str, Any] | None:
+    e = r.get("extra_json")
+    if not e:
+        return None
+    try:
+        v = orjson.loads(e)
+    except orjson.JSONDecodeError:
+        return None
+    return v if isinstance(v, dict) else None
+
+
+def wire_block(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    r = parts[0]
+    t = r["block_type"]
+    if t == "text":
+        return {"type": "text", "text": r.get("text") or ""}
+    if t == "thinking":
+        return {"type": "thinking", "thinking": r.get("text") or "", "signature": r.get("signature") or ""}
+    if t == "redacted_thinking":
+        return {"type": "redacted_thinking", "data": r.get("text") or ""}
+    if t in ("tool_use", "server_tool_use"):
+        return {"type": t, "id": r.get("tool_use_id"), "name": r.get("tool_name"), "input": _input(r)}
+    if t == "image":
+        return _image(r)
+    if t == "empty":
+        return None
+    if t == "tool_result":
+        out: dict[str, Any] = {"type": "tool_result", "tool_use_id": r.get("tool_use_id")}
+        if len(parts) == 1 and r.get("part_type") == "string":
+            out["content"] = r.get("text") or ""
+        elif len(parts) == 1 and r.get("part_type") in ("empty", None):
+            out["content"] = r.get("text") if r.get("text") is not None else []
+        else:
+            content = []
+            for p in parts:
+                pt = p.get("part_type")
+                if pt == "image":
+                    content.append(_image(p))
+                elif pt == "tool_reference":
+                    content.append({"type": "tool_reference", "tool_name": p.get("tool_name")})
+                elif pt == "other" and _extra(p) and "part" in (_extra(p) or {}):
+                    content.append((_extra(p) or {})["part"])
+                elif pt != "empty":
+                    content.append({"type": "text", "text": p.get("text") or ""})
+            out["content"] = content
+        if r.get("is_error") is not None:
+            out["is_error"] = bool(r["is_error"])
+        return out
+    extra = _extra(r)
+    if extra is not None and extra.get("type"):
+        return extra
+    return {"type": t, "text": r.get("text") or ""}
+
+
+def message_content(msgs: list[LogicalMessage]) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    for m in msgs:
+        for parts in group_blocks(m.rows):
+            b = wire_block(parts)
+            if b is not None:
+                blocks.append(b)
+    return blocks
+
+
+class Anthropic:
+    name = "anthropic"
+    list_key = "messages"
+
+    def splits_system(self) -> bool:
+        return True
+
+    def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
+        out: list[tuple[int, dict[str, Any]]] = []
+        i, n = start, len(msgs)
+        while i < n:
+            role = WIRE_ROLE.get(msgs[i].role, "user")
+            j = i + 1
+            while j < n and WIRE_ROLE.get(msgs[j].role, "user") == role:
+                j += 1
+            content = message_content(msgs[i:j])
+            if role == "user":
+                # tool results first, then the other blocks (stable)
+                content = [b for b in content if b.get("type") == "tool_result"] + \
+                          [b for b in content if b.get("type") != "tool_result"]
+            out.append((i, {"role": role, "content": content}))
+            i = j
+        return out
+
+    def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
+        sys_blocks = [b for b in message_content(system) if b.get("type") == "text"]
+        return {"model": model, "system": sys_blocks}
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+        from pipeline.validate import validate_anthropic
+
+        return validate_anthropic(request, thread_key=thread_key, call=call)
+
+
+register(Anthropic())

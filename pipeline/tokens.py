@@ -1,0 +1,161 @@
+"""Token counting: tiktoken o200k_base loaded offline from data/tokenizer, cached by content hash.
+
+The encoding file ships gzipped in data/tokenizer (byte-identical to OpenAI's once decompressed:
+its sha256 is checked against the hash tiktoken itself pins). Counts go through
+`encode_ordinary_batch` (plain `encode` raises on `<|endoftext|>`, which real transcripts hold)
+and are cached in DuckDB by sha256 of the text, so a re-run never tokenizes a text twice.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from pipeline.errors import CtxReplayError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "tokenizer"
+O200K_FILE = DATA_DIR / "o200k_base.tiktoken.gz"
+# the sha256 tiktoken pins for o200k_base.tiktoken (tiktoken_ext/openai_public.py)
+O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
+
+TIKTOKEN_COUNTER = "tiktoken-o200k_base-v1"
+CHARS4_COUNTER = "chars4-v1"
+
+_encoding: Any = None
+
+
+def load_o200k() -> Any:
+    """The o200k_base tiktoken Encoding, from the shipped file only (never the network)."""
+    global _encoding
+    if _encoding is not None:
+        return _encoding
+    import base64
+
+    import tiktoken
+    import tiktoken_ext.openai_public as public
+
+    if not O200K_FILE.is_file():
+        msg = f"tokenizer file missing: {O200K_FILE}. Reinstall ctxreplay from a full checkout (data/ ships it)"
+        raise CtxReplayError(msg)
+    raw = gzip.decompress(O200K_FILE.read_bytes())
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != O200K_SHA256:
+        msg = (f"tokenizer file {O200K_FILE} is corrupt: sha256 {digest}, expected {O200K_SHA256} "
+               f"(the hash tiktoken pins for o200k_base). Restore it from the repository")
+        raise CtxReplayError(msg)
+    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in raw.splitlines() if ln)}
+    # borrow tiktoken's own constructor arguments (pattern, special tokens) without its download
+    original = public.load_tiktoken_bpe
+    public.load_tiktoken_bpe = lambda *a, **k: ranks  # type: ignore[assignment]
+    try:
+        spec = public.o200k_base()
+    finally:
+        public.load_tiktoken_bpe = original  # type: ignore[assignment]
+    _encoding = tiktoken.Encoding(name=spec["name"], pat_str=spec["pat_str"],
+                                  mergeable_ranks=spec["mergeable_ranks"], special_tokens=spec["special_tokens"])
+    return _encoding
+
+
+def text_sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def chars4(texts: Iterable[str]) -> list[int]:
+    """The fast estimator: ceil(chars / 4)."""
+    return [math.ceil(len(t) / 4) for t in texts]
+
+
+def tiktoken_counts(texts: list[str], threads: int = 2) -> list[int]:
+    enc = load_o200k()
+    safe = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]  # lone surrogates
+    return [len(x) for x in enc.encode_ordinary_batch(safe, num_threads=threads)]
+
+
+class TokenCounter:
+    """Counts texts once: an in-memory map over a persistent DuckDB cache keyed by sha256."""
+
+    def __init__(self, name: str = TIKTOKEN_COUNTER, cache: Any = None) -> None:
+        self.name = name
+        self.cache = cache  # pipeline.ledger.Ledger or None
+        self.memo: dict[str, int] = {}
+        self.counted = 0  # texts tokenized in this process
+        self.cache_hits = 0
+
+    def _count(self, texts: list[str]) -> list[int]:
+        if self.name == CHARS4_COUNTER:
+            return chars4(texts)
+        return tiktoken_counts(texts)
+
+    def count_many(self, texts: Iterable[str]) -> dict[str, int]:
+        """sha256 → tokens for these texts (counted once each, cached)."""
+        by_sha: dict[str, str] = {}
+        for t in texts:
+            if t is None:
+                continue
+            s = text_sha(t)
+            if s not in self.memo and s not in by_sha:
+                by_sha[s] = t
+        if by_sha and self.cache is not None:
+            found = self.cache.cached_tokens(self.name, list(by_sha))
+            self.cache_hits += len(found)
+            self.memo.update(found)
+            for s in found:
+                by_sha.pop(s, None)
+        if by_sha:
+            shas = list(by_sha)
+            counts = self._count([by_sha[s] for s in shas])
+            self.counted += len(shas)
+            new = dict(zip(shas, counts))
+            self.memo.update(new)
+            if self.cache is not None:
+                self.cache.store_tokens(self.name, new)
+        return self.memo
+
+    def series_counter(self) -> Callable[[pl.Series], pl.Series]:
+        """For StageContext.count_tokens: a Series of texts → a Series of counts (null → 0)."""
+
+        def count(s: pl.Series) -> pl.Series:
+            vals = s.to_list()
+            memo = self.count_many(v for v in vals if v is not None)
+            return pl.Series(s.name, [memo[text_sha(v)] if v is not None else 0 for v in vals], dtype=pl.Int64)
+
+        return count
+
+
+def image_tokens(width: int | None, height: int | None) -> int:
+    """min(1600, ceil(w*h/750)); unknown size = 1600 (layer-semantics §1)."""
+    if not width or not height:
+        return 1600
+    return min(1600, math.ceil(width * height / 750))
+
+
+def row_tokens(blocks: pl.DataFrame, counter: TokenCounter) -> list[int]:
+    """Token estimate of each block row (text + tool name/input; images by size)."""
+    texts = blocks.get_column("text").to_list()
+    inputs = blocks.get_column("tool_input").to_list()
+    names = blocks.get_column("tool_name").to_list()
+    memo = counter.count_many([t for t in texts if t] + [t for t in inputs if t])
+    types = blocks.get_column("block_type").to_list()
+    parts = blocks.get_column("part_type").to_list()
+    widths = blocks.get_column("image_width").to_list()
+    heights = blocks.get_column("image_height").to_list()
+    datas = blocks.get_column("image_data").to_list()
+    out = []
+    for i in range(len(texts)):
+        n = 0
+        if texts[i]:
+            n += memo[text_sha(texts[i])]
+        if inputs[i]:
+            n += memo[text_sha(inputs[i])]
+        if names[i] and types[i] == "tool_use":
+            n += 1
+        if (types[i] == "image" or parts[i] == "image") and datas[i]:
+            n += image_tokens(widths[i], heights[i])
+        out.append(n)
+    return out
