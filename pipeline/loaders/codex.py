@@ -1,0 +1,373 @@
+"""OpenAI Codex CLI rollout files (`~/.codex/sessions/YYYY/MM/DD/rollout-<ts>-<uuid>.jsonl`).
+
+Every line is `{timestamp, type, payload}`. `response_item` payloads are the items that were sent
+to and received from the Responses API, in order; everything else is bookkeeping:
+
+- `message` role user → "user"; role developer (and system) → "system": Codex sends developer
+  messages as developer-role input items, i.e. instructions from the harness, not the user;
+  role assistant → part of a model response.
+- A model response is a maximal run of consecutive assistant-side items (reasoning, assistant
+  message, function_call, custom_tool_call, local_shell_call, web_search_call): ONE assistant
+  message with its blocks in order. A new `token_count` event (its total changed) also ends it.
+- `reasoning` → thinking (text = summary texts joined by a blank line, signature =
+  encrypted_content); `function_call` → tool_use (tool_input = canonical JSON of the parsed
+  `arguments`; unparsable arguments are kept as a JSON string, noted in extra);
+  `custom_tool_call` → tool_use whose tool_input is the JSON string of `input`;
+  `function_call_output` / `custom_tool_call_output` → a "tool" message with the output.
+- Usage: the first new `event_msg` `token_count` after a response: `last_token_usage`, where
+  `input_tokens` includes cached tokens (usage input = input − cached, cache_read = cached).
+- `session_meta.payload.instructions` (older CLIs) or `base_instructions.text` (newer) → a
+  "system" message first; `turn_context.model` → model of the following responses.
+- `compacted` (not in the corpus): with `replacement_history`, those items replace everything
+  before them for later calls; without it, the summary `message` does (an approximation: Codex
+  also re-sends its initial context and recent user messages, which the file does not record).
+- `event_msg` lines are UI echoes (`event_msg:<type>`); `ghost_snapshot` items are undo
+  checkpoints (`response_item:ghost_snapshot`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pipeline.loaders.base import (
+    Block,
+    Compaction,
+    FileLoad,
+    Message,
+    QuarantineRow,
+    Thread,
+    iter_json_lines,
+    json_text,
+    parse_ts,
+)
+from pipeline.loaders.openclaw import session_id_from_name
+
+FORMAT = "codex"
+ROLLOUT_TYPES = {"session_meta", "response_item", "event_msg", "turn_context", "compacted"}
+ASSISTANT_ITEMS = {"reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call",
+                   "tool_search_call", "image_generation_call"}
+OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output", "local_shell_call_output",
+                "tool_search_output"}
+_META_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions", "<turn_aborted>",
+                  "<user_shell_command>")
+_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.S)
+
+
+def sniff(first_objects: list[Any], path: Path) -> str | None:
+    for o in first_objects:
+        if isinstance(o, dict) and o.get("type") in ROLLOUT_TYPES and isinstance(o.get("payload"), dict):
+            return FORMAT
+    return None
+
+
+def _num(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _image_from_url(url: Any, **kw: Any) -> Block:
+    """`image_url` as Codex sends it (usually a data: URL) → an image block."""
+    m = _DATA_URL.match(url) if isinstance(url, str) else None
+    if m and m.group(2):
+        return Block("image", image_media_type=m.group(1), image_data=m.group(3), **kw)
+    extra = {"image_url": url}
+    return Block("image", extra=extra, **kw)
+
+
+def _message_blocks(content: Any) -> list[Block]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Block("text", text=content)]
+    if isinstance(content, dict):
+        content = [content]
+    if not isinstance(content, list):
+        return [Block("text", text=json_text(content))]
+    out: list[Block] = []
+    for c in content:
+        if not isinstance(c, dict):
+            out.append(Block("text", text=c if isinstance(c, str) else json_text(c)))
+            continue
+        t = c.get("type")
+        rest = {k: v for k, v in c.items() if k not in ("type", "text", "image_url")} or None
+        if t in ("input_text", "output_text", "text"):
+            out.append(Block("text", text=c.get("text"), extra=rest))
+        elif t == "input_image":
+            b = _image_from_url(c.get("image_url"))
+            if rest:
+                b.extra = {**(b.extra or {}), **rest}
+            out.append(b)
+        elif t == "refusal":
+            out.append(Block("refusal", text=c.get("refusal"), extra=c))
+        else:
+            out.append(Block(str(t), text=c.get("text") if isinstance(c.get("text"), str) else None, extra=c))
+    return out
+
+
+def _output_parts(output: Any, *, tool_use_id: str | None, tool_name: str | None) -> list[Block]:
+    common = {"tool_use_id": tool_use_id, "tool_name": tool_name}
+    if isinstance(output, str):
+        return [Block("tool_result", text=output, part_type="string", **common)]
+    if isinstance(output, dict) and isinstance(output.get("content"), str):
+        rest = {k: v for k, v in output.items() if k != "content"} or None
+        return [Block("tool_result", text=output["content"], part_type="string", extra=rest,
+                      is_error=(output.get("success") is False) if "success" in output else None,
+                      **common)]
+    if isinstance(output, list) and output:
+        parts: list[Block] = []
+        for i, p in enumerate(output):
+            if isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text"):
+                parts.append(Block("tool_result", text=p.get("text"), part_type="text", part_pos=i, **common))
+            elif isinstance(p, dict) and p.get("type") == "input_image":
+                img = _image_from_url(p.get("image_url"))
+                parts.append(Block("tool_result", part_type="image", part_pos=i, image_media_type=img.image_media_type,
+                                   image_data=img.image_data, extra=img.extra, **common))
+            else:
+                parts.append(Block("tool_result", part_type="other", part_pos=i,
+                                   text=p if isinstance(p, str) else json_text(p), extra={"part": p}, **common))
+        return parts
+    if output is None or output == [] or output == "":
+        return [Block("tool_result", part_type="empty", **common)]
+    return [Block("tool_result", text=json_text(output), part_type="other", extra={"part": output}, **common)]
+
+
+def _assistant_blocks(p: dict[str, Any]) -> list[Block]:
+    t = p.get("type")
+    if t == "message":
+        return _message_blocks(p.get("content"))
+    if t == "reasoning":
+        summary = p.get("summary") if isinstance(p.get("summary"), list) else []
+        texts = [s.get("text", "") if isinstance(s, dict) else str(s) for s in summary]
+        extra: dict[str, Any] = {}
+        if len(summary) != 1:
+            extra["summary"] = summary
+        if p.get("content") is not None:
+            extra["content"] = p.get("content")
+            if not texts and isinstance(p["content"], list):
+                texts = [c.get("text", "") for c in p["content"] if isinstance(c, dict)]
+        if p.get("id"):
+            extra["id"] = p["id"]
+        return [Block("thinking", text="\n\n".join(texts), signature=p.get("encrypted_content"),
+                      extra=extra or None)]
+    if t == "function_call":
+        args = p.get("arguments")
+        extra = {k: v for k, v in p.items() if k not in ("type", "name", "arguments", "call_id")}
+        try:
+            parsed = orjson.loads(args) if isinstance(args, str) else args
+            tool_input = json_text(parsed)
+        except orjson.JSONDecodeError:
+            tool_input = json_text(args)
+            extra["arguments_not_json"] = True
+        return [Block("tool_use", tool_use_id=p.get("call_id"), tool_name=p.get("name"), tool_input=tool_input,
+                      extra=extra or None)]
+    if t == "custom_tool_call":
+        extra = {k: v for k, v in p.items() if k not in ("type", "name", "input", "call_id")}
+        extra["item_type"] = "custom_tool_call"
+        return [Block("tool_use", tool_use_id=p.get("call_id"), tool_name=p.get("name"),
+                      tool_input=json_text(p.get("input")), extra=extra)]
+    if t == "local_shell_call":
+        extra = {k: v for k, v in p.items() if k not in ("type", "action", "call_id")}
+        extra["item_type"] = "local_shell_call"
+        return [Block("tool_use", tool_use_id=p.get("call_id") or p.get("id"), tool_name="local_shell",
+                      tool_input=json_text(p.get("action")), extra=extra)]
+    return [Block(str(t), extra=p)]
+
+
+@dataclass
+class _Response:
+    """Items of one model response being collected."""
+
+    msg: Message
+    lines: list[tuple[str, int, str, str]] = field(default_factory=list)
+
+
+def load(path: Path) -> tuple[list[Thread], FileLoad]:
+    path = Path(path)
+    spath = str(path)
+    load = FileLoad(spath, FORMAT)
+    msgs: list[Message] = []
+    compactions: list[Compaction] = []
+    session_id = session_id_from_name(path)
+    meta_seen = False
+    model: str | None = None
+    provider: str | None = None
+    current: _Response | None = None
+    last_total: Any = None
+    awaiting_usage: Message | None = None  # the latest response, until a new token_count arrives
+    call_names: dict[str, str] = {}
+
+    def close() -> None:
+        nonlocal current, awaiting_usage
+        if current is not None:
+            current.msg.block_lines = current.lines
+            msgs.append(current.msg)
+            awaiting_usage = current.msg
+            current = None
+
+    for line_no, raw, objs in iter_json_lines(path, load):
+        kinds: list[str] = []
+        glued = len(objs) > 1
+        for k, o in enumerate(objs):
+            eid = f"L{line_no}.{k}" if glued else f"L{line_no}"
+            if not isinstance(o, dict):
+                kinds.append(f"!expected a JSON object, got {type(o).__name__}")
+                continue
+            t = o.get("type")
+            if not isinstance(t, str) or not t:
+                kinds.append("!line has no 'type' field (expected session_meta, response_item, event_msg, ...)")
+                continue
+            p = o.get("payload")
+            if not isinstance(p, dict):
+                kinds.append(f"!'{t}' line has no 'payload' object")
+                continue
+            ts = parse_ts(o.get("timestamp"))
+            if t == "session_meta":
+                kinds.append("session_meta")
+                if meta_seen:
+                    continue
+                meta_seen = True
+                if session_id is None and isinstance(p.get("id"), str) and p["id"]:
+                    session_id = p["id"]
+                if isinstance(p.get("model_provider"), str):
+                    provider = p["model_provider"]
+                base = p.get("base_instructions")
+                instr = p.get("instructions")
+                text = None
+                if isinstance(base, dict) and isinstance(base.get("text"), str) and base["text"]:
+                    text = base["text"]
+                elif isinstance(instr, str) and instr:
+                    text = instr
+                if text is not None:
+                    close()
+                    msgs.append(Message(entry_id=eid, role="system", blocks=[Block("text", text=text)],
+                                        source_file=spath, source_line=line_no, raw_line=raw, timestamp=ts))
+                continue
+            if t == "turn_context":
+                kinds.append("turn_context")
+                if isinstance(p.get("model"), str):
+                    model = p["model"]
+                continue
+            if t == "event_msg":
+                et = p.get("type")
+                kinds.append(f"event_msg:{et}" if et else "event_msg")
+                if et == "token_count" and isinstance(p.get("info"), dict):
+                    info = p["info"]
+                    total = info.get("total_token_usage")
+                    if total is not None and total == last_total:
+                        continue  # the same figures again (Codex repeats them after tool output)
+                    last_total = total
+                    close()
+                    u = info.get("last_token_usage")
+                    if awaiting_usage is not None and isinstance(u, dict):
+                        inp, cached = _num(u.get("input_tokens")), _num(u.get("cached_input_tokens"))
+                        awaiting_usage.usage = {
+                            "input": None if inp is None else inp - (cached or 0),
+                            "cache_read": cached,
+                            "output": _num(u.get("output_tokens")),
+                        }
+                    awaiting_usage = None
+                continue
+            if t == "compacted":
+                kinds.append("compacted")
+                close()
+                at = len(msgs) - 1
+                hist = p.get("replacement_history")
+                keep_from = len(msgs)
+                if isinstance(hist, list) and hist:
+                    for i, item in enumerate(hist):
+                        m = _item_message(item, f"{eid}.r{i}", spath, line_no, raw, ts, model, provider, call_names)
+                        if m is not None:
+                            m.visible_from = at
+                            msgs.append(m)
+                else:
+                    msgs.append(Message(entry_id=eid, role="user",
+                                        blocks=[Block("text", text=str(p.get("message", "")))],
+                                        source_file=spath, source_line=line_no, raw_line=raw, timestamp=ts,
+                                        is_compact_summary=True, visible_from=at))
+                    load.recovered.append({"file": spath, "line": line_no,
+                                           "note": "compacted entry without replacement_history: the history "
+                                                   "before it is replaced by its summary (approximation)"})
+                compactions.append(Compaction(at=at, keep_from=keep_from))
+                continue
+            if t != "response_item":
+                kinds.append(t)
+                continue
+            it = p.get("type")
+            if it == "message" and p.get("role") == "assistant" or it in ASSISTANT_ITEMS:
+                if current is None:
+                    current = _Response(Message(entry_id=eid, role="assistant", blocks=[], source_file=spath,
+                                                source_line=line_no, raw_line=raw, timestamp=ts, model=model,
+                                                provider=provider, api="openai-responses"))
+                blocks = _assistant_blocks(p)
+                for b in blocks:
+                    if b.block_type == "tool_use" and b.tool_use_id and b.tool_name:
+                        call_names[b.tool_use_id] = b.tool_name
+                current.msg.blocks.extend(blocks)
+                current.lines.extend([(eid, line_no, raw, spath)] * len(blocks))
+                if p.get("id") and current.msg.message_id is None and it == "message":
+                    current.msg.message_id = p["id"]
+                kinds.append("message")
+                continue
+            m = _item_message(p, eid, spath, line_no, raw, ts, model, provider, call_names)
+            if m is None:
+                if it == "message":
+                    kinds.append(f"!response_item message has no usable 'role' (got {p.get('role')!r})")
+                else:
+                    kinds.append(f"response_item:{it}")
+                continue
+            close()
+            msgs.append(m)
+            kinds.append("message")
+        bad = [k for k in kinds if k.startswith("!")]
+        good = [k for k in kinds if not k.startswith("!")]
+        if not good:
+            load.quarantine.append(QuarantineRow(spath, line_no, raw, bad[0][1:] if bad else "empty line"))
+        elif "message" in good:
+            load.message_lines += 1
+        else:
+            load.other_lines[good[0]] += 1
+        if good and bad:
+            load.recovered.append({"file": spath, "line": line_no,
+                                   "note": f"{len(bad)} of {len(kinds)} objects on this line not understood: "
+                                           f"{bad[0][1:]}"})
+    close()
+    load.check()
+    if session_id is None:
+        session_id = path.name.split(".jsonl")[0] or path.stem
+    if not msgs:
+        return [], load
+    return [Thread(session_id, "main", FORMAT, spath, msgs, compactions)], load
+
+
+def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any, model: str | None,
+                  provider: str | None, call_names: dict[str, str]) -> Message | None:
+    """A non-assistant response item (or any item of a replacement history) → one message."""
+    if not isinstance(p, dict):
+        return None
+    it = p.get("type")
+    base = {"entry_id": eid, "source_file": spath, "source_line": line_no, "raw_line": raw, "timestamp": ts}
+    if it == "message":
+        role = p.get("role")
+        blocks = _message_blocks(p.get("content"))
+        if role == "user":
+            first = next((b.text for b in blocks if b.block_type == "text" and b.text), "") or ""
+            return Message(role="user", blocks=blocks, is_meta=first.lstrip().startswith(_META_PREFIXES), **base)
+        if role in ("developer", "system"):
+            return Message(role="system", blocks=blocks, **base)
+        if role == "assistant":
+            return Message(role="assistant", blocks=blocks, model=model, provider=provider, api="openai-responses",
+                           is_call=False, **base)
+        return None
+    if it in OUTPUT_ITEMS:
+        cid = p.get("call_id") if isinstance(p.get("call_id"), str) else None
+        return Message(role="tool", blocks=_output_parts(p.get("output"), tool_use_id=cid,
+                                                          tool_name=call_names.get(cid or "")), **base)
+    if it in ASSISTANT_ITEMS:
+        # inside a replacement history: part of the past, not a call recorded here
+        return Message(role="assistant", blocks=_assistant_blocks(p), model=model, provider=provider,
+                       api="openai-responses", is_call=False, **base)
+    return None

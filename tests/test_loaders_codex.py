@@ -1,0 +1,234 @@
+"""Codex rollout loader: response grouping, tool items, usage from token_count, accounting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from pipeline.loaders import codex
+from pipeline.loaders.base import call_ranges, threads_to_blocks
+from pipeline.testkit import visible
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "data" / "samples"
+UID = "019a0000-1111-7222-8333-944455556666"
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+
+
+def line(t: str, payload: Any, ts: str = "2026-01-01T10:00:00.000Z") -> dict[str, Any]:
+    return {"timestamp": ts, "type": t, "payload": payload}
+
+
+def meta(**kw: Any) -> dict[str, Any]:
+    return line("session_meta", {"id": UID, "cwd": "/w", "originator": "codex_cli_rs", "cli_version": "0.70.0",
+                                 "instructions": None, "source": "cli", "model_provider": "openai", **kw})
+
+
+def item(**payload: Any) -> dict[str, Any]:
+    return line("response_item", payload)
+
+
+def user(text: str) -> dict[str, Any]:
+    return item(type="message", role="user", content=[{"type": "input_text", "text": text}])
+
+
+def answer(text: str) -> dict[str, Any]:
+    return item(type="message", role="assistant", content=[{"type": "output_text", "text": text}])
+
+
+def reasoning(text: str, enc: str = "gAAAenc") -> dict[str, Any]:
+    return item(type="reasoning", summary=[{"type": "summary_text", "text": text}], content=None,
+                encrypted_content=enc)
+
+
+def call(cid: str, name: str = "shell", args: str = '{"command":"ls"}') -> dict[str, Any]:
+    return item(type="function_call", name=name, arguments=args, call_id=cid)
+
+
+def output(cid: str, text: str = "ok") -> dict[str, Any]:
+    return item(type="function_call_output", call_id=cid, output=text)
+
+
+def tokens(inp: int, cached: int, out: int, total: int) -> dict[str, Any]:
+    last = {"input_tokens": inp, "cached_input_tokens": cached, "output_tokens": out, "reasoning_output_tokens": 0,
+            "total_tokens": inp + out}
+    return line("event_msg", {"type": "token_count", "info": {"total_token_usage": {"total_tokens": total},
+                                                              "last_token_usage": last}, "rate_limits": None})
+
+
+def turn(model: str = "gpt-5-codex") -> dict[str, Any]:
+    return line("turn_context", {"cwd": "/w", "model": model, "effort": "medium"})
+
+
+def write(tmp_path: Path, objs: list[Any], name: str = f"rollout-2026-01-01T10-00-00-{UID}.jsonl") -> Path:
+    p = tmp_path / name
+    p.write_text("\n".join(o if isinstance(o, str) else json.dumps(o) for o in objs) + "\n")
+    return p
+
+
+def frame(threads: list[codex.Thread]) -> pl.DataFrame:
+    return pl.from_arrow(threads_to_blocks(threads)).sort("entry_order", "block_pos", "part_pos")  # type: ignore[union-attr]
+
+
+def test_sniff() -> None:
+    p = Path("x.jsonl")
+    assert codex.sniff([meta()], p) == "codex"
+    assert codex.sniff([{"type": "session", "version": 3}], p) is None
+    assert codex.sniff([{"type": "response_item"}], p) is None
+
+
+def test_one_response_is_one_assistant_message(tmp_path: Path) -> None:
+    objs = [meta(), user("list files"), turn(), reasoning("**Listing**"), call("c1"), call("c2", args='{"x":1}'),
+            tokens(1000, 800, 50, 1050), output("c1", "a\nb"), output("c2"), turn(), tokens(1000, 800, 50, 1050),
+            answer("Two files."), tokens(1200, 1000, 10, 2260)]
+    threads, load = codex.load(write(tmp_path, objs))
+    t = threads[0]
+    assert [m.role for m in t.messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    df = frame(threads)
+    a1 = df.filter(pl.col("msg_key") == "L4")
+    assert a1.select("entry_id", "source_line", "block_pos", "block_type").rows() == [
+        ("L4", 4, 0, "thinking"), ("L5", 5, 1, "tool_use"), ("L6", 6, 2, "tool_use")]
+    th = a1.row(0, named=True)
+    assert (th["text"], th["signature"], th["model"], th["provider"], th["api"]) == (
+        "**Listing**", "gAAAenc", "gpt-5-codex", "openai", "openai-responses")
+    assert a1["tool_input"].to_list()[1:] == ['{"command":"ls"}', '{"x":1}']
+    assert (th["usage_input"], th["usage_cache_read"], th["usage_output"]) == (200, 800, 50)
+    last = df.filter(pl.col("msg_key") == "L12").row(0, named=True)
+    assert (last["usage_input"], last["usage_cache_read"], last["usage_output"]) == (200, 1000, 10)
+    tools = df.filter(pl.col("role") == "tool")
+    assert tools.select("tool_use_id", "tool_name", "part_type", "text").rows() == [
+        ("c1", "shell", "string", "a\nb"), ("c2", "shell", "string", "ok")]
+    ic, _, _ = call_ranges(t)
+    assert sum(ic) == 2
+    assert load.message_lines == 7
+    assert load.other_lines == {"session_meta": 1, "turn_context": 2, "event_msg:token_count": 3}
+    assert threads[0].session_id == UID
+
+
+def test_repeated_token_count_does_not_split_or_reassign(tmp_path: Path) -> None:
+    # the repeated figures after the tool output must not be read as the usage of the next response
+    objs = [meta(), user("go"), call("c1"), tokens(100, 0, 5, 105), output("c1"), tokens(100, 0, 5, 105),
+            answer("done")]
+    threads, _ = codex.load(write(tmp_path, objs))
+    df = frame(threads).filter(pl.col("role") == "assistant")
+    assert df.select("entry_id", "usage_input").rows() == [("L3", 100), ("L7", None)]
+
+
+def test_instructions_developer_and_models(tmp_path: Path) -> None:
+    objs = [meta(instructions="Be brief."), item(type="message", role="developer",
+                                                 content=[{"type": "input_text", "text": "sandbox: read-only"}]),
+            user("<environment_context>\n<cwd>/w</cwd>\n</environment_context>"), user("hi"), turn("gpt-a"),
+            answer("hello"), user("again"), turn("gpt-b"), answer("hi again")]
+    threads, load = codex.load(write(tmp_path, objs))
+    msgs = threads[0].messages
+    assert [(m.role, m.blocks[0].text) for m in msgs[:2]] == [("system", "Be brief."), ("system", "sandbox: read-only")]
+    assert [m.is_meta for m in msgs[2:4]] == [True, False]
+    assert [m.model for m in msgs if m.role == "assistant"] == ["gpt-a", "gpt-b"]
+    assert load.other_lines["session_meta"] == 1  # a meta line feeding the system message is still "other"
+
+
+def test_base_instructions_win_over_instructions(tmp_path: Path) -> None:
+    objs = [meta(base_instructions={"text": "You are Codex."}, instructions="user notes"), user("hi")]
+    threads, _ = codex.load(write(tmp_path, objs))
+    assert threads[0].messages[0].blocks[0].text == "You are Codex."
+
+
+def test_custom_tool_call_and_unparsable_arguments(tmp_path: Path) -> None:
+    patch = "*** Begin Patch\n*** Add File: a.py\n+print(2)\n*** End Patch"
+    objs = [meta(), user("go"), item(type="custom_tool_call", status="completed", call_id="c1", name="apply_patch",
+                                     input=patch),
+            call("c2", args="{not json"), tokens(10, 0, 1, 11),
+            item(type="custom_tool_call_output", call_id="c1", output='{"output":"Success"}'), output("c2", "err")]
+    threads, _ = codex.load(write(tmp_path, objs))
+    df = frame(threads)
+    uses = df.filter(pl.col("block_type") == "tool_use").to_dicts()
+    assert uses[0]["tool_input"] == json.dumps(patch, ensure_ascii=False)
+    assert json.loads(uses[0]["extra_json"]) == {"item_type": "custom_tool_call", "status": "completed"}
+    assert uses[1]["tool_input"] == '"{not json"' and json.loads(uses[1]["extra_json"]) == {"arguments_not_json": True}
+    assert df.filter(pl.col("role") == "tool")["tool_name"].to_list() == ["apply_patch", "shell"]
+
+
+def test_user_image_and_list_output(tmp_path: Path) -> None:
+    img = {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}"}
+    objs = [meta(), item(type="message", role="user", content=[{"type": "input_text", "text": "see"}, img]),
+            call("c1"), item(type="function_call_output", call_id="c1",
+                             output=[{"type": "input_text", "text": "shot"}, img])]
+    threads, _ = codex.load(write(tmp_path, objs))
+    df = frame(threads)
+    assert df.filter(pl.col("block_type") == "image").select("image_media_type", "image_data").rows() == [
+        ("image/png", PNG)]
+    parts = df.filter(pl.col("role") == "tool")
+    assert parts.select("part_pos", "part_type").rows() == [(0, "text"), (1, "image")]
+
+
+def test_other_lines_and_quarantine(tmp_path: Path) -> None:
+    objs = [meta(), user("go"), item(type="ghost_snapshot", ghost_commit={"id": "abc"}),
+            line("event_msg", {"type": "agent_message", "message": "x"}), {"type": "response_item"}, [1],
+            {"payload": {}}, item(type="message", role="robot", content=[])]
+    threads, load = codex.load(write(tmp_path, objs))
+    assert load.other_lines == {"session_meta": 1, "response_item:ghost_snapshot": 1, "event_msg:agent_message": 1}
+    assert {q.line: q.reason for q in load.quarantine} == {
+        5: "'response_item' line has no 'payload' object",
+        6: "expected a JSON object, got list",
+        7: "line has no 'type' field (expected session_meta, response_item, event_msg, ...)",
+        8: "response_item message has no usable 'role' (got 'robot')",
+    }
+    assert load.message_lines == 1
+
+
+def test_compacted_with_replacement_history(tmp_path: Path) -> None:
+    hist = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "first ask"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "SUMMARY"}]}]
+    objs = [meta(), user("first ask"), answer("a1"), user("second"), answer("a2"),
+            line("compacted", {"message": "", "replacement_history": hist}), user("third"), answer("a3")]
+    threads, load = codex.load(write(tmp_path, objs))
+    blocks = pl.from_arrow(threads_to_blocks(threads))
+    assert visible(blocks, 1)["text"].to_list() == ["first ask", "a1", "second"]
+    assert visible(blocks, 2)["text"].to_list() == ["first ask", "SUMMARY", "third"]
+    assert load.other_lines["compacted"] == 1
+
+
+def test_compacted_without_history_uses_the_summary(tmp_path: Path) -> None:
+    objs = [meta(), user("q"), answer("a1"), line("compacted", {"message": "we did X"}), user("q2"), answer("a2")]
+    threads, load = codex.load(write(tmp_path, objs))
+    blocks = pl.from_arrow(threads_to_blocks(threads))
+    assert visible(blocks, 1)["text"].to_list() == ["we did X", "q2"]
+    assert "approximation" in load.recovered[0]["note"]
+
+
+def test_codex_sample() -> None:
+    threads, load = codex.load(SAMPLES / "codex-sample.jsonl")
+    assert (load.lines, load.message_lines, load.quarantined_lines) == (27, 11, 0)
+    assert load.other_lines == {"session_meta": 1, "event_msg:user_message": 2, "turn_context": 4,
+                                "event_msg:token_count": 6, "event_msg:agent_reasoning": 1,
+                                "event_msg:agent_message": 1, "response_item:ghost_snapshot": 1}
+    t = threads[0]
+    assert [m.role for m in t.messages] == ["system", "system", "user", "user", "assistant", "tool", "assistant",
+                                            "tool", "assistant", "user"]
+    assert [m.usage for m in t.messages if m.role == "assistant"] == [
+        {"input": 852, "cache_read": 2048, "output": 80}, {"input": 284, "cache_read": 2816, "output": 120},
+        {"input": 228, "cache_read": 3072, "output": 30}]
+    assert t.session_id == "019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d"
+
+
+@pytest.mark.corpus
+def test_corpus_codex_rollout(corpus: Path) -> None:
+    path = corpus / "codex" / "lanegrid__agtrace__codex_session.jsonl"
+    with path.open() as fh:
+        assert codex.sniff([json.loads(fh.readline())], path) == "codex"
+    threads, load = codex.load(path)
+    assert (load.lines, load.message_lines, sum(load.other_lines.values()), load.quarantined_lines) == (55, 21, 34, 0)
+    t = threads[0]
+    assert t.session_id == "019b04ae-b1c6-7c72-a134-a4c2de66058c"
+    ic, _, _ = call_ranges(t)
+    assert sum(ic) == 7
+    assistants = [m for m in t.messages if m.role == "assistant"]
+    # per-request usage adds up to the cumulative total the CLI recorded
+    assert sum((m.usage or {})["input"] + (m.usage or {})["cache_read"] for m in assistants) == 26740
+    assert sum((m.usage or {})["output"] for m in assistants) == 408
+    assert all(m.model == "gpt-5.1-codex-max" for m in assistants)
+    assert [b.block_type for b in assistants[0].blocks] == ["thinking", "tool_use"]
