@@ -359,11 +359,16 @@ def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dic
     for fi, path in enumerate(files):
         main_file = _is_main_file(path, session_id)
         first_thread = True
-        for tip in reversed(per_file[fi]):
-            if not tip.is_message or tip.uuid in covered:
+        # the main chain ends at the last non-sidechain message; inline sidechains (1.0.x) after
+        tips = [n for n in reversed(per_file[fi]) if n.is_message]
+        if main_file:
+            tips = [n for n in tips if not n.sidechain] + [n for n in tips if n.sidechain]
+        used: set[str] = set()
+        for tip in tips:
+            if tip.uuid in covered:
                 continue
-            thread = _build_thread(tip, nodes, by_key, result_by_tool_id, prev_in_file, stats)
-            entries, compaction_at = thread
+            entries, compaction_at = _build_thread(tip, nodes, by_key, result_by_tool_id, prev_in_file, stats)
+            first_own = next((n for n in entries if n.is_message and n.uuid not in covered), tip)
             covered.update(n.uuid for n in entries)
             msgs, compactions = _messages(entries, compaction_at, files)
             own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
@@ -374,13 +379,18 @@ def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dic
                 stats["branches_without_calls"] += 1
                 continue
             claimed.update(m.msg_key for m in own if m.msg_key)
+            # names stay stable as the file grows: a branch is named after its first own message,
+            # an inline sidechain after its root
+            base = "main" if main_file else _agent_thread_id(path, per_file[fi])
             if first_thread:
-                tid = "main" if main_file else _agent_thread_id(path, per_file[fi])
+                tid = base
+            elif tip.sidechain and main_file:
+                tid = f"sidechain-{entries[0].uuid[:8]}"
+                if tid in used:
+                    tid = f"{tid}-branch-{first_own.uuid[:8]}"
             else:
-                prefix = "sidechain" if tip.sidechain and main_file else "branch"
-                tid = f"{prefix}-{tip.uuid[:8]}"
-                if not main_file:
-                    tid = f"{_agent_thread_id(path, per_file[fi])}-{tid}"
+                tid = f"branch-{first_own.uuid[:8]}" if main_file else f"{base}-branch-{first_own.uuid[:8]}"
+            used.add(tid)
             first_thread = False
             threads.append(Thread(session_id, tid, FORMAT, str(path), msgs, compactions))
     stats["off_thread_message_entries"] += sum(
