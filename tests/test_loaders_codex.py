@@ -24,8 +24,19 @@ def line(t: str, payload: Any, ts: str = "2026-01-01T10:00:00.000Z") -> dict[str
 
 
 def meta(**kw: Any) -> dict[str, Any]:
-    return line("session_meta", {"id": UID, "cwd": "/w", "originator": "codex_cli_rs", "cli_version": "0.70.0",
-                                 "instructions": None, "source": "cli", "model_provider": "openai", **kw})
+    return line(
+        "session_meta",
+        {
+            "id": UID,
+            "cwd": "/w",
+            "originator": "codex_cli_rs",
+            "cli_version": "0.70.0",
+            "instructions": None,
+            "source": "cli",
+            "model_provider": "openai",
+            **kw,
+        },
+    )
 
 
 def item(**payload: Any) -> dict[str, Any]:
@@ -41,8 +52,12 @@ def answer(text: str) -> dict[str, Any]:
 
 
 def reasoning(text: str, enc: str = "gAAAenc") -> dict[str, Any]:
-    return item(type="reasoning", summary=[{"type": "summary_text", "text": text}], content=None,
-                encrypted_content=enc)
+    return item(
+        type="reasoning",
+        summary=[{"type": "summary_text", "text": text}],
+        content=None,
+        encrypted_content=enc,
+    )
 
 
 def call(cid: str, name: str = "shell", args: str = '{"command":"ls"}') -> dict[str, Any]:
@@ -54,10 +69,21 @@ def output(cid: str, text: str = "ok") -> dict[str, Any]:
 
 
 def tokens(inp: int, cached: int, out: int, total: int) -> dict[str, Any]:
-    last = {"input_tokens": inp, "cached_input_tokens": cached, "output_tokens": out, "reasoning_output_tokens": 0,
-            "total_tokens": inp + out}
-    return line("event_msg", {"type": "token_count", "info": {"total_token_usage": {"total_tokens": total},
-                                                              "last_token_usage": last}, "rate_limits": None})
+    last = {
+        "input_tokens": inp,
+        "cached_input_tokens": cached,
+        "output_tokens": out,
+        "reasoning_output_tokens": 0,
+        "total_tokens": inp + out,
+    }
+    return line(
+        "event_msg",
+        {
+            "type": "token_count",
+            "info": {"total_token_usage": {"total_tokens": total}, "last_token_usage": last},
+            "rate_limits": None,
+        },
+    )
 
 
 def turn(model: str = "gpt-5-codex") -> dict[str, Any]:
@@ -82,26 +108,48 @@ def test_sniff() -> None:
 
 
 def test_one_response_is_one_assistant_message(tmp_path: Path) -> None:
-    objs = [meta(), user("list files"), turn(), reasoning("**Listing**"), call("c1"), call("c2", args='{"x":1}'),
-            tokens(1000, 800, 50, 1050), output("c1", "a\nb"), output("c2"), turn(), tokens(1000, 800, 50, 1050),
-            answer("Two files."), tokens(1200, 1000, 10, 2260)]
+    objs = [
+        meta(),
+        user("list files"),
+        turn(),
+        reasoning("**Listing**"),
+        call("c1"),
+        call("c2", args='{"x":1}'),
+        tokens(1000, 800, 50, 1050),
+        output("c1", "a\nb"),
+        output("c2"),
+        turn(),
+        tokens(1000, 800, 50, 1050),
+        answer("Two files."),
+        tokens(1200, 1000, 10, 2260),
+    ]
     threads, load = codex.load(write(tmp_path, objs))
     t = threads[0]
     assert [m.role for m in t.messages] == ["user", "assistant", "tool", "tool", "assistant"]
     df = frame(threads)
     a1 = df.filter(pl.col("msg_key") == "L4")
     assert a1.select("entry_id", "source_line", "block_pos", "block_type").rows() == [
-        ("L4", 4, 0, "thinking"), ("L5", 5, 1, "tool_use"), ("L6", 6, 2, "tool_use")]
+        ("L4", 4, 0, "thinking"),
+        ("L5", 5, 1, "tool_use"),
+        ("L6", 6, 2, "tool_use"),
+    ]
     th = a1.row(0, named=True)
     assert (th["text"], th["signature"], th["model"], th["provider"], th["api"]) == (
-        "**Listing**", "gAAAenc", "gpt-5-codex", "openai", "openai-responses")
+        "**Listing**",
+        "gAAAenc",
+        "gpt-5-codex",
+        "openai",
+        "openai-responses",
+    )
     assert a1["tool_input"].to_list()[1:] == ['{"command":"ls"}', '{"x":1}']
     assert (th["usage_input"], th["usage_cache_read"], th["usage_output"]) == (200, 800, 50)
     last = df.filter(pl.col("msg_key") == "L12").row(0, named=True)
     assert (last["usage_input"], last["usage_cache_read"], last["usage_output"]) == (200, 1000, 10)
     tools = df.filter(pl.col("role") == "tool")
     assert tools.select("tool_use_id", "tool_name", "part_type", "text").rows() == [
-        ("c1", "shell", "string", "a\nb"), ("c2", "shell", "string", "ok")]
+        ("c1", "shell", "string", "a\nb"),
+        ("c2", "shell", "string", "ok"),
+    ]
     ic, _, _ = call_ranges(t)
     assert sum(ic) == 2
     assert load.message_lines == 7
@@ -111,21 +159,40 @@ def test_one_response_is_one_assistant_message(tmp_path: Path) -> None:
 
 def test_repeated_token_count_does_not_split_or_reassign(tmp_path: Path) -> None:
     # the repeated figures after the tool output must not be read as the usage of the next response
-    objs = [meta(), user("go"), call("c1"), tokens(100, 0, 5, 105), output("c1"), tokens(100, 0, 5, 105),
-            answer("done")]
+    objs = [
+        meta(),
+        user("go"),
+        call("c1"),
+        tokens(100, 0, 5, 105),
+        output("c1"),
+        tokens(100, 0, 5, 105),
+        answer("done"),
+    ]
     threads, _ = codex.load(write(tmp_path, objs))
     df = frame(threads).filter(pl.col("role") == "assistant")
     assert df.select("entry_id", "usage_input").rows() == [("L3", 100), ("L7", None)]
 
 
 def test_instructions_developer_and_models(tmp_path: Path) -> None:
-    objs = [meta(instructions="Be brief."), item(type="message", role="developer",
-                                                 content=[{"type": "input_text", "text": "sandbox: read-only"}]),
-            user("<environment_context>\n<cwd>/w</cwd>\n</environment_context>"), user("hi"), turn("gpt-a"),
-            answer("hello"), user("again"), turn("gpt-b"), answer("hi again")]
+    objs = [
+        meta(instructions="Be brief."),
+        item(
+            type="message", role="developer", content=[{"type": "input_text", "text": "sandbox: read-only"}]
+        ),
+        user("<environment_context>\n<cwd>/w</cwd>\n</environment_context>"),
+        user("hi"),
+        turn("gpt-a"),
+        answer("hello"),
+        user("again"),
+        turn("gpt-b"),
+        answer("hi again"),
+    ]
     threads, load = codex.load(write(tmp_path, objs))
     msgs = threads[0].messages
-    assert [(m.role, m.blocks[0].text) for m in msgs[:2]] == [("system", "Be brief."), ("system", "sandbox: read-only")]
+    assert [(m.role, m.blocks[0].text) for m in msgs[:2]] == [
+        ("system", "Be brief."),
+        ("system", "sandbox: read-only"),
+    ]
     assert [m.is_meta for m in msgs[2:4]] == [True, False]
     assert [m.model for m in msgs if m.role == "assistant"] == ["gpt-a", "gpt-b"]
     assert load.other_lines["session_meta"] == 1  # a meta line feeding the system message is still "other"
@@ -139,38 +206,60 @@ def test_base_instructions_win_over_instructions(tmp_path: Path) -> None:
 
 def test_custom_tool_call_and_unparsable_arguments(tmp_path: Path) -> None:
     patch = "*** Begin Patch\n*** Add File: a.py\n+print(2)\n*** End Patch"
-    objs = [meta(), user("go"), item(type="custom_tool_call", status="completed", call_id="c1", name="apply_patch",
-                                     input=patch),
-            call("c2", args="{not json"), tokens(10, 0, 1, 11),
-            item(type="custom_tool_call_output", call_id="c1", output='{"output":"Success"}'), output("c2", "err")]
+    objs = [
+        meta(),
+        user("go"),
+        item(type="custom_tool_call", status="completed", call_id="c1", name="apply_patch", input=patch),
+        call("c2", args="{not json"),
+        tokens(10, 0, 1, 11),
+        item(type="custom_tool_call_output", call_id="c1", output='{"output":"Success"}'),
+        output("c2", "err"),
+    ]
     threads, _ = codex.load(write(tmp_path, objs))
     df = frame(threads)
     uses = df.filter(pl.col("block_type") == "tool_use").to_dicts()
     assert uses[0]["tool_input"] == json.dumps(patch, ensure_ascii=False)
     assert json.loads(uses[0]["extra_json"]) == {"item_type": "custom_tool_call", "status": "completed"}
-    assert uses[1]["tool_input"] == '"{not json"' and json.loads(uses[1]["extra_json"]) == {"arguments_not_json": True}
+    assert uses[1]["tool_input"] == '"{not json"' and json.loads(uses[1]["extra_json"]) == {
+        "arguments_not_json": True
+    }
     assert df.filter(pl.col("role") == "tool")["tool_name"].to_list() == ["apply_patch", "shell"]
 
 
 def test_user_image_and_list_output(tmp_path: Path) -> None:
     img = {"type": "input_image", "image_url": f"data:image/png;base64,{PNG}"}
-    objs = [meta(), item(type="message", role="user", content=[{"type": "input_text", "text": "see"}, img]),
-            call("c1"), item(type="function_call_output", call_id="c1",
-                             output=[{"type": "input_text", "text": "shot"}, img])]
+    objs = [
+        meta(),
+        item(type="message", role="user", content=[{"type": "input_text", "text": "see"}, img]),
+        call("c1"),
+        item(type="function_call_output", call_id="c1", output=[{"type": "input_text", "text": "shot"}, img]),
+    ]
     threads, _ = codex.load(write(tmp_path, objs))
     df = frame(threads)
     assert df.filter(pl.col("block_type") == "image").select("image_media_type", "image_data").rows() == [
-        ("image/png", PNG)]
+        ("image/png", PNG)
+    ]
     parts = df.filter(pl.col("role") == "tool")
     assert parts.select("part_pos", "part_type").rows() == [(0, "text"), (1, "image")]
 
 
 def test_other_lines_and_quarantine(tmp_path: Path) -> None:
-    objs = [meta(), user("go"), item(type="ghost_snapshot", ghost_commit={"id": "abc"}),
-            line("event_msg", {"type": "agent_message", "message": "x"}), {"type": "response_item"}, [1],
-            {"payload": {}}, item(type="message", role="robot", content=[])]
+    objs = [
+        meta(),
+        user("go"),
+        item(type="ghost_snapshot", ghost_commit={"id": "abc"}),
+        line("event_msg", {"type": "agent_message", "message": "x"}),
+        {"type": "response_item"},
+        [1],
+        {"payload": {}},
+        item(type="message", role="robot", content=[]),
+    ]
     threads, load = codex.load(write(tmp_path, objs))
-    assert load.other_lines == {"session_meta": 1, "response_item:ghost_snapshot": 1, "event_msg:agent_message": 1}
+    assert load.other_lines == {
+        "session_meta": 1,
+        "response_item:ghost_snapshot": 1,
+        "event_msg:agent_message": 1,
+    }
     assert {q.line: q.reason for q in load.quarantine} == {
         5: "'response_item' line has no 'payload' object",
         6: "expected a JSON object, got list",
@@ -181,10 +270,20 @@ def test_other_lines_and_quarantine(tmp_path: Path) -> None:
 
 
 def test_compacted_with_replacement_history(tmp_path: Path) -> None:
-    hist = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "first ask"}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "SUMMARY"}]}]
-    objs = [meta(), user("first ask"), answer("a1"), user("second"), answer("a2"),
-            line("compacted", {"message": "", "replacement_history": hist}), user("third"), answer("a3")]
+    hist = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "first ask"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "SUMMARY"}]},
+    ]
+    objs = [
+        meta(),
+        user("first ask"),
+        answer("a1"),
+        user("second"),
+        answer("a2"),
+        line("compacted", {"message": "", "replacement_history": hist}),
+        user("third"),
+        answer("a3"),
+    ]
     threads, load = codex.load(write(tmp_path, objs))
     blocks = pl.from_arrow(threads_to_blocks(threads))
     assert visible(blocks, 1)["text"].to_list() == ["first ask", "a1", "second"]
@@ -193,7 +292,14 @@ def test_compacted_with_replacement_history(tmp_path: Path) -> None:
 
 
 def test_compacted_without_history_uses_the_summary(tmp_path: Path) -> None:
-    objs = [meta(), user("q"), answer("a1"), line("compacted", {"message": "we did X"}), user("q2"), answer("a2")]
+    objs = [
+        meta(),
+        user("q"),
+        answer("a1"),
+        line("compacted", {"message": "we did X"}),
+        user("q2"),
+        answer("a2"),
+    ]
     threads, load = codex.load(write(tmp_path, objs))
     blocks = pl.from_arrow(threads_to_blocks(threads))
     assert visible(blocks, 1)["text"].to_list() == ["we did X", "q2"]
@@ -203,15 +309,33 @@ def test_compacted_without_history_uses_the_summary(tmp_path: Path) -> None:
 def test_codex_sample() -> None:
     threads, load = codex.load(SAMPLES / "codex-sample.jsonl")
     assert (load.lines, load.message_lines, load.quarantined_lines) == (27, 11, 0)
-    assert load.other_lines == {"session_meta": 1, "event_msg:user_message": 2, "turn_context": 4,
-                                "event_msg:token_count": 6, "event_msg:agent_reasoning": 1,
-                                "event_msg:agent_message": 1, "response_item:ghost_snapshot": 1}
+    assert load.other_lines == {
+        "session_meta": 1,
+        "event_msg:user_message": 2,
+        "turn_context": 4,
+        "event_msg:token_count": 6,
+        "event_msg:agent_reasoning": 1,
+        "event_msg:agent_message": 1,
+        "response_item:ghost_snapshot": 1,
+    }
     t = threads[0]
-    assert [m.role for m in t.messages] == ["system", "system", "user", "user", "assistant", "tool", "assistant",
-                                            "tool", "assistant", "user"]
+    assert [m.role for m in t.messages] == [
+        "system",
+        "system",
+        "user",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+    ]
     assert [m.usage for m in t.messages if m.role == "assistant"] == [
-        {"input": 852, "cache_read": 2048, "output": 80}, {"input": 284, "cache_read": 2816, "output": 120},
-        {"input": 228, "cache_read": 3072, "output": 30}]
+        {"input": 852, "cache_read": 2048, "output": 80},
+        {"input": 284, "cache_read": 2816, "output": 120},
+        {"input": 228, "cache_read": 3072, "output": 30},
+    ]
     assert t.session_id == "019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d"
 
 
@@ -221,7 +345,12 @@ def test_corpus_codex_rollout(corpus: Path) -> None:
     with path.open() as fh:
         assert codex.sniff([json.loads(fh.readline())], path) == "codex"
     threads, load = codex.load(path)
-    assert (load.lines, load.message_lines, sum(load.other_lines.values()), load.quarantined_lines) == (55, 21, 34, 0)
+    assert (load.lines, load.message_lines, sum(load.other_lines.values()), load.quarantined_lines) == (
+        55,
+        21,
+        34,
+        0,
+    )
     t = threads[0]
     assert t.session_id == "019b04ae-b1c6-7c72-a134-a4c2de66058c"
     ic, _, _ = call_ranges(t)

@@ -28,7 +28,9 @@ def header(version: int | None = 3) -> dict[str, Any]:
     return h
 
 
-def msg(eid: str | None, parent: str | None, message: dict[str, Any], ts: str = "2026-01-01T10:00:01.000Z") -> dict[str, Any]:
+def msg(
+    eid: str | None, parent: str | None, message: dict[str, Any], ts: str = "2026-01-01T10:00:01.000Z"
+) -> dict[str, Any]:
     e: dict[str, Any] = {"type": "message", "timestamp": ts, "message": message}
     if eid is not None:
         e["id"] = eid
@@ -42,13 +44,21 @@ def user(text: str, **kw: Any) -> dict[str, Any]:
 
 def assistant(*blocks: dict[str, Any], **kw: Any) -> dict[str, Any]:
     content = list(blocks) or [{"type": "text", "text": "ok"}]
-    base = {"role": "assistant", "content": content, "api": "openai-completions", "provider": "openrouter",
-            "model": "m1", "stopReason": "stop"}
+    base = {
+        "role": "assistant",
+        "content": content,
+        "api": "openai-completions",
+        "provider": "openrouter",
+        "model": "m1",
+        "stopReason": "stop",
+    }
     base.update(kw)
     return base
 
 
-def write(tmp_path: Path, objs: list[Any], name: str = f"{SID}.jsonl", raw_lines: list[str] | None = None) -> Path:
+def write(
+    tmp_path: Path, objs: list[Any], name: str = f"{SID}.jsonl", raw_lines: list[str] | None = None
+) -> Path:
     p = tmp_path / name
     lines = [o if isinstance(o, str) else json.dumps(o) for o in objs]
     if raw_lines:
@@ -63,7 +73,7 @@ def frame(threads: list[openclaw.Thread]) -> pl.DataFrame:
 
 def calls(t: openclaw.Thread) -> list[str]:
     ic, _, _ = call_ranges(t)
-    return [m.entry_id for m, c in zip(t.messages, ic) if c]
+    return [m.entry_id for m, c in zip(t.messages, ic, strict=True) if c]
 
 
 # ---------------------------------------------------------------- sniff and names
@@ -78,11 +88,14 @@ def test_sniff_tells_v3_from_legacy_and_ignores_other_formats() -> None:
     assert openclaw.sniff([], p) is None
 
 
-@pytest.mark.parametrize("name, expected", [
-    (f"{SID}.jsonl", SID),
-    (f"owner__repo__{SID}.jsonl.deleted.2026-03-25T00-29-45.957Z", SID),
-    (f"2026-01-01T10-00-00_{SID}.jsonl.reset.2026-01-02T00-00-00.000Z", SID),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (f"{SID}.jsonl", SID),
+        (f"owner__repo__{SID}.jsonl.deleted.2026-03-25T00-29-45.957Z", SID),
+        (f"2026-01-01T10-00-00_{SID}.jsonl.reset.2026-01-02T00-00-00.000Z", SID),
+    ],
+)
 def test_session_id_is_the_last_uuid_in_the_file_name(tmp_path: Path, name: str, expected: str) -> None:
     h = header() | {"id": "00000000-0000-0000-0000-000000000000"}
     threads, _ = openclaw.load(write(tmp_path, [h, msg("a1", None, user("hi"))], name=name))
@@ -92,8 +105,9 @@ def test_session_id_is_the_last_uuid_in_the_file_name(tmp_path: Path, name: str,
 def test_session_id_falls_back_to_header_id_then_file_stem(tmp_path: Path) -> None:
     threads, _ = openclaw.load(write(tmp_path, [header(), msg("a1", None, user("hi"))], name="session.jsonl"))
     assert threads[0].session_id == SID
-    threads, _ = openclaw.load(write(tmp_path, [{"type": "session", "version": 3}, msg("a1", None, user("hi"))],
-                                     name="plain.jsonl"))
+    threads, _ = openclaw.load(
+        write(tmp_path, [{"type": "session", "version": 3}, msg("a1", None, user("hi"))], name="plain.jsonl")
+    )
     assert threads[0].session_id == "plain"
 
 
@@ -104,12 +118,21 @@ def test_assistant_blocks_usage_and_metadata(tmp_path: Path) -> None:
     a = assistant(
         {"type": "thinking", "thinking": "plan", "thinkingSignature": "sig1"},
         {"type": "text", "text": "Reading.", "textSignature": "msg_1"},
-        {"type": "toolCall", "id": "call_1", "name": "read", "arguments": {"path": "a.md", "limit": 2},
-         "partialJson": "{\"path\":\"a.m"},
+        {
+            "type": "toolCall",
+            "id": "call_1",
+            "name": "read",
+            "arguments": {"path": "a.md", "limit": 2},
+            "partialJson": '{"path":"a.m',
+        },
         {"type": "mystery", "payload": 1},
         usage={"input": 10, "output": 5, "cacheRead": 100, "cacheWrite": 7, "totalTokens": 122},
-        stopReason="toolUse", timestamp=1767261605000)
-    threads, load = openclaw.load(write(tmp_path, [header(), msg("u1", None, user("go")), msg("a1", "u1", a)]))
+        stopReason="toolUse",
+        timestamp=1767261605000,
+    )
+    threads, load = openclaw.load(
+        write(tmp_path, [header(), msg("u1", None, user("go")), msg("a1", "u1", a)])
+    )
     df = frame(threads).filter(pl.col("entry_id") == "a1")
     assert df["block_type"].to_list() == ["thinking", "text", "tool_use", "mystery"]
     th, tx, tu, unk = df.to_dicts()
@@ -117,59 +140,115 @@ def test_assistant_blocks_usage_and_metadata(tmp_path: Path) -> None:
     assert json.loads(tx["extra_json"]) == {"textSignature": "msg_1"}
     assert tu["tool_use_id"] == "call_1" and tu["tool_name"] == "read"
     assert tu["tool_input"] == '{"limit":2,"path":"a.md"}'  # canonical JSON text
-    assert json.loads(tu["extra_json"]) == {"partialJson": "{\"path\":\"a.m"}
+    assert json.loads(tu["extra_json"]) == {"partialJson": '{"path":"a.m'}
     assert json.loads(unk["extra_json"]) == {"type": "mystery", "payload": 1}
-    assert (th["usage_input"], th["usage_output"], th["usage_cache_read"], th["usage_cache_write"]) == (10, 5, 100, 7)
-    assert (th["model"], th["provider"], th["api"], th["stop_reason"]) == ("m1", "openrouter", "openai-completions",
-                                                                          "toolUse")
-    assert th["timestamp"].isoformat() == "2026-01-01T10:00:05+00:00"  # message epoch-ms wins over the entry time
+    assert (th["usage_input"], th["usage_output"], th["usage_cache_read"], th["usage_cache_write"]) == (
+        10,
+        5,
+        100,
+        7,
+    )
+    assert (th["model"], th["provider"], th["api"], th["stop_reason"]) == (
+        "m1",
+        "openrouter",
+        "openai-completions",
+        "toolUse",
+    )
+    assert (
+        th["timestamp"].isoformat() == "2026-01-01T10:00:05+00:00"
+    )  # message epoch-ms wins over the entry time
     assert th["parent_id"] == "u1" and th["is_call"] is True
     assert load.message_lines == 2 and load.other_lines == {"session": 1}
 
 
 def test_tool_result_parts_text_image_and_empty(tmp_path: Path) -> None:
-    tr = {"role": "toolResult", "toolCallId": "call_1", "toolName": "read", "isError": False,
-          "content": [{"type": "text", "text": "Read image file [image/png]"},
-                      {"type": "image", "data": PNG, "mimeType": "image/png"}], "details": {"x": 1}}
+    tr = {
+        "role": "toolResult",
+        "toolCallId": "call_1",
+        "toolName": "read",
+        "isError": False,
+        "content": [
+            {"type": "text", "text": "Read image file [image/png]"},
+            {"type": "image", "data": PNG, "mimeType": "image/png"},
+        ],
+        "details": {"x": 1},
+    }
     empty = {"role": "toolResult", "toolCallId": "call_2", "toolName": "exec", "isError": True, "content": []}
-    a = assistant({"type": "toolCall", "id": "call_1", "name": "read", "arguments": {}},
-                  {"type": "toolCall", "id": "call_2", "name": "exec", "arguments": {}})
-    objs = [header(), msg("u1", None, user("go")), msg("a1", "u1", a), msg("t1", "a1", tr), msg("t2", "t1", empty)]
+    a = assistant(
+        {"type": "toolCall", "id": "call_1", "name": "read", "arguments": {}},
+        {"type": "toolCall", "id": "call_2", "name": "exec", "arguments": {}},
+    )
+    objs = [
+        header(),
+        msg("u1", None, user("go")),
+        msg("a1", "u1", a),
+        msg("t1", "a1", tr),
+        msg("t2", "t1", empty),
+    ]
     threads, _ = openclaw.load(write(tmp_path, objs))
     df = frame(threads)
     t1 = df.filter(pl.col("entry_id") == "t1").to_dicts()
     assert [(r["role"], r["block_type"], r["block_pos"], r["part_pos"], r["part_type"]) for r in t1] == [
-        ("tool", "tool_result", 0, 0, "text"), ("tool", "tool_result", 0, 1, "image")]
-    assert all(r["tool_use_id"] == "call_1" and r["tool_name"] == "read" and r["is_error"] is False for r in t1)
-    assert t1[1]["image_media_type"] == "image/png" and t1[1]["image_data"] == PNG and t1[1]["image_bytes"] == 70
+        ("tool", "tool_result", 0, 0, "text"),
+        ("tool", "tool_result", 0, 1, "image"),
+    ]
+    assert all(
+        r["tool_use_id"] == "call_1" and r["tool_name"] == "read" and r["is_error"] is False for r in t1
+    )
+    assert (
+        t1[1]["image_media_type"] == "image/png" and t1[1]["image_data"] == PNG and t1[1]["image_bytes"] == 70
+    )
     t2 = df.filter(pl.col("entry_id") == "t2").to_dicts()
     assert [(r["part_type"], r["text"], r["is_error"]) for r in t2] == [("empty", None, True)]
 
 
 def test_user_image_and_string_content(tmp_path: Path) -> None:
-    u1 = {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image", "data": PNG,
-                                                                          "mimeType": "image/png"}]}
+    u1 = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image", "data": PNG, "mimeType": "image/png"},
+        ],
+    }
     u2 = {"role": "user", "content": "plain string"}
     threads, _ = openclaw.load(write(tmp_path, [header(), msg("u1", None, u1), msg("u2", "u1", u2)]))
     df = frame(threads)
     assert df.select("entry_id", "block_type", "text", "image_media_type").rows() == [
-        ("u1", "text", "look", None), ("u1", "image", None, "image/png"), ("u2", "text", "plain string", None)]
+        ("u1", "text", "look", None),
+        ("u1", "image", None, "image/png"),
+        ("u2", "text", "plain string", None),
+    ]
 
 
 def test_inter_session_provenance_is_mapped(tmp_path: Path) -> None:
-    prov = {"kind": "inter_session", "sourceSessionKey": "agent:main:subagent:abc", "sourceChannel": "webchat",
-            "sourceTool": "subagent_announce"}
+    prov = {
+        "kind": "inter_session",
+        "sourceSessionKey": "agent:main:subagent:abc",
+        "sourceChannel": "webchat",
+        "sourceTool": "subagent_announce",
+    }
     threads, _ = openclaw.load(write(tmp_path, [header(), msg("u1", None, user("done", provenance=prov))]))
     r = frame(threads).row(0, named=True)
-    assert (r["provenance_kind"], r["provenance_source_session"], r["provenance_channel"], r["provenance_tool"]) == (
-        "inter_session", "agent:main:subagent:abc", "webchat", "subagent_announce")
+    assert (
+        r["provenance_kind"],
+        r["provenance_source_session"],
+        r["provenance_channel"],
+        r["provenance_tool"],
+    ) == ("inter_session", "agent:main:subagent:abc", "webchat", "subagent_announce")
 
 
 def test_delivery_mirror_is_not_a_call_and_display_only(tmp_path: Path) -> None:
-    mirror = assistant({"type": "text", "text": "copy"}, provider="openclaw", model="delivery-mirror",
-                       api="openai-responses")
-    objs = [header(), msg("u1", None, user("q")), msg("a1", "u1", assistant()), msg("m1", "a1", mirror),
-            msg("u2", "m1", user("next")), msg("a2", "u2", assistant())]
+    mirror = assistant(
+        {"type": "text", "text": "copy"}, provider="openclaw", model="delivery-mirror", api="openai-responses"
+    )
+    objs = [
+        header(),
+        msg("u1", None, user("q")),
+        msg("a1", "u1", assistant()),
+        msg("m1", "a1", mirror),
+        msg("u2", "m1", user("next")),
+        msg("a2", "u2", assistant()),
+    ]
     threads, _ = openclaw.load(write(tmp_path, objs))
     assert calls(threads[0]) == ["a1", "a2"]
     r = frame(threads).filter(pl.col("entry_id") == "m1").row(0, named=True)
@@ -177,20 +256,47 @@ def test_delivery_mirror_is_not_a_call_and_display_only(tmp_path: Path) -> None:
 
 
 def test_bash_execution_rendered_like_pi(tmp_path: Path) -> None:
-    ok = {"role": "bashExecution", "command": "ls", "output": "a\nb", "exitCode": 0, "cancelled": False,
-          "truncated": False}
-    failed = {"role": "bashExecution", "command": "make", "output": "", "exitCode": 2, "cancelled": False,
-              "truncated": True, "fullOutputPath": "/tmp/out.log"}
-    cancelled = {"role": "bashExecution", "command": "sleep 9", "output": "x", "exitCode": None, "cancelled": True,
-                 "truncated": False}
-    hidden = {"role": "bashExecution", "command": "secret", "output": "y", "exitCode": 0, "cancelled": False,
-              "truncated": False, "excludeFromContext": True}
+    ok = {
+        "role": "bashExecution",
+        "command": "ls",
+        "output": "a\nb",
+        "exitCode": 0,
+        "cancelled": False,
+        "truncated": False,
+    }
+    failed = {
+        "role": "bashExecution",
+        "command": "make",
+        "output": "",
+        "exitCode": 2,
+        "cancelled": False,
+        "truncated": True,
+        "fullOutputPath": "/tmp/out.log",
+    }
+    cancelled = {
+        "role": "bashExecution",
+        "command": "sleep 9",
+        "output": "x",
+        "exitCode": None,
+        "cancelled": True,
+        "truncated": False,
+    }
+    hidden = {
+        "role": "bashExecution",
+        "command": "secret",
+        "output": "y",
+        "exitCode": 0,
+        "cancelled": False,
+        "truncated": False,
+        "excludeFromContext": True,
+    }
     objs = [header(None)] + [msg(None, None, m) for m in (ok, failed, cancelled, hidden)]
     threads, load = openclaw.load(write(tmp_path, objs))
     texts = frame(threads)["text"].to_list()
     assert texts == [
         "Ran `ls`\n```\na\nb\n```",
-        "Ran `make`\n(no output)\n\nCommand exited with code 2\n\n[Output truncated. Full output: /tmp/out.log]",
+        "Ran `make`\n(no output)\n\nCommand exited with code 2"
+        "\n\n[Output truncated. Full output: /tmp/out.log]",
         "Ran `sleep 9`\n```\nx\n```\n\n(command cancelled)",
     ]
     assert frame(threads)["role"].to_list() == ["user"] * 3
@@ -198,19 +304,34 @@ def test_bash_execution_rendered_like_pi(tmp_path: Path) -> None:
 
 
 def test_custom_message_is_sent_as_user_even_when_hidden(tmp_path: Path) -> None:
-    cm = {"type": "custom_message", "id": "c1", "parentId": "u1", "timestamp": "2026-01-01T10:00:02.000Z",
-          "customType": "openclaw.sessions_yield", "content": "[Context: yielded]", "display": False,
-          "details": {"source": "sessions_yield"}}
-    bs = {"type": "branch_summary", "id": "b1", "parentId": "c1", "timestamp": "2026-01-01T10:00:03.000Z",
-          "fromId": "zz", "summary": "tried X"}
+    cm = {
+        "type": "custom_message",
+        "id": "c1",
+        "parentId": "u1",
+        "timestamp": "2026-01-01T10:00:02.000Z",
+        "customType": "openclaw.sessions_yield",
+        "content": "[Context: yielded]",
+        "display": False,
+        "details": {"source": "sessions_yield"},
+    }
+    bs = {
+        "type": "branch_summary",
+        "id": "b1",
+        "parentId": "c1",
+        "timestamp": "2026-01-01T10:00:03.000Z",
+        "fromId": "zz",
+        "summary": "tried X",
+    }
     custom = {"type": "custom", "id": "k1", "parentId": "b1", "customType": "model-snapshot", "data": {}}
     objs = [header(), msg("u1", None, user("q")), cm, bs, custom, msg("a1", "k1", assistant())]
     threads, load = openclaw.load(write(tmp_path, objs))
     df = frame(threads)
     assert df.select("entry_id", "role", "text").rows() == [
-        ("u1", "user", "q"), ("c1", "user", "[Context: yielded]"),
+        ("u1", "user", "q"),
+        ("c1", "user", "[Context: yielded]"),
         ("b1", "user", openclaw.BRANCH_SUMMARY_PREFIX + "tried X" + openclaw.BRANCH_SUMMARY_SUFFIX),
-        ("a1", "assistant", "ok")]
+        ("a1", "assistant", "ok"),
+    ]
     assert df.filter(pl.col("entry_id") == "c1")["is_meta"].to_list() == [True]
     assert load.message_lines == 4 and load.other_lines == {"session": 1, "custom:model-snapshot": 1}
 
@@ -221,8 +342,16 @@ def test_custom_message_is_sent_as_user_even_when_hidden(tmp_path: Path) -> None
 def test_conversation_is_the_path_from_the_last_entry(tmp_path: Path) -> None:
     # u1 → a1 → {u2 → a2 (abandoned), u3 → a3 → label}
     label = {"type": "label", "id": "l1", "parentId": "a3", "targetId": "a3", "label": "good"}
-    objs = [header(), msg("u1", None, user("q1")), msg("a1", "u1", assistant()), msg("u2", "a1", user("q2")),
-            msg("a2", "u2", assistant()), msg("u3", "a1", user("q3")), msg("a3", "u3", assistant()), label]
+    objs = [
+        header(),
+        msg("u1", None, user("q1")),
+        msg("a1", "u1", assistant()),
+        msg("u2", "a1", user("q2")),
+        msg("a2", "u2", assistant()),
+        msg("u3", "a1", user("q3")),
+        msg("a3", "u3", assistant()),
+        label,
+    ]
     threads, load = openclaw.load(write(tmp_path, objs))
     assert [t.thread_id for t in threads] == ["main", "branch-a2"]
     main, branch = threads
@@ -234,8 +363,14 @@ def test_conversation_is_the_path_from_the_last_entry(tmp_path: Path) -> None:
 
 
 def test_branch_without_own_call_makes_no_thread_but_is_accounted(tmp_path: Path) -> None:
-    objs = [header(), msg("u1", None, user("q1")), msg("a1", "u1", assistant()), msg("u2", "a1", user("dropped")),
-            msg("u3", "a1", user("q3")), msg("a3", "u3", assistant())]
+    objs = [
+        header(),
+        msg("u1", None, user("q1")),
+        msg("a1", "u1", assistant()),
+        msg("u2", "a1", user("dropped")),
+        msg("u3", "a1", user("q3")),
+        msg("a3", "u3", assistant()),
+    ]
     threads, load = openclaw.load(write(tmp_path, objs))
     assert [t.thread_id for t in threads] == ["main"]
     assert "u2" not in {m.entry_id for m in threads[0].messages}
@@ -247,13 +382,22 @@ def test_missing_parent_is_a_root_and_noted(tmp_path: Path) -> None:
     objs = [header(), msg("u1", "gone0000", user("q")), msg("a1", "u1", assistant())]
     threads, load = openclaw.load(write(tmp_path, objs))
     assert [m.entry_id for m in threads[0].messages] == ["u1", "a1"]
-    assert load.recovered == [{"file": str(tmp_path / f"{SID}.jsonl"), "line": 2,
-                               "note": "parentId 'gone0000' of entry u1 not found; treated as root"}]
+    assert load.recovered == [
+        {
+            "file": str(tmp_path / f"{SID}.jsonl"),
+            "line": 2,
+            "note": "parentId 'gone0000' of entry u1 not found; treated as root",
+        }
+    ]
 
 
 def test_legacy_is_linear_with_line_ids(tmp_path: Path) -> None:
-    objs = [header(None), msg(None, None, user("q")), {"type": "thinking_level_change", "thinkingLevel": "low"},
-            msg(None, None, assistant())]
+    objs = [
+        header(None),
+        msg(None, None, user("q")),
+        {"type": "thinking_level_change", "thinkingLevel": "low"},
+        msg(None, None, assistant()),
+    ]
     threads, load = openclaw.load(write(tmp_path, objs))
     assert load.format == "pi_legacy" and threads[0].source_format == "pi_legacy"
     assert [(m.entry_id, m.parent_id) for m in threads[0].messages] == [("L2", None), ("L4", "L3")]
@@ -263,10 +407,25 @@ def test_legacy_is_linear_with_line_ids(tmp_path: Path) -> None:
 
 
 def _compaction_file(tmp_path: Path, first_kept: str) -> Path:
-    comp = {"type": "compaction", "id": "c1", "parentId": "a2", "timestamp": "2026-01-01T10:05:00.000Z",
-            "summary": "S", "firstKeptEntryId": first_kept, "tokensBefore": 999}
-    objs = [header(), msg("u1", None, user("q1")), msg("a1", "u1", assistant()), msg("u2", "a1", user("q2")),
-            msg("a2", "u2", assistant()), comp, msg("u3", "c1", user("q3")), msg("a3", "u3", assistant())]
+    comp = {
+        "type": "compaction",
+        "id": "c1",
+        "parentId": "a2",
+        "timestamp": "2026-01-01T10:05:00.000Z",
+        "summary": "S",
+        "firstKeptEntryId": first_kept,
+        "tokensBefore": 999,
+    }
+    objs = [
+        header(),
+        msg("u1", None, user("q1")),
+        msg("a1", "u1", assistant()),
+        msg("u2", "a1", user("q2")),
+        msg("a2", "u2", assistant()),
+        comp,
+        msg("u3", "c1", user("q3")),
+        msg("a3", "u3", assistant()),
+    ]
     return write(tmp_path, objs)
 
 
@@ -276,7 +435,10 @@ def test_compaction_hides_history_before_first_kept_from_later_calls(tmp_path: P
     assert [m.entry_id for m in t.messages] == ["u1", "a1", "c1", "u2", "a2", "u3", "a3"]
     summary = t.messages[2]
     assert summary.is_compact_summary and summary.role == "user"
-    assert summary.blocks[0].text == openclaw.COMPACTION_SUMMARY_PREFIX + "S" + openclaw.COMPACTION_SUMMARY_SUFFIX
+    assert (
+        summary.blocks[0].text
+        == openclaw.COMPACTION_SUMMARY_PREFIX + "S" + openclaw.COMPACTION_SUMMARY_SUFFIX
+    )
     assert (summary.source_line, summary.raw_line.startswith('{"type": "compaction"')) == (6, True)
     blocks = pl.from_arrow(threads_to_blocks(threads))
     seen = {k: visible(blocks, k)["entry_id"].to_list() for k in range(4)}
@@ -297,11 +459,22 @@ def test_compaction_with_unknown_first_kept_keeps_nothing_before_it(tmp_path: Pa
 
 
 def test_legacy_compaction_uses_entry_index(tmp_path: Path) -> None:
-    objs = [header(None), msg(None, None, user("q1")), msg(None, None, assistant()), msg(None, None, user("q2")),
-            msg(None, None, assistant()),
-            {"type": "compaction", "timestamp": "2026-01-01T10:05:00.000Z", "summary": "S", "firstKeptEntryIndex": 3,
-             "tokensBefore": 1},
-            msg(None, None, user("q3")), msg(None, None, assistant())]
+    objs = [
+        header(None),
+        msg(None, None, user("q1")),
+        msg(None, None, assistant()),
+        msg(None, None, user("q2")),
+        msg(None, None, assistant()),
+        {
+            "type": "compaction",
+            "timestamp": "2026-01-01T10:05:00.000Z",
+            "summary": "S",
+            "firstKeptEntryIndex": 3,
+            "tokensBefore": 1,
+        },
+        msg(None, None, user("q3")),
+        msg(None, None, assistant()),
+    ]
     threads, _ = openclaw.load(write(tmp_path, objs))
     assert [m.entry_id for m in threads[0].messages] == ["L2", "L3", "L6", "L4", "L5", "L7", "L8"]
     blocks = pl.from_arrow(threads_to_blocks(threads))
@@ -312,8 +485,14 @@ def test_legacy_compaction_uses_entry_index(tmp_path: Path) -> None:
 
 
 def test_bad_lines_are_quarantined_with_reasons(tmp_path: Path) -> None:
-    objs = [header(), msg("u1", None, user("q")), [1, 2], {"id": "x"}, {"type": "message", "id": "m9"},
-            {"type": "message", "id": "m8", "message": {"content": []}}]
+    objs = [
+        header(),
+        msg("u1", None, user("q")),
+        [1, 2],
+        {"id": "x"},
+        {"type": "message", "id": "m9"},
+        {"type": "message", "id": "m8", "message": {"content": []}},
+    ]
     p = write(tmp_path, objs, raw_lines=["{not json"])
     threads, load = openclaw.load(p)
     reasons = {q.line: q.reason for q in load.quarantine}
@@ -342,7 +521,10 @@ def test_glued_line_with_one_bad_object_is_noted(tmp_path: Path) -> None:
     p = write(tmp_path, [header(), msg("u1", None, user("q")), msg("a1", "u1", assistant()), glued])
     _, load = openclaw.load(p)
     assert load.message_lines == 3 and not load.quarantine
-    assert load.recovered[-1]["note"] == "1 of 2 objects on this line not understood: expected a JSON object, got list"
+    assert (
+        load.recovered[-1]["note"]
+        == "1 of 2 objects on this line not understood: expected a JSON object, got list"
+    )
 
 
 # ---------------------------------------------------------------- shipped samples
@@ -351,8 +533,13 @@ def test_glued_line_with_one_bad_object_is_noted(tmp_path: Path) -> None:
 def test_openclaw_sample() -> None:
     threads, load = openclaw.load(SAMPLES / "openclaw-sample.jsonl")
     assert (load.format, load.lines, load.message_lines, load.quarantined_lines) == ("openclaw", 22, 17, 0)
-    assert load.other_lines == {"session": 1, "model_change": 1, "thinking_level_change": 1,
-                                "custom:model-snapshot": 1, "compaction": 1}
+    assert load.other_lines == {
+        "session": 1,
+        "model_change": 1,
+        "thinking_level_change": 1,
+        "custom:model-snapshot": 1,
+        "compaction": 1,
+    }
     assert load.recovered == [{"file": str(SAMPLES / "openclaw-sample.jsonl"), "line": 14, "objects": 2}]
     assert [(t.thread_id, len(calls(t))) for t in threads] == [("main", 7), ("branch-c0a1000a", 1)]
     df = frame(threads)
@@ -363,7 +550,9 @@ def test_openclaw_sample() -> None:
     assert main.filter(pl.col("is_compact_summary"))["first_call"].to_list() == [5]
     # the glued line holds the tool result and the answer after it
     assert main.filter(pl.col("source_line") == 14)["entry_id"].unique(maintain_order=True).to_list() == [
-        "c0a1000d", "c0a1000e"]
+        "c0a1000d",
+        "c0a1000e",
+    ]
 
 
 def test_pi_legacy_sample() -> None:
@@ -407,8 +596,13 @@ def test_corpus_file_loads_with_exact_accounting(corpus: Path, prefix: str) -> N
         first = json.loads(fh.readline())
     assert openclaw.sniff([first], path) == fmt
     threads, load = openclaw.load(path)
-    assert (load.format, load.lines, load.message_lines, sum(load.other_lines.values()), load.quarantined_lines) == (
-        fmt, lines, message, other, quarantined)
+    assert (
+        load.format,
+        load.lines,
+        load.message_lines,
+        sum(load.other_lines.values()),
+        load.quarantined_lines,
+    ) == (fmt, lines, message, other, quarantined)
     assert load.lines == load.message_lines + sum(load.other_lines.values()) + load.quarantined_lines
     assert len(threads) == n_threads and len(calls(threads[0])) == n_calls
     assert threads[0].thread_id == "main"
@@ -455,7 +649,8 @@ def test_corpus_inter_session_message(corpus: Path) -> None:
     assert threads[0].session_id == "bbd5bce8-e1cc-4cd2-a160-758a0a14900e"  # the name, not the header id
     df = frame(threads).filter(pl.col("provenance_kind") == "inter_session")
     assert df.select("role", "provenance_tool", "provenance_channel").unique().rows() == [
-        ("user", "subagent_announce", "webchat")]
+        ("user", "subagent_announce", "webchat")
+    ]
     assert df["provenance_source_session"][0].startswith("agent:main:subagent:")
 
 
@@ -474,7 +669,9 @@ def test_corpus_compaction_hides_messages_before_first_kept(corpus: Path) -> Non
     threads, load = openclaw.load(_corpus_file(corpus, "okbest2024__openclaw-backup__00957d43"))
     t = threads[0]
     s = next(i for i, m in enumerate(t.messages) if m.is_compact_summary)
-    assert t.messages[s].entry_id == "e22722b0" and t.messages[s + 1].entry_id == "3c66ef44"  # firstKeptEntryId
+    assert (
+        t.messages[s].entry_id == "e22722b0" and t.messages[s + 1].entry_id == "3c66ef44"
+    )  # firstKeptEntryId
     blocks = pl.from_arrow(threads_to_blocks(threads))
     last_before = "bcd52f66"  # the last call before the compaction
     k = blocks.filter(pl.col("entry_id") == last_before)["first_call"][0] - 1

@@ -53,8 +53,8 @@ ASSISTANT_ITEMS = {"reasoning", "function_call", "custom_tool_call", "local_shel
                    "tool_search_call", "image_generation_call"}
 OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output", "local_shell_call_output",
                 "tool_search_output"}
-_META_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions", "<turn_aborted>",
-                  "<user_shell_command>")
+_META_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions",
+                  "<turn_aborted>", "<user_shell_command>")
 _DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.S)
 
 
@@ -124,11 +124,13 @@ def _output_parts(output: Any, *, tool_use_id: str | None, tool_name: str | None
                 parts.append(Block("tool_result", text=p.get("text"), part_type="text", part_pos=i, **common))
             elif isinstance(p, dict) and p.get("type") == "input_image":
                 img = _image_from_url(p.get("image_url"))
-                parts.append(Block("tool_result", part_type="image", part_pos=i, image_media_type=img.image_media_type,
-                                   image_data=img.image_data, extra=img.extra, **common))
+                parts.append(Block("tool_result", part_type="image", part_pos=i,
+                                   image_media_type=img.image_media_type, image_data=img.image_data,
+                                   extra=img.extra, **common))
             else:
-                parts.append(Block("tool_result", part_type="other", part_pos=i,
-                                   text=p if isinstance(p, str) else json_text(p), extra={"part": p}, **common))
+                text = p if isinstance(p, str) else json_text(p)
+                parts.append(Block("tool_result", part_type="other", part_pos=i, text=text, extra={"part": p},
+                                   **common))
         return parts
     if output is None or output == [] or output == "":
         return [Block("tool_result", part_type="empty", **common)]
@@ -162,8 +164,8 @@ def _assistant_blocks(p: dict[str, Any]) -> list[Block]:
         except orjson.JSONDecodeError:
             tool_input = json_text(args)
             extra["arguments_not_json"] = True
-        return [Block("tool_use", tool_use_id=p.get("call_id"), tool_name=p.get("name"), tool_input=tool_input,
-                      extra=extra or None)]
+        return [Block("tool_use", tool_use_id=p.get("call_id"), tool_name=p.get("name"),
+                      tool_input=tool_input, extra=extra or None)]
     if t == "custom_tool_call":
         extra = {k: v for k, v in p.items() if k not in ("type", "name", "input", "call_id")}
         extra["item_type"] = "custom_tool_call"
@@ -218,7 +220,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                 continue
             t = o.get("type")
             if not isinstance(t, str) or not t:
-                kinds.append("!line has no 'type' field (expected session_meta, response_item, event_msg, ...)")
+                kinds.append("!line has no 'type' field "
+                             "(expected session_meta, response_item, event_msg, ...)")
                 continue
             p = o.get("payload")
             if not isinstance(p, dict):
@@ -279,7 +282,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                 keep_from = len(msgs)
                 if isinstance(hist, list) and hist:
                     for i, item in enumerate(hist):
-                        m = _item_message(item, f"{eid}.r{i}", spath, line_no, raw, ts, model, provider, call_names)
+                        m = _item_message(item, f"{eid}.r{i}", spath, line_no, raw, ts, model, provider,
+                                          call_names)
                         if m is not None:
                             m.visible_from = at
                             msgs.append(m)
@@ -355,12 +359,13 @@ def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any,
         blocks = _message_blocks(p.get("content"))
         if role == "user":
             first = next((b.text for b in blocks if b.block_type == "text" and b.text), "") or ""
-            return Message(role="user", blocks=blocks, is_meta=first.lstrip().startswith(_META_PREFIXES), **base)
+            is_meta = first.lstrip().startswith(_META_PREFIXES)
+            return Message(role="user", blocks=blocks, is_meta=is_meta, **base)
         if role in ("developer", "system"):
             return Message(role="system", blocks=blocks, **base)
         if role == "assistant":
-            return Message(role="assistant", blocks=blocks, model=model, provider=provider, api="openai-responses",
-                           is_call=False, **base)
+            return Message(role="assistant", blocks=blocks, model=model, provider=provider,
+                           api="openai-responses", is_call=False, **base)
         return None
     if it in OUTPUT_ITEMS:
         cid = p.get("call_id") if isinstance(p.get("call_id"), str) else None

@@ -55,7 +55,9 @@ COMPACTION_SUMMARY_PREFIX = (
     "The conversation history before this point was compacted into the following summary:\n\n<summary>\n"
 )
 COMPACTION_SUMMARY_SUFFIX = "\n</summary>"
-BRANCH_SUMMARY_PREFIX = "The following is a summary of a branch that this conversation came back from:\n\n<summary>\n"
+BRANCH_SUMMARY_PREFIX = (
+    "The following is a summary of a branch that this conversation came back from:\n\n<summary>\n"
+)
 BRANCH_SUMMARY_SUFFIX = "</summary>"
 
 # Message roles pi's convertToLlm sends to the model; any other role is dropped by it.
@@ -157,8 +159,9 @@ def tool_result_parts(content: Any, *, tool_use_id: Any, tool_name: Any, is_erro
             parts.append(Block("tool_result", text=p.get("text"), part_type="text", part_pos=i,
                                extra=_rest(p, ["text"]), **common))
         elif isinstance(p, dict) and p.get("type") == "image":
-            parts.append(Block("tool_result", part_type="image", part_pos=i, image_media_type=p.get("mimeType"),
-                               image_data=p.get("data"), extra=_rest(p, ["mimeType", "data"]), **common))
+            parts.append(Block("tool_result", part_type="image", part_pos=i,
+                               image_media_type=p.get("mimeType"), image_data=p.get("data"),
+                               extra=_rest(p, ["mimeType", "data"]), **common))
         else:
             parts.append(Block("tool_result", part_type="other", part_pos=i,
                                text=p if isinstance(p, str) else json_text(p), extra={"part": p}, **common))
@@ -261,7 +264,8 @@ def _entry_message(e: Entry, path: str) -> tuple[Message | None, str]:
         if not o.get("summary"):
             return None, "branch_summary"
         text = BRANCH_SUMMARY_PREFIX + str(o.get("summary")) + BRANCH_SUMMARY_SUFFIX
-        return Message(role="user", blocks=[Block("text", text=text)], timestamp=parse_ts(ts_entry), **base), "message"
+        return Message(role="user", blocks=[Block("text", text=text)], timestamp=parse_ts(ts_entry),
+                       **base), "message"
     if e.type == "custom":
         return None, f"custom:{o.get('customType')}" if o.get("customType") else "custom"
     return None, e.type
@@ -337,8 +341,8 @@ def _thread(path_entries: list[Entry], file_entries: list[Entry], fmt: str, path
         later = [summary_at[o] for o in range(order) if summary_at[o] > s]
         if later:
             load.recovered.append({"file": path, "line": c.line,
-                                   "note": f"compaction {c.id} keeps entries from before an earlier compaction; "
-                                           "the earlier summary stays visible in this replay"})
+                                   "note": f"compaction {c.id} keeps entries from before an earlier "
+                                           "compaction; the earlier summary stays visible in this replay"})
     return final, compactions
 
 
@@ -353,8 +357,8 @@ def _ancestry(tip: Entry, by_id: dict[str, Entry], load: FileLoad, path: str, no
         if nxt is not None and nxt not in by_id:
             if cur.id not in noted:
                 noted.add(cur.id)
-                load.recovered.append({"file": path, "line": cur.line,
-                                       "note": f"parentId {nxt!r} of entry {cur.id} not found; treated as root"})
+                note = f"parentId {nxt!r} of entry {cur.id} not found; treated as root"
+                load.recovered.append({"file": path, "line": cur.line, "note": note})
             nxt = None
         cur = by_id.get(nxt) if nxt is not None else None
     chain.reverse()
@@ -409,8 +413,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
         if e.id in by_id:
             old = by_id[e.id]
             old.id = f"{old.id}@L{old.line}"
-            load.recovered.append({"file": spath, "line": old.line,
-                                   "note": f"entry id {e.id!r} is used again on line {e.line}; renamed {old.id!r}"})
+            note = f"entry id {e.id!r} is used again on line {e.line}; renamed {old.id!r}"
+            load.recovered.append({"file": spath, "line": old.line, "note": note})
         by_id[e.id] = e
     by_id = {e.id: e for e in entries}
     # resolve what each entry sends, then account lines
@@ -432,9 +436,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
         else:
             load.other_lines[good[0]] += 1
         if bad:
-            load.recovered.append({"file": spath, "line": line_no,
-                                   "note": f"{len(bad)} of {len(resolved)} objects on this line not understood: "
-                                           f"{bad[0][1:]}"})
+            note = f"{len(bad)} of {len(resolved)} objects on this line not understood: {bad[0][1:]}"
+            load.recovered.append({"file": spath, "line": line_no, "note": note})
     load.check()
 
     session_id = session_id_from_name(path)
