@@ -105,6 +105,7 @@ def replay_thread(
     log_first: list[int] = []  # position in `vis` where each logical message starts
     system_rows: list[int] = []
     wire: list[tuple[int, bytes, dict[str, Any]]] = []  # (first logical index, canonical bytes, message)
+    wire_first: list[int] = []  # wire[j][0], kept alongside for bisect
     states = [hashlib.sha256(b'{"' + list_key.encode() + b'":[')]
     tok_sum = 0
     last_ts = None
@@ -145,11 +146,11 @@ def replay_thread(
                     log_first.append(pos)
             # wire messages: redo from the one holding logical message li-1 (it may merge with li)
             a = max(li - 1, 0)
-            firsts = [w[0] for w in wire]
-            wj = max(bisect.bisect_right(firsts, a) - 1, 0) if wire else 0
+            wj = max(bisect.bisect_right(wire_first, a) - 1, 0) if wire else 0
             old_tail = wire[wj:]
             shape_from = old_tail[0][0] if old_tail else 0
             del wire[wj:]
+            del wire_first[wj:]
             del states[wj + 1:]
             new = target.shape(logical, shape_from) if shape_from < len(logical) else []
             for j, (first, msg) in enumerate(new):
@@ -161,6 +162,7 @@ def replay_thread(
                 h.update((b"," if idx > 0 else b"") + b)
                 states.append(h)
                 wire.append((first, b, msg))
+                wire_first.append(first)
             if prefix_break is None and len(old_tail) > len(new):
                 prefix_break = wj + len(new)
         if vis:

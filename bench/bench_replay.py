@@ -1,0 +1,109 @@
+"""Replay cost: a generated 4,000-call thread vs a 2,000-call one, and MB/s over the corpus.
+
+Prints the time of each size (best of N), their ratio (target ≤ 2.2: linear cost), and the
+throughput of a cold run (token cache empty) and a warm one (same ledger: texts already counted)
+over ../shared/corpus when it is present.
+
+    python bench/bench_replay.py [--preset identity] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.runner import RunOptions, run  # noqa: E402
+from pipeline.spec import load_spec  # noqa: E402
+from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER  # noqa: E402
+
+SID = "9b1f0000-0000-4000-8000-00000000beef"
+
+
+def generate(path: Path, calls: int) -> None:
+    """A Claude Code session with `calls` requests: prompt, then tool call / result turns."""
+    lines = []
+    parent = None
+    n = 0
+
+    def uid() -> str:
+        nonlocal n
+        n += 1
+        return f"00000000-0000-4000-8000-{n:012d}"
+
+    def ts(i: int) -> str:
+        return f"2026-01-01T{(i // 3600) % 24:02d}:{(i // 60) % 60:02d}:{i % 60:02d}.000Z"
+
+    def entry(typ: str, message: dict, i: int, **kw) -> None:
+        nonlocal parent
+        u = uid()
+        lines.append(json.dumps({"type": typ, "uuid": u, "parentUuid": parent, "sessionId": SID, "timestamp": ts(i),
+                                 "isSidechain": False, "message": message, **kw}))
+        parent = u
+
+    entry("user", {"role": "user", "content": "Please refactor the module step by step."}, 0)
+    for k in range(calls):
+        usage = {"input_tokens": 3, "output_tokens": 40, "cache_read_input_tokens": 1000 + 60 * k,
+                 "cache_creation_input_tokens": 60}
+        tid = f"toolu_bench_{k:06d}"
+        last = k == calls - 1
+        block = ({"type": "text", "text": "All steps are done."} if last else
+                 {"type": "tool_use", "id": tid, "name": "Bash", "input": {"command": f"run step {k}"}})
+        entry("assistant", {"id": f"msg_bench_{k:06d}", "role": "assistant", "model": "claude-sonnet-4-5",
+                            "content": [block], "usage": usage}, 2 * k + 1, requestId=f"req_bench_{k:06d}")
+        if not last:
+            out = f"step {k} output\n" + ("log line with some detail\n" * (5 + k % 7))
+            entry("user", {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": out}]},
+                  2 * k + 2)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def time_run(paths: list[Path], preset: str, out: Path, ledger: Path | None, counter: str) -> tuple[float, dict]:
+    if out.exists():
+        shutil.rmtree(out)
+    t = time.perf_counter()
+    res = run(paths, load_spec(preset=preset), RunOptions(out_dir=out, ledger_path=ledger, token_counter=counter))
+    return time.perf_counter() - t, res.summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="ctxreplay-bench-"))
+    try:
+        times = {}
+        for calls in (2000, 4000):
+            d = tmp / f"gen{calls}"
+            d.mkdir()
+            generate(d / f"{SID}.jsonl", calls)
+            best = min(time_run([d], args.preset, tmp / f"o{calls}", None, CHARS4_COUNTER)[0]
+                       for _ in range(args.repeat))
+            times[calls] = best
+            print(f"{calls:>5} calls  {best:7.3f} s  ({calls / best:,.0f} calls/s)  preset {args.preset}")
+        print(f"ratio 4000/2000 = {times[4000] / times[2000]:.2f}  (target <= 2.2)")
+        corpus = ROOT.parent / "shared" / "corpus"
+        if corpus.is_dir():
+            ledger = tmp / "corpus-ledger.duckdb"
+            cold, s = time_run([corpus], args.preset, tmp / "oc", ledger, TIKTOKEN_COUNTER)
+            warm, s2 = time_run([corpus], args.preset, tmp / "ow", ledger, TIKTOKEN_COUNTER)
+            mb = s["bytes"] / 1e6
+            print(f"corpus {mb:.1f} MB, {s['calls']} calls: cold {cold:.2f} s = {mb / cold:.1f} MB/s "
+                  f"({s['tokens']['texts_counted']} texts tokenized); warm {warm:.2f} s = {mb / warm:.1f} MB/s "
+                  f"({s2['tokens']['texts_counted']} tokenized, {s2['tokens']['cache_hits']} from the cache)")
+        else:
+            print(f"corpus not found at {corpus}: MB/s figures skipped")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
