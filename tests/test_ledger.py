@@ -1,0 +1,77 @@
+"""The ledger: one transaction per run, namespaced by spec, reused on re-run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from pipeline.ledger import Ledger
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
+from pipeline.tokens import CHARS4_COUNTER
+
+ROOT = Path(__file__).resolve().parent.parent
+CC_SAMPLE = ROOT / "data" / "samples" / "claude-projects"
+
+
+def test_a_failed_commit_leaves_the_ledger_as_before(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "l.duckdb"
+    led = Ledger(path)
+    led.store_tokens("c", {"a" * 64: 3})
+    run_row = {"spec_sha256": "s", "input_files": [{"path": "x", "sha256": "y"}], "counts": {"calls": 1}}
+
+    class Boom(Exception):
+        pass
+
+    original = led.con.execute
+
+    def failing(q, *a, **k):
+        if q.startswith("INSERT INTO runs"):
+            raise Boom("crash in the middle of the run's commit")
+        return original(q, *a, **k)
+
+    monkeypatch.setattr(led, "con", type("C", (), {"execute": staticmethod(failing), "register": led.con.register,
+                                                    "unregister": led.con.unregister})())
+    with pytest.raises(Boom):
+        led.commit_run(run_row, {})
+    monkeypatch.undo()
+    assert led.con.execute("SELECT count(*) FROM token_cache").fetchall()[0][0] == 0
+    assert led.con.execute("SELECT count(*) FROM runs").fetchall()[0][0] == 0
+    led.close()
+
+
+def test_runs_are_recorded_with_input_hashes(tmp_path: Path) -> None:
+    opts = RunOptions(out_dir=tmp_path / "o", token_counter=CHARS4_COUNTER)
+    spec = load_spec(preset="identity")
+    run([CC_SAMPLE], spec, opts)
+    run([CC_SAMPLE], spec, opts)
+    led = Ledger(tmp_path / "o" / "ledger.duckdb", read_only=True)
+    runs = led.runs()
+    assert runs.height == 2
+    assert runs["spec_sha256"].unique().to_list() == [spec.sha256]
+    import json
+
+    files = json.loads(runs["input_files"][0])
+    assert len(files) == 2 and all(len(f["sha256"]) == 64 for f in files)
+    led.close()
+
+
+def test_a_locked_or_bad_ledger_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-ledger.duckdb"
+    bad.write_text("this is not a database")
+    from pipeline.errors import LedgerError
+
+    with pytest.raises(LedgerError, match="cannot open the ledger"):
+        Ledger(bad)
+
+
+def test_decisions_table_matches_the_schema(tmp_path: Path) -> None:
+    led = Ledger(tmp_path / "l.duckdb")
+    df = led.decisions()
+    from schemas.decisions import DECISIONS
+
+    assert df.columns == DECISIONS.names
+    assert isinstance(df, pl.DataFrame)
+    led.close()

@@ -1,0 +1,53 @@
+"""Tokens: o200k_base from the shipped file, special-token text counted, cache by sha256."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from pipeline.ledger import Ledger
+from pipeline.tokens import (
+    CHARS4_COUNTER,
+    O200K_FILE,
+    O200K_SHA256,
+    TIKTOKEN_COUNTER,
+    TokenCounter,
+    image_tokens,
+    load_o200k,
+)
+
+
+def test_shipped_encoding_is_byte_identical_to_openais() -> None:
+    assert hashlib.sha256(gzip.decompress(O200K_FILE.read_bytes())).hexdigest() == O200K_SHA256
+
+
+@pytest.mark.tiktoken
+def test_o200k_counts_offline_and_survives_special_tokens() -> None:
+    enc = load_o200k()
+    assert enc.name == "o200k_base"
+    assert enc.encode_ordinary("hello world") == [24912, 2375]
+    c = TokenCounter(TIKTOKEN_COUNTER)
+    counts = c.count_many(["hello world", "a <|endoftext|> b"])
+    assert sorted(counts.values())[0] == 2 and len(counts) == 2
+
+
+def test_texts_are_counted_once_and_cached_in_the_ledger(tmp_path: Path) -> None:
+    led = Ledger(tmp_path / "l.duckdb")
+    c = TokenCounter(CHARS4_COUNTER, cache=led)
+    c.count_many(["abcd", "abcdefgh", "abcd"])
+    assert c.counted == 2
+    led.commit_run({"spec_sha256": "x"}, {})
+    c2 = TokenCounter(CHARS4_COUNTER, cache=led)
+    memo = c2.count_many(["abcd", "abcdefgh", "xyz"])
+    assert (c2.counted, c2.cache_hits) == (1, 2)
+    assert sorted(memo.values()) == [1, 1, 2]
+    led.close()
+
+
+def test_image_tokens() -> None:
+    assert image_tokens(None, None) == 1600
+    assert image_tokens(100, 75) == 10
+    assert image_tokens(4000, 4000) == 1600
