@@ -121,7 +121,7 @@ def _human(s: dict[str, Any]) -> str:
     if s["quarantined_lines"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in s["quarantine_reasons"].items())
         lines.append(f"  {s['quarantined_lines']} of {s['lines']:,} lines quarantined ({reasons}); everything else "
-                     f"was replayed. See them in {s['out_dir']}/quarantine.parquet")
+                     f"was replayed. See them with: ctxreplay ledger {s['out_dir']} --quarantine")
     if s["recovered_lines"]:
         lines.append(f"  recovered {len(s['recovered_lines'])} line(s) holding more than one JSON object")
     lines.append(f"  wrote {s['out_dir']}/calls.parquet, requests/, summary.json; ledger {s['ledger']}")
@@ -148,6 +148,70 @@ def request(out_dir: Path, thread_key: str, call: int | None, target: str) -> No
     except CtxReplayError as exc:
         raise _fail(exc) from exc
     click.echo(orjson.dumps(req, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--ledger", "ledger_path", type=click.Path(path_type=Path), help="Ledger file (default: OUT/ledger.duckdb).")
+@click.option("--stage", "stage_name", help="Only this stage's decisions.")
+@click.option("--session", "session_id", help="Only this session's decisions.")
+@click.option("--quarantine", is_flag=True, help="Show the quarantined lines of the run instead.")
+@click.option("--limit", type=int, default=50, show_default=True, help="Rows to list (0: all).")
+@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, session_id: str | None, quarantine: bool,
+           limit: int, json_: bool) -> None:
+    """Query a run's ledger: decisions by stage and reason, the runs, or the quarantined lines.
+
+    \b
+    Example:
+      ctxreplay ledger ctxreplay-out --stage tombstone --limit 10
+    """
+    import polars as pl
+
+    from pipeline.ledger import Ledger
+
+    if quarantine:
+        q_path = out_dir / "quarantine.parquet"
+        if not q_path.is_file():
+            raise Failure(f"{out_dir}: no quarantine.parquet here; run `ctxreplay run ... --out {out_dir}` first")
+        q = pl.read_parquet(q_path)
+        rows = q.head(limit) if limit else q
+        if json_:
+            click.echo(orjson.dumps(rows.to_dicts()).decode())
+        else:
+            click.echo(f"{q.height} quarantined line(s)")
+            for r in rows.iter_rows(named=True):
+                click.echo(f"{r['file']}:{r['line']}: {r['reason']}\n    {r['raw'][:200]}")
+        return
+    path = ledger_path or out_dir / "ledger.duckdb"
+    if not path.is_file():
+        raise Failure(f"{path}: no ledger here; run `ctxreplay run ... --out {out_dir}` first or pass --ledger")
+    try:
+        led = Ledger(path, read_only=True)
+    except CtxReplayError as exc:
+        raise _fail(exc) from exc
+    try:
+        d = led.decisions()
+        runs = led.runs()
+    finally:
+        led.close()
+    if stage_name:
+        d = d.filter(pl.col("stage") == stage_name)
+    if session_id:
+        d = d.filter(pl.col("session_id") == session_id)
+    by = (d.group_by("spec_sha256", "stage", "action", "reason").len().sort("spec_sha256", "stage", "action", "reason")
+          if d.height else d)
+    listed = d.drop("replacement").head(limit) if limit else d.drop("replacement")
+    if json_:
+        click.echo(orjson.dumps({"runs": runs.height, "decisions": d.height, "by_reason": by.to_dicts(),
+                                 "rows": listed.to_dicts()}, default=str).decode())
+        return
+    click.echo(f"{path}: {runs.height} run(s), {d.height} decision(s)")
+    for r in by.iter_rows(named=True) if d.height else []:
+        click.echo(f"  {r['spec_sha256'][:12]}  {r['stage']:<14} {r['action']:<12} {r['reason']:<24} {r['len']:>7}")
+    for r in listed.iter_rows(named=True):
+        click.echo(f"  #{r['seq']} {r['stage']} {r['action']} {r['reason']} thread {r['session_id'][:8]}/{r['thread_id']} "
+                   f"entry {r['entry_id'][:12]} block {r['block_pos']}.{r['part_pos']} from call {r['from_call']}")
 
 
 @main.command(context_settings=CONTEXT)

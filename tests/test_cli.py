@@ -106,9 +106,20 @@ def test_stages_and_explain(tmp_path: Path) -> None:
     assert _run("explain", ROOT / "data" / "pipelines" / "default.toml").stdout.startswith("# ")
 
 
-@pytest.mark.parametrize("cmd", [[], ["run"], ["request"], ["stages"], ["explain"]])
+@pytest.mark.parametrize("cmd", [[], ["run"], ["request"], ["stages"], ["explain"], ["ledger"]])
 def test_every_command_has_help_with_an_example(cmd: list[str]) -> None:
     r = _run(*cmd, "-h")
     assert r.exit_code == 0 and "Usage:" in r.stdout
     if cmd:
         assert "Example:" in r.stdout
+
+
+def test_ledger_command_lists_quarantine_and_runs(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    assert _run("run", CC_SAMPLE, "--out", out, "-q", "--preset", "identity", "--fast-tokens").exit_code == 0
+    r = _run("ledger", out)
+    assert r.exit_code == 0 and r.stdout.startswith(f"{out / 'ledger.duckdb'}: 1 run(s), 0 decision(s)")
+    q = _run("ledger", out, "--quarantine", "--json")
+    assert q.exit_code == 0 and json.loads(q.stdout) == []
+    missing = _run("ledger", tmp_path / "nothing")
+    assert missing.exit_code == 2 and "no ledger here" in missing.stderr
