@@ -86,6 +86,12 @@ def test_sniff_tells_v3_from_legacy_and_ignores_other_formats() -> None:
     assert openclaw.sniff([{"type": "session_meta", "payload": {}}], p) is None
     assert openclaw.sniff([{"type": "user", "message": {}, "uuid": "u"}], p) is None
     assert openclaw.sniff([], p) is None
+    # an unreadable first line: the entries after it decide
+    entry = {"type": "message", "id": "a1", "parentId": None, "message": {"role": "user", "content": []}}
+    assert openclaw.sniff([None, entry], p) == "openclaw"
+    assert openclaw.sniff([None, {"type": "message", "message": {"role": "user"}}], p) == "pi_legacy"
+    assert openclaw.sniff([None, {"type": "user", "message": {"role": "user"}}], p) is None
+    assert openclaw.sniff([{"type": "message", "message": {"role": "user"}}], p) is None
 
 
 @pytest.mark.parametrize(
@@ -401,6 +407,13 @@ def test_legacy_is_linear_with_line_ids(tmp_path: Path) -> None:
     threads, load = openclaw.load(write(tmp_path, objs))
     assert load.format == "pi_legacy" and threads[0].source_format == "pi_legacy"
     assert [(m.entry_id, m.parent_id) for m in threads[0].messages] == [("L2", None), ("L4", "L3")]
+
+
+def test_file_without_header_or_ids_is_read_as_linear(tmp_path: Path) -> None:
+    objs = [msg(None, None, user("q")), msg(None, None, assistant()), msg(None, None, user("q2"))]
+    threads, load = openclaw.load(write(tmp_path, objs))
+    assert load.format == "pi_legacy"
+    assert [m.entry_id for m in threads[0].messages] == ["L1", "L2", "L3"]
 
 
 # ---------------------------------------------------------------- compaction

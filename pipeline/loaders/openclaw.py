@@ -73,15 +73,25 @@ def session_id_from_name(path: Path) -> str | None:
     return found[-1].lower() if found else None
 
 
+ENTRY_TYPES = {"message", "model_change", "thinking_level_change", "compaction", "custom", "custom_message",
+               "branch_summary", "label", "session_info"}
+
+
 def sniff(first_objects: list[Any], path: Path) -> str | None:
-    if not first_objects:
+    """The session header decides; when the first line is unreadable, pi-shaped entries do."""
+    objs = [o for o in first_objects if isinstance(o, dict) and "payload" not in o]  # payload: Codex
+    if not objs:
         return None
-    o = first_objects[0]
-    if not isinstance(o, dict) or o.get("type") != "session":
+    o = objs[0]
+    if o.get("type") == "session":
+        return FORMAT if o.get("version") is not None else FORMAT_LEGACY
+    if first_objects and isinstance(first_objects[0], dict):
+        return None  # a readable first line that is not a pi header
+    pi = [e for e in objs if e.get("type") in ENTRY_TYPES
+          and (e.get("type") != "message" or isinstance(e.get("message"), dict) and "role" in e["message"])]
+    if not pi:
         return None
-    if "payload" in o:  # a Codex rollout line, not a pi header
-        return None
-    return FORMAT if o.get("version") is not None else FORMAT_LEGACY
+    return FORMAT if any("parentId" in e for e in pi) else FORMAT_LEGACY
 
 
 # ---------------------------------------------------------------- content mapping
@@ -398,7 +408,9 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
             kinds.append("")  # decided below, once the format is known
         pending_lines.append((line_no, raw, kinds))
 
-    legacy = header is not None and header.get("version") is None
+    # legacy: an unversioned header; a file without a header is legacy when no entry has an id
+    legacy = (header.get("version") is None if header is not None
+              else not any(isinstance(e.obj.get("id"), str) for e in entries))
     fmt = FORMAT_LEGACY if legacy else FORMAT
     load.format = fmt
     if legacy:
