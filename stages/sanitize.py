@@ -1,0 +1,557 @@
+"""L1 sanitize: per-provider message cleaning before any other layer (layer-semantics §3).
+
+Nine sub-steps, in the documented order, each a set of column expressions over the blocks table:
+
+1. structural: drop null blocks (a `null` entry of a content list, a text block without text);
+2. blank text: drop whitespace-only text blocks of user and assistant rows (a user row left
+   without blocks disappears with them);
+3. row filter `drop_rows_where` (default: assistant rows marked display-only);
+4. failed empty assistant turns get the text `[assistant turn failed before producing content]`,
+   except for the calls where such a row is the last row of the request (there it is dropped);
+5. thinking policy and foreign-provider thinking; a row left empty gets
+   `[assistant reasoning omitted]`; a kept thinking block is never edited;
+6. invalid tool calls (missing id or input, bad or disallowed name): dropped or marked; a row with
+   signed thinking and an invalid call is dropped whole;
+7. non-model fields of tool results (`details`, UI metadata in `extra_json`) are stripped;
+8. normalised usage (`normalized_usage`, no decisions: raw usage is never changed);
+9. magic-string scrub in user text and tool-result text, never inside thinking.
+
+Messages are the blocks sharing `msg_key`. Decisions that depend on what follows a row (the
+"latest" assistant row, the current tool loop, the last row of a request) take effect from the
+first call that sees the later row, so a decision for call k depends only on rows visible at k.
+Every changed block version gets exactly one decision; a second pass decides nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+import polars as pl
+
+from pipeline.blockops import (
+    BLOCK_SCHEMA,
+    block_json_expr,
+    content_len_expr,
+    decisions_from,
+    drop_where,
+    empty_decisions,
+    rehash,
+    sort_blocks,
+)
+from pipeline.registry import StageContext, StageResult, stage
+from schemas.decisions import DECISION_KEY
+
+FAILED_TURN_TEXT = "[assistant turn failed before producing content]"
+REASONING_OMITTED_TEXT = "[assistant reasoning omitted]"
+UNAVAILABLE_TOOL_TEXT = "[tool call to unavailable tool omitted: {name}]"
+REDACTED = "[redacted]"
+MAGIC_PATTERN = r"ANTHROPIC_MAGIC_STRING_TRIGGER_(?:REFUSAL|REDACTED_THINKING)(?:_[0-9A-Fa-f]{64})?"
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+THINKING_TYPES = ("thinking", "redacted_thinking", "reasoning")
+CALL_TYPES = ("tool_use", "tool_call", "toolCall", "function_call")
+NULL_BLOCK_TYPES = ("null", "none", "")
+# A message recorded with no content at all is represented by one row of this type (a loader
+# placeholder); the request view skips it.
+EMPTY_PLACEHOLDER = "empty"
+# Keys of a tool_result block / part that a provider API accepts; everything else in extra_json
+# (OpenClaw `details`, Claude Code `toolUseResult`, UI metadata) is not model input.
+MODEL_RESULT_KEYS = ("cache_control", "citations")
+
+MSG = ["session_id", "thread_id", "msg_key"]
+THREAD = ["session_id", "thread_id"]
+OPEN = 2**31 - 1  # stands for a null (open) last_call in comparisons
+
+RowFilter = Literal["assistant_display_only", "display_only", "meta", "sidechain"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sanitize:
+    drop_rows_where: tuple[RowFilter, ...] = ("assistant_display_only",)
+    """Rows to drop: assistant_display_only (default), display_only (any role), meta, sidechain."""
+    thinking_policy: Literal[
+        "keep_signed", "drop_all_but_latest", "drop_all_but_current_tool_turn", "drop_all"
+    ] = "keep_signed"
+    """Which native thinking blocks stay; unsigned ones never do. Kept blocks are byte-identical."""
+    foreign_thinking: Literal["drop", "to_text"] = "drop"
+    """Thinking from another provider or API family than the target: drop it or keep its text as text."""
+    allowed_tools: tuple[str, ...] | None = None
+    """Tool names a call may use (case-insensitive); unset: every valid name."""
+    unknown_tool_policy: Literal["drop", "mark"] = "drop"
+    """A call with a bad or disallowed name: drop it, or replace it by a text marker naming the tool."""
+    scrub_magic: Literal["anthropic", "always", "off"] = "anthropic"
+    """Replace refusal/redacted-thinking trigger strings: for Anthropic targets, always, or never."""
+
+
+# ----------------------------------------------------------------------------- shared helpers
+
+
+def target_family(target: str) -> str:
+    """The API family a target profile replays thinking for."""
+    t = (target or "").lower()
+    if t.startswith(("anthropic", "bedrock", "claude")):
+        return "anthropic"
+    if t.startswith("openai_responses") or t.startswith("openai-responses"):
+        return "openai_responses"
+    if t.startswith("openai"):
+        return "openai_chat"
+    if t.startswith(("gemini", "google")):
+        return "gemini"
+    if t.startswith("mistral"):
+        return "mistral"
+    return t
+
+
+def row_family_expr() -> pl.Expr:
+    """API family that produced a row, from api / provider / source format (null: unknown)."""
+    api = pl.col("api").str.to_lowercase()
+    provider = pl.col("provider").str.to_lowercase()
+    return (
+        pl.when(pl.col("source_format") == "claude_code").then(pl.lit("anthropic"))
+        .when(pl.col("source_format") == "codex").then(pl.lit("openai_responses"))
+        .when(api.is_not_null() & (api == "anthropic-messages")).then(pl.lit("anthropic"))
+        .when(api.is_not_null() & api.str.starts_with("bedrock")).then(pl.lit("anthropic"))
+        .when(api.is_not_null() & api.str.contains("responses")).then(pl.lit("openai_responses"))
+        .when(api.is_not_null() & api.str.starts_with("openai")).then(pl.lit("openai_chat"))
+        .when(api.is_not_null() & api.str.starts_with("google")).then(pl.lit("gemini"))
+        .when(api.is_not_null() & api.str.starts_with("mistral")).then(pl.lit("mistral"))
+        .when(api.is_null() & provider.is_in(["anthropic", "amazon-bedrock", "bedrock"])).then(pl.lit("anthropic"))
+        .otherwise(pl.lit(None, pl.String))
+    )
+
+
+def is_blank(col: str) -> pl.Expr:
+    return pl.col(col).is_null() | (pl.col(col).str.strip_chars() == "")
+
+
+def signed_expr() -> pl.Expr:
+    """A thinking block carries a signature (redacted thinking: its `data`, kept in text or signature)."""
+    return (
+        pl.when(pl.col("block_type") == "redacted_thinking")
+        .then(~is_blank("signature") | ~is_blank("text"))
+        .otherwise(~is_blank("signature"))
+    )
+
+
+# ----------------------------------------------------------------------------- marks
+#
+# A stage works on one sorted frame of marks instead of chaining `drop_where` / `replace_where`:
+# each of those references its input several times, so a chain of n of them is a plan of 2**n
+# nodes. Here every sub-step adds columns (window functions only, no self-joins), and `finish`
+# turns the marks into the new blocks and the decision rows with a fixed, small fan-out.
+#   _drop_from / _drop_reason   drop this version from that call on (the earliest drop wins)
+#   _rep_reason                 content columns were replaced in place (from the version's first call)
+#   _orig_sha / _orig_len / _orig_extra   the version as it came in
+
+SORT = ["session_id", "thread_id", "order_key", "msg_key", "block_pos", "part_pos", "first_call", "entry_id"]
+
+
+def start_marks(blocks: pl.LazyFrame) -> pl.LazyFrame:
+    """The working frame: blocks sorted by message and block, with empty marks and message helpers."""
+    return blocks.sort(SORT).with_columns(
+        _orig_sha=pl.col("content_sha256"),
+        _orig_len=content_len_expr(),
+        _orig_extra=pl.col("extra_json"),
+        _drop_from=pl.lit(None, pl.Int32),
+        _drop_reason=pl.lit(None, pl.String),
+        _rep_reason=pl.lit(None, pl.String),
+        _end=pl.col("last_call").fill_null(OPEN),
+        _is_first_row=pl.int_range(pl.len()).over(MSG) == 0,
+        _msg_first=pl.col("first_call").min().over(MSG),
+        _min_pos=pl.col("block_pos").min().over(MSG),
+    )
+
+
+def cover_end() -> pl.Expr:
+    """The first call that no longer sees this version, after the drops marked so far."""
+    return pl.min_horizontal(pl.col("_end"), pl.col("_drop_from").fill_null(OPEN))
+
+
+def alive() -> pl.Expr:
+    """The version is still seen by at least its first call."""
+    return pl.col("_drop_from").is_null() | (pl.col("_drop_from") > pl.col("first_call"))
+
+
+def mark_drop(w: pl.LazyFrame, mask: pl.Expr, reason: str | pl.Expr, from_call: pl.Expr | None = None) -> pl.LazyFrame:
+    """Mark versions to drop from `from_call` (default: their first call); an earlier drop wins."""
+    frm = pl.max_horizontal(from_call if from_call is not None else pl.col("first_call"), pl.col("first_call"))
+    frm = frm.cast(pl.Int32)
+    eff = mask.fill_null(False) & (frm < pl.col("_end")) & (pl.col("_drop_from").is_null() | (frm < pl.col("_drop_from")))
+    eff = eff.fill_null(False)
+    r = reason if isinstance(reason, pl.Expr) else pl.lit(reason)
+    return w.with_columns(
+        _drop_from=pl.when(eff).then(frm).otherwise(pl.col("_drop_from")),
+        _drop_reason=pl.when(eff).then(r).otherwise(pl.col("_drop_reason")),
+    )
+
+
+def mark_replace(w: pl.LazyFrame, mask: pl.Expr, new_values: dict[str, pl.Expr], reason: str | pl.Expr) -> pl.LazyFrame:
+    """Replace columns of live versions where `mask` holds (from their first call)."""
+    m = (mask.fill_null(False) & alive()).alias("_mr")
+    r = reason if isinstance(reason, pl.Expr) else pl.lit(reason)
+    w = w.with_columns(m)
+    return w.with_columns(
+        **{c: pl.when("_mr").then(e).otherwise(pl.col(c)) for c, e in new_values.items()},
+        _rep_reason=pl.when("_mr").then(
+            pl.when(pl.col("_rep_reason").is_null()).then(r).otherwise(pl.concat_str([pl.col("_rep_reason"), pl.lit("+"), r]))
+        ).otherwise(pl.col("_rep_reason")),
+    ).drop("_mr")
+
+
+def next_message_first_call(cond: str) -> pl.Expr:
+    """First call of the next message (by order) in the thread whose boolean column `cond` holds.
+
+    Needs the working frame sorted by SORT (start_marks): the value sits on each message's first row,
+    so the next non-null value after any row of a message belongs to a later message."""
+    return (
+        pl.when(pl.col("_is_first_row") & pl.col(cond)).then(pl.col("_msg_first")).otherwise(None)
+        .shift(-1).backward_fill().over(THREAD)
+    )
+
+
+def text_row(text: str | pl.Expr, *, origin: str) -> dict[str, pl.Expr]:
+    """Column values that turn a template row into a plain text block."""
+    null = lambda t: pl.lit(None, t)  # noqa: E731
+    return dict(
+        part_pos=pl.lit(0, pl.Int32), block_type=pl.lit("text"), part_type=null(pl.String),
+        text=text if isinstance(text, pl.Expr) else pl.lit(text),
+        signature=null(pl.String), tool_use_id=null(pl.String), tool_name=null(pl.String),
+        tool_input=null(pl.String), is_error=null(pl.Boolean), image_media_type=null(pl.String),
+        image_bytes=null(pl.Int64), image_width=null(pl.Int32), image_height=null(pl.Int32),
+        image_data=null(pl.String), extra_json=null(pl.String), origin=pl.lit(origin),
+    )
+
+
+def insert_blocks(rows: pl.LazyFrame, *, reason: str | pl.Expr, action: str = "insert") -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """New block rows (blocks-shaped, content_sha256 recomputed) and one `insert` decision each."""
+    rows = rehash(rows.with_columns(_ins_reason=reason if isinstance(reason, pl.Expr) else pl.lit(reason)))
+    decisions = decisions_from(
+        rows, action=action, reason=pl.col("_ins_reason"),
+        after_sha256=pl.col("content_sha256"), after_len=content_len_expr(), replacement=block_json_expr(),
+    )
+    return rows.select(BLOCK_SCHEMA.names()), decisions
+
+
+def finish(
+    w: pl.LazyFrame, inserts: Sequence[tuple[pl.LazyFrame, pl.LazyFrame]] = (), *,
+    replace_action: str | pl.Expr = "replace", late_values: dict[str, pl.Expr] | None = None,
+    late_action: str = "replace",
+) -> StageResult:
+    """Turn the marks into (new blocks, decisions): one decision per changed version.
+
+    A replaced version is rehashed; a decision is written when its content hash or its
+    `extra_json` changed. A version dropped from its first call disappears (a replacement of it is
+    void); dropped later, it ends at that call (`last_call`). With `late_values`, a version whose
+    `_late_from` lies after its first call ends there and a new version with those values starts
+    there (one `late_action` decision from that call, before = the version it replaces).
+    """
+    cols = BLOCK_SCHEMA.names()
+    rep = rehash(w.filter(pl.col("_rep_reason").is_not_null()))
+    w2 = pl.concat([w.filter(pl.col("_rep_reason").is_null()), rep])
+    changed = (
+        (pl.col("content_sha256") != pl.col("_orig_sha")) | ~pl.col("extra_json").eq_missing(pl.col("_orig_extra"))
+    )
+    d_rep = decisions_from(
+        rep.filter(changed & alive()),
+        action=replace_action, reason=pl.col("_rep_reason"),
+        before_sha256=pl.col("_orig_sha"), after_sha256=pl.col("content_sha256"),
+        before_len=pl.col("_orig_len"), after_len=content_len_expr(), replacement=block_json_expr(),
+    )
+    gone_at_first = pl.col("_drop_from") <= pl.col("first_call")
+    d_drop = decisions_from(
+        w2.filter(pl.col("_drop_from").is_not_null()),
+        action="drop", reason=pl.col("_drop_reason"), from_call=pl.col("_drop_from"),
+        before_sha256=pl.when(gone_at_first).then(pl.col("_orig_sha")).otherwise(pl.col("content_sha256")),
+        before_len=pl.when(gone_at_first).then(pl.col("_orig_len")).otherwise(content_len_expr()),
+    )
+    kept = w2.filter(alive())
+    parts = [d_rep, d_drop]
+    late_rows: list[pl.LazyFrame] = []
+    if late_values is not None:
+        is_late = (
+            pl.col("_late_from").is_not_null() & (pl.col("_late_from") > pl.col("first_call"))
+            & (pl.col("_late_from") < cover_end())
+        ).fill_null(False)
+        kept = kept.with_columns(_is_late=is_late)
+        new = (
+            kept.filter("_is_late")
+            .with_columns(_prev_sha=pl.col("content_sha256"), _prev_len=content_len_expr())
+            .with_columns(**late_values)
+            .with_columns(first_call=pl.col("_late_from").cast(pl.Int32))
+        )
+        new = rehash(new).with_columns(
+            last_call=pl.when(pl.col("_drop_from").is_not_null()).then(pl.col("_drop_from")).otherwise(pl.col("last_call"))
+        )
+        parts.append(decisions_from(
+            new, action=late_action, reason=pl.col("_late_reason"),
+            before_sha256=pl.col("_prev_sha"), after_sha256=pl.col("content_sha256"),
+            before_len=pl.col("_prev_len"), after_len=content_len_expr(), replacement=block_json_expr(),
+        ))
+        late_rows.append(new.select(cols))
+        kept = kept.with_columns(
+            _drop_from=pl.when("_is_late").then(pl.col("_late_from")).otherwise(pl.col("_drop_from"))
+        )
+    kept = kept.with_columns(
+        last_call=pl.when(pl.col("_drop_from").is_not_null()).then(pl.col("_drop_from")).otherwise(pl.col("last_call"))
+    )
+    blocks_out = pl.concat([kept.select(cols), *late_rows, *[rows for rows, _ in inserts]])
+    decisions = pl.concat([*parts, *[d for _, d in inserts]])
+    return StageResult(sort_blocks(blocks_out), decisions.sort(DECISION_KEY))
+
+
+# ----------------------------------------------------------------------------- usage (sub-step 8)
+
+USAGE_FIELDS = {
+    "u_input": "usage_input",
+    "u_output": "usage_output",
+    "u_cache_read": "usage_cache_read",
+    "u_cache_write": "usage_cache_write",
+}
+
+
+def normalized_usage(blocks: pl.LazyFrame) -> pl.LazyFrame:
+    """The blocks with normalised usage columns added (sub-step 8); raw usage columns untouched.
+
+    `u_input, u_output, u_cache_read, u_cache_write` (missing = 0) and `u_total` (their sum) per
+    message: of the copies a split message repeats, the one with the largest total counts.
+    `usage_stale` is true for assistant rows before the latest compaction-summary row of their
+    thread (their recorded usage describes a context that no longer exists).
+    """
+    filled = {k: pl.col(v).fill_null(0) for k, v in USAGE_FIELDS.items()}
+    row_total = pl.sum_horizontal(*filled.values())
+    out = blocks.with_columns(_row_total=row_total, **{f"_{k}": e for k, e in filled.items()})
+    out = out.with_columns(
+        **{k: pl.col(f"_{k}").sort_by("_row_total").last().over(MSG) for k in USAGE_FIELDS},
+    ).with_columns(u_total=pl.sum_horizontal(*[pl.col(k) for k in USAGE_FIELDS]))
+    latest_summary = (
+        pl.when(pl.col("is_compact_summary")).then(pl.col("order_key")).otherwise(None).max().over(THREAD)
+    )
+    out = out.with_columns(
+        usage_stale=(pl.col("role") == "assistant")
+        & latest_summary.is_not_null()
+        & (pl.col("order_key") < latest_summary).fill_null(False)
+    )
+    return out.drop("_row_total", *[f"_{k}" for k in USAGE_FIELDS])
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+@stage("sanitize", version=1, params=Sanitize)
+def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
+    """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
+    thinking policy, invalid tool calls, non-model tool-result fields, magic strings.
+
+    Drops, replacements and inserted placeholder rows each get one decision whose reason names the
+    sub-step; kept signed thinking is byte-identical; raw columns never change. Normalised usage
+    (sub-step 8) is `normalized_usage`, a view that changes no block.
+    """
+    family = target_family(ctx.target)
+    w = start_marks(blocks)
+
+    # 1. structural: null blocks
+    w = mark_drop(
+        w,
+        pl.col("block_type").str.to_lowercase().is_in(list(NULL_BLOCK_TYPES))
+        | ((pl.col("block_type") == "text") & pl.col("text").is_null()),
+        "null_block",
+    )
+    # 2. blank text in user and assistant rows
+    w = mark_drop(
+        w,
+        pl.col("role").is_in(["user", "assistant"]) & (pl.col("block_type") == "text")
+        & (pl.col("text").str.strip_chars() == ""),
+        "blank_text",
+    )
+    # 3. row filter
+    filt = _row_filter_expr(params.drop_rows_where)
+    w = w.with_columns(_filtered=filt.fill_null(False).any().over(MSG) if filt is not None else pl.lit(False))
+    w = mark_drop(w, pl.col("_filtered"), "row_filter")
+    # 4. failed empty assistant turns
+    w, failed_rows = _failed_turns(w)
+    # 5. thinking
+    w, omitted_rows = _thinking(w, params, family)
+    # 6. invalid tool calls
+    w = _tool_calls(w, params)
+    # 7 + 9. non-model result fields and magic strings (a block changed by both: one decision)
+    w = _strip_and_scrub(w, params, family)
+    return finish(w, [failed_rows, omitted_rows])
+
+
+def _row_filter_expr(names: Sequence[str]) -> pl.Expr | None:
+    exprs = []
+    for n in names:
+        if n == "assistant_display_only":
+            exprs.append((pl.col("role") == "assistant") & pl.col("is_display_only"))
+        elif n == "display_only":
+            exprs.append(pl.col("is_display_only"))
+        elif n == "meta":
+            exprs.append(pl.col("is_meta"))
+        elif n == "sidechain":
+            exprs.append(pl.col("is_sidechain"))
+    if not exprs:
+        return None
+    out = exprs[0]
+    for e in exprs[1:]:
+        out = out | e
+    return out
+
+
+def _failed_turns(w: pl.LazyFrame) -> tuple[pl.LazyFrame, tuple[pl.LazyFrame, pl.LazyFrame]]:
+    """Sub-step 4. A failed empty assistant row loses its placeholders; from the first call that sees
+    a later message it reads FAILED_TURN_TEXT. While it is the last row of a request it is absent
+    (a trailing failed turn is dropped), so the decision for call k depends only on rows seen at k."""
+    usage = [pl.col(c) for c in ("usage_input", "usage_output", "usage_cache_read", "usage_cache_write")]
+    w = w.with_columns(
+        _n_content=(alive() & (pl.col("block_type") != EMPTY_PLACEHOLDER)).sum().over(MSG),
+        _stop=pl.col("stop_reason").max().over(MSG),
+        _usage_max=pl.max_horizontal([u.fill_null(0) for u in usage]).max().over(MSG),
+        _usage_known=pl.any_horizontal([u.is_not_null() for u in usage]).any().over(MSG),
+    ).with_columns(
+        _failed=(
+            (pl.col("role") == "assistant") & (pl.col("_n_content") == 0) & ~pl.col("_filtered")
+            & (
+                (pl.col("_stop") == "error")
+                | (pl.col("_stop").is_in(["stop", "end_turn"]) & pl.col("_usage_known") & (pl.col("_usage_max") == 0))
+            )
+        ).fill_null(False),
+        _has_content=(pl.col("_n_content") > 0) & ~pl.col("_filtered"),
+    ).with_columns(_next_content=next_message_first_call("_has_content"))
+    w = mark_drop(w, pl.col("_failed") & (pl.col("block_type") == EMPTY_PLACEHOLDER), "failed_turn")
+    start = pl.max_horizontal(pl.col("_next_content"), pl.col("first_call"))
+    new = (
+        w.filter(pl.col("_is_first_row") & pl.col("_failed") & pl.col("_next_content").is_not_null()
+                 & (start < pl.col("_end")))
+        .with_columns(**text_row(FAILED_TURN_TEXT, origin="sanitize"),
+                      block_pos=(pl.col("_min_pos") - 1).cast(pl.Int32), first_call=start.cast(pl.Int32))
+    )
+    return w, insert_blocks(new, reason="failed_turn")
+
+
+def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFrame, tuple[pl.LazyFrame, pl.LazyFrame]]:
+    """Sub-step 5: foreign thinking, the thinking policy, and the reasoning-omitted text for a row
+    that this sub-step leaves empty (from the call at which it becomes empty)."""
+    is_thinking = pl.col("block_type").is_in(list(THINKING_TYPES))
+    w = w.with_columns(
+        _native=(row_family_expr() == family).fill_null(False),
+        _signed=signed_expr(),
+        _is_assistant=pl.col("role") == "assistant",
+        _is_real_user=((pl.col("role") == "user") & ~(pl.col("block_type") == "tool_result").any().over(MSG)),
+        _cover_before=cover_end(),
+    ).with_columns(
+        _next_assistant=next_message_first_call("_is_assistant"),
+        _next_user=next_message_first_call("_is_real_user"),
+    )
+    foreign = is_thinking & ~pl.col("_native")
+    if params.foreign_thinking == "to_text":
+        convertible = foreign & (pl.col("block_type") != "redacted_thinking") & ~is_blank("text")
+        w = mark_replace(
+            w, convertible,
+            {"block_type": pl.lit("text"), "signature": pl.lit(None, pl.String)},
+            "foreign_thinking",
+        )
+        foreign = foreign & ~convertible
+    native = is_thinking & pl.col("_native")
+    unsigned = native & ~pl.col("_signed")
+    w = mark_drop(w, foreign, "foreign_thinking")
+    w = mark_drop(w, unsigned, "thinking_unsigned")
+    pol = params.thinking_policy
+    reason = f"thinking_policy:{pol}"
+    if pol == "drop_all":
+        w = mark_drop(w, native, reason)
+    elif pol == "drop_all_but_latest":
+        w = mark_drop(w, native & pl.col("_next_assistant").is_not_null(), reason, pl.col("_next_assistant"))
+    elif pol == "drop_all_but_current_tool_turn":
+        w = mark_drop(w, native & pl.col("_next_user").is_not_null(), reason, pl.col("_next_user"))
+
+    # a row this sub-step leaves without content gets REASONING_OMITTED_TEXT from then on
+    visible_before = pl.col("_cover_before") > pl.col("first_call")
+    after = cover_end()
+    w = w.with_columns(
+        _tail_before=pl.when(visible_before).then(pl.col("_cover_before")).otherwise(None).max().over(MSG),
+        _first_before=pl.when(visible_before).then(pl.col("first_call")).otherwise(None).min().over(MSG),
+        _tail_after=pl.when(after > pl.col("first_call")).then(after).otherwise(None).max().over(MSG),
+        _lost=(is_thinking & visible_before & (after < pl.col("_cover_before"))).any().over(MSG),
+    ).with_columns(
+        _omit_from=pl.coalesce(pl.col("_tail_after"), pl.col("_first_before")),
+    )
+    new = (
+        w.filter(pl.col("_is_first_row") & (pl.col("role") == "assistant") & pl.col("_lost")
+                 & (pl.col("_omit_from") < pl.col("_tail_before")))
+        .with_columns(**text_row(REASONING_OMITTED_TEXT, origin="sanitize"),
+                      block_pos=(pl.col("_min_pos") - 1).cast(pl.Int32),
+                      first_call=pl.col("_omit_from").cast(pl.Int32),
+                      last_call=pl.when(pl.col("_tail_before") == OPEN).then(None)
+                      .otherwise(pl.col("_tail_before")).cast(pl.Int32))
+    )
+    return w, insert_blocks(new, reason="reasoning_omitted")
+
+
+def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
+    """Sub-step 6: invalid tool calls are dropped (or marked); a row with signed thinking and an
+    invalid call is dropped whole; a row left empty disappears with its blocks."""
+    is_call = pl.col("block_type").is_in(list(CALL_TYPES))
+    name = pl.col("tool_name").str.strip_chars()
+    missing = is_blank("tool_use_id") | is_blank("tool_input") | (pl.col("tool_input").str.strip_chars() == "null")
+    bad_name = name.is_null() | ~name.str.contains(TOOL_NAME_PATTERN).fill_null(False)
+    if params.allowed_tools is not None:
+        allowed = sorted({t.strip().lower() for t in params.allowed_tools})
+        bad_name = bad_name | ~name.str.to_lowercase().is_in(allowed).fill_null(False)
+    w = w.with_columns(
+        _invalid=(is_call & alive() & (missing | bad_name)).fill_null(False),
+        _missing=(is_call & missing).fill_null(False),
+    ).with_columns(
+        _row_invalid=pl.col("_invalid").any().over(MSG),
+        _row_signed=(pl.col("block_type").is_in(list(THINKING_TYPES)) & alive() & signed_expr()).any().over(MSG),
+    )
+    w = mark_drop(w, pl.col("_row_invalid") & pl.col("_row_signed"), "invalid_tool_call_in_signed_row")
+    if params.unknown_tool_policy == "mark":
+        markable = pl.col("_invalid") & ~pl.col("_missing") & ~is_blank("tool_name")
+        values = text_row(pl.format("[tool call to unavailable tool omitted: {}]", name), origin="sanitize")
+        values.pop("origin")
+        values.pop("part_pos")
+        w = mark_replace(w, markable, values, "unknown_tool")
+        w = w.with_columns(_invalid=pl.col("_invalid") & ~(markable & alive()))
+    return mark_drop(w, pl.col("_invalid"), "invalid_tool_call")
+
+
+def _strip_extra(s: pl.Series) -> pl.Series:
+    out: list[str | None] = []
+    for v in s.to_list():
+        if v is None:
+            out.append(None)
+            continue
+        try:
+            obj = orjson.loads(v)
+        except orjson.JSONDecodeError:
+            out.append(v)
+            continue
+        if not isinstance(obj, dict):
+            out.append(v)
+            continue
+        kept = {k: obj[k] for k in MODEL_RESULT_KEYS if k in obj}
+        out.append(orjson.dumps(kept, option=orjson.OPT_SORT_KEYS).decode() if kept else None)
+    return pl.Series(out, dtype=pl.String)
+
+
+def _strip_and_scrub(w: pl.LazyFrame, params: Sanitize, family: str) -> pl.LazyFrame:
+    """Sub-steps 7 and 9: non-model fields of tool results; magic strings in user and result text."""
+    is_result = pl.col("block_type") == "tool_result"
+    strip = is_result & pl.col("extra_json").is_not_null()
+    w = w.with_columns(
+        _new_extra=pl.when(strip).then(pl.col("extra_json").map_batches(_strip_extra, return_dtype=pl.String))
+        .otherwise(pl.col("extra_json"))
+    )
+    w = mark_replace(w, ~pl.col("_new_extra").eq_missing(pl.col("extra_json")),
+                     {"extra_json": pl.col("_new_extra")}, "strip_result_fields")
+    scrub_on = params.scrub_magic == "always" or (params.scrub_magic == "anthropic" and family == "anthropic")
+    if scrub_on:
+        scrub = (
+            (((pl.col("role") == "user") & (pl.col("block_type") == "text")) | is_result)
+            & pl.col("text").str.contains(MAGIC_PATTERN).fill_null(False)
+        )
+        w = mark_replace(w, scrub, {"text": pl.col("text").str.replace_all(MAGIC_PATTERN, REDACTED)}, "magic_string")
+    return w
