@@ -342,7 +342,9 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
         ((pl.col("block_type") == "image") | ((pl.col("block_type") == "tool_result") & (pl.col("part_type") == "image")))
         & (pl.col("role") != "system")
     )
-    w = start_marks(blocks).with_columns(_is_image=is_image.fill_null(False) & alive())
+    # an image given by URL (no inline data) is sent as it is
+    by_url = pl.col("image_data").is_null() & pl.col("extra_json").str.contains('"url"', literal=True).fill_null(False)
+    w = start_marks(blocks).with_columns(_is_image=is_image.fill_null(False) & alive() & ~by_url)
     if not ctx.extra.get("supports_images", True):
         w = mark_replace(w, pl.col("_is_image"), _as_text(pl.lit(NO_IMAGE_INPUT)), "image_input_unsupported")
         return finish(w)

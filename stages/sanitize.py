@@ -57,9 +57,9 @@ NULL_BLOCK_TYPES = ("null", "none", "")
 # A message recorded with no content at all is represented by one row of this type (a loader
 # placeholder); the request view skips it.
 EMPTY_PLACEHOLDER = "empty"
-# Keys of a tool_result block / part that a provider API accepts; everything else in extra_json
-# (OpenClaw `details`, Claude Code `toolUseResult`, UI metadata) is not model input.
-MODEL_RESULT_KEYS = ("cache_control", "citations")
+# Keys of a tool result's extra_json that are never model input: OpenClaw `details`, Claude Code
+# `toolUseResult`, UI metadata. (Other keys stay: an unknown part's `part` is what the model saw.)
+NON_MODEL_RESULT_KEYS = ("details", "toolUseResult", "display", "ui", "uiMetadata", "metadata")
 
 MSG = ["session_id", "thread_id", "msg_key"]
 THREAD = ["session_id", "thread_id"]
@@ -509,12 +509,12 @@ def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
     )
     w = mark_drop(w, pl.col("_row_invalid") & pl.col("_row_signed"), "invalid_tool_call_in_signed_row")
     if params.unknown_tool_policy == "mark":
-        markable = pl.col("_invalid") & ~pl.col("_missing") & ~is_blank("tool_name")
+        w = w.with_columns(_markable=pl.col("_invalid") & ~pl.col("_missing") & ~is_blank("tool_name") & alive())
         values = text_row(pl.format("[tool call to unavailable tool omitted: {}]", name), origin="sanitize")
         values.pop("origin")
         values.pop("part_pos")
-        w = mark_replace(w, markable, values, "unknown_tool")
-        w = w.with_columns(_invalid=pl.col("_invalid") & ~(markable & alive()))
+        w = mark_replace(w, pl.col("_markable"), values, "unknown_tool")
+        w = w.with_columns(_invalid=pl.col("_invalid") & ~pl.col("_markable"))
     return mark_drop(w, pl.col("_invalid"), "invalid_tool_call")
 
 
@@ -532,7 +532,10 @@ def _strip_extra(s: pl.Series) -> pl.Series:
         if not isinstance(obj, dict):
             out.append(v)
             continue
-        kept = {k: obj[k] for k in MODEL_RESULT_KEYS if k in obj}
+        if not any(k in obj for k in NON_MODEL_RESULT_KEYS):
+            out.append(v)
+            continue
+        kept = {k: x for k, x in obj.items() if k not in NON_MODEL_RESULT_KEYS}
         out.append(orjson.dumps(kept, option=orjson.OPT_SORT_KEYS).decode() if kept else None)
     return pl.Series(out, dtype=pl.String)
 
