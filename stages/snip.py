@@ -1,0 +1,597 @@
+"""L5b snip: remove whole old turns when the request passes the high watermark (layer-semantics §8).
+
+Also home of the per-call helpers that layers 5 and 6 share (the fast token estimate, per-call
+request tokens, turns, frozen ledger decisions): `tombstone` and `result_budget` import them.
+
+Time in the blocks table: call k's request = the versions with first_call <= k < last_call. The
+per-call quantities (request tokens, latest user row, request time) are built columnar from
+first_call / last_call deltas; the watermark walk itself is a forward scan over the calls of one
+thread (its state, the snip frontier, only moves forward), run inside `map_batches`:
+linear in calls plus the rows it removes.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_left
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import polars as pl
+
+from pipeline.blockops import (
+    BLOCK_SCHEMA,
+    block_json_expr,
+    content_len_expr,
+    decisions_from,
+    drop_where,
+    empty_decisions,
+    rehash,
+    replace_where,
+    synthetic_id,
+)
+from pipeline.registry import StageContext, StageResult, stage
+from schemas.blocks import BLOCKS as _BLOCKS_ARROW
+from schemas.blocks import CONTENT_COLUMNS
+from schemas.check import conform
+from schemas.decisions import STAGE_DECISION
+
+THREAD = ["session_id", "thread_id"]
+BLOCK_KEY = ["session_id", "thread_id", "entry_id", "block_pos"]
+PART_KEY = [*BLOCK_KEY, "part_pos"]
+VERSION_KEY = [*PART_KEY, "first_call"]
+
+MESSAGE_OVERHEAD_TOKENS = 3
+IMAGE_MAX_TOKENS = 1600
+NO_CALL = 2**31 - 1  # stands for an open last_call in the scans
+
+SNIP_TEMPLATE = "[Earlier conversation snipped: {n} messages (~{t} tokens) removed to fit the context budget]"
+SNIP_RE = re.compile(r"^\[Earlier conversation snipped: (\d+) messages \(~(\d+) tokens\) removed to fit the context budget\]$")
+
+
+def materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
+    """Run a plan once and continue from its result.
+
+    These stages use the blocks several times (joins, per-call aggregates, versioned
+    replacement); left lazy, every use would re-run the whole upstream plan, and the plan grows
+    with each nested use. Materialising at a few points keeps a stage's cost linear in its input.
+    """
+    return lf.collect().lazy()
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens
+
+
+def fast_token_estimate(chars: pl.Expr) -> pl.Expr:
+    """The fast estimator of layer-semantics §1: ceil(chars / 4)."""
+    return (chars.cast(pl.Int64) + 3) // 4
+
+
+def _token_text() -> pl.Expr:
+    """What a block sends as text: its text, plus name and input for a tool call."""
+    is_call = pl.col("block_type").is_in(["tool_use", "tool_call", "function_call", "server_tool_use"])
+    return pl.concat_str(
+        [pl.col("text"), pl.when(is_call).then(pl.col("tool_name")), pl.col("tool_input")],
+        separator=" ", ignore_nulls=True,
+    ).fill_null("")
+
+
+def is_image_expr() -> pl.Expr:
+    return (pl.col("block_type") == "image") | (pl.col("part_type") == "image")
+
+
+def row_tokens_expr(ctx: StageContext) -> pl.Expr:
+    """Estimated tokens of one block: the injected counter when there is one, else ceil(chars/4);
+    images min(1600, ceil(w*h/750)), unknown size 1600 (layer-semantics §1)."""
+    text = _token_text()
+    if ctx.count_tokens is None:
+        tok = fast_token_estimate(text.str.len_chars())
+    else:
+        counter = ctx.count_tokens
+        tok = text.map_batches(lambda s: counter(s).cast(pl.Int64), return_dtype=pl.Int64)
+    w, h = pl.col("image_width").cast(pl.Int64), pl.col("image_height").cast(pl.Int64)
+    img = (
+        pl.when(w.is_not_null() & h.is_not_null())
+        .then(pl.min_horizontal((w * h + 749) // 750, pl.lit(IMAGE_MAX_TOKENS, pl.Int64)))
+        .otherwise(pl.lit(IMAGE_MAX_TOKENS, pl.Int64))
+    )
+    return pl.when(is_image_expr()).then(img).otherwise(tok).cast(pl.Int64)
+
+
+def text_tokens(texts: list[str], ctx: StageContext) -> list[int]:
+    """Tokens of a few literal texts (placeholders, markers) with the same counter."""
+    if ctx.count_tokens is None:
+        return [(len(t) + 3) // 4 for t in texts]
+    return [int(x) for x in ctx.count_tokens(pl.Series(texts, dtype=pl.String)).to_list()]
+
+
+# ---------------------------------------------------------------------------------------------
+# messages, turns and per-call series
+
+
+def messages(blocks: pl.LazyFrame) -> pl.LazyFrame:
+    """One row per message: order, visible span, role, flags, turn index.
+
+    A turn starts at a user message that carries no tool result (layer-semantics §1); rows before
+    the first such message are turn 0. Snip markers never start a turn.
+    """
+    m = blocks.group_by([*THREAD, "msg_key"]).agg(
+        order=pl.col("order_key").min(),
+        first=pl.col("first_call").min(),
+        last=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
+        role=pl.col("role").first(),
+        origin=pl.col("origin").first(),
+        is_compact_summary=pl.col("is_compact_summary").any(),
+        has_result=(pl.col("block_type") == "tool_result").any(),
+        timestamp=pl.col("timestamp").sort_by("order_key").first(),
+    )
+    m = m.with_columns(
+        is_real_user=(pl.col("role") == "user") & ~pl.col("has_result") & (pl.col("origin") != "snip"),
+    )
+    return m.sort([*THREAD, "order", "msg_key"]).with_columns(
+        turn=pl.col("is_real_user").cast(pl.Int32).cum_sum().over(THREAD),
+    )
+
+
+def call_grid(blocks: pl.LazyFrame) -> pl.LazyFrame:
+    """Calls 0..n of every thread (n = the pending call = the largest first_call)."""
+    return (
+        blocks.group_by(THREAD)
+        .agg(call=pl.int_ranges(0, pl.col("first_call").max().cast(pl.Int32) + 1, dtype=pl.Int32).first())
+        .explode("call")
+    )
+
+
+def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: str = "first_call",
+                 last: str = "last_call") -> pl.LazyFrame:
+    """Sum of `value` over the rows visible at each call (+v at `first`, -v at `last`, cumulated)."""
+    plus = rows.select(*THREAD, call=pl.col(first).cast(pl.Int32), _d=pl.col(value).cast(pl.Int64))
+    minus = rows.filter(pl.col(last).is_not_null()).select(
+        *THREAD, call=pl.col(last).cast(pl.Int32), _d=-pl.col(value).cast(pl.Int64))
+    deltas = pl.concat([plus, minus]).group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
+    return (
+        grid.join(deltas, on=[*THREAD, "call"], how="left")
+        .sort([*THREAD, "call"])
+        .with_columns(pl.col("_d").fill_null(0).cum_sum().over(THREAD).alias(value))
+        .drop("_d")
+    )
+
+
+def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame | None = None,
+                   msgs: pl.LazyFrame | None = None) -> pl.LazyFrame:
+    """Estimated request tokens per call: blocks visible at the call plus a per-message overhead."""
+    grid = call_grid(blocks) if grid is None else grid
+    msgs = messages(blocks) if msgs is None else msgs
+    rows = blocks.select(*THREAD, "first_call", "last_call", _t=row_tokens_expr(ctx))
+    over = msgs.select(*THREAD, first_call="first", last_call="last", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
+    both = pl.concat([rows, over.select(rows.collect_schema().names())])
+    return per_call_sum(both, "_t", grid).rename({"_t": "tokens"})
+
+
+def forward_by_call(events: pl.LazyFrame, grid: pl.LazyFrame, cols: list[str]) -> pl.LazyFrame:
+    """Join per-call events (at most one row per thread and call) to the grid and carry the last
+    value forward over the calls of each thread."""
+    return (
+        grid.join(events, on=[*THREAD, "call"], how="left")
+        .sort([*THREAD, "call"])
+        .with_columns([pl.col(c).forward_fill().over(THREAD) for c in cols])
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# frozen decisions (layer-semantics §11)
+
+
+def _replacement_struct() -> pl.DataType:
+    return pl.Struct({c: BLOCK_SCHEMA[c] for c in CONTENT_COLUMNS})
+
+
+def reapply_ledger(blocks: pl.LazyFrame, ledger: pl.LazyFrame, *, actions: tuple[str, ...],
+                   apply_on_mismatch: bool = False) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """Re-apply this stage's earlier decisions (replace-like with a replacement, drop-like without).
+
+    A decision targets the version of its block visible at `from_call`. When that version's
+    content hash differs from the decision's `before_sha256` (the input changed since it was
+    made), the decision is not applied and a `conflict` decision is written instead (the stage
+    then decides afresh; `--strict` runs fail on conflicts); with `apply_on_mismatch` (positional
+    decisions such as a snip) it is applied all the same and the conflict only recorded. A target
+    that no longer exists is a `conflict` too (reason `missing_target`).
+    Returns (blocks, decisions: re-applied + conflicts).
+    """
+    led = materialize(ledger.filter(pl.col("action").is_in(list(actions))).select(
+        *PART_KEY,
+        _lf=pl.col("from_call").cast(pl.Int32),
+        _la=pl.col("action"),
+        _lr=pl.col("reason"),
+        _lb=pl.col("before_sha256"),
+        _lrep=pl.col("replacement"),
+        _le=pl.col("cache_epoch").cast(pl.Int32),
+    ))
+    targets = blocks.select(*VERSION_KEY, "last_call", "content_sha256", "cache_epoch").join(
+        led, on=PART_KEY, how="inner", nulls_equal=True,
+    ).filter(
+        (pl.col("first_call") <= pl.col("_lf")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_lf")))
+    )
+    ok_hash = pl.col("content_sha256") == pl.col("_lb")
+    good = targets if apply_on_mismatch else targets.filter(ok_hash)
+    bad = targets.filter(~ok_hash)
+    missing = led.join(targets.select(*PART_KEY, "_lf"), on=[*PART_KEY, "_lf"], how="anti", nulls_equal=True)
+
+    conflicts = pl.concat([
+        bad.select(*PART_KEY, _lf="_lf", _reason=pl.lit("hash_mismatch"), _before="_lb", _after="content_sha256",
+                   _epoch="cache_epoch"),
+        missing.select(*PART_KEY, _lf="_lf", _reason=pl.lit("missing_target"), _before="_lb",
+                       _after=pl.lit(None, pl.String), _epoch=pl.lit(0, pl.Int32)),
+    ])
+    conflict_dec = conform(conflicts.select(
+        *PART_KEY, tool_use_id=pl.lit(None, pl.String), from_call="_lf", action=pl.lit("conflict"),
+        reason="_reason", before_sha256="_before", after_sha256="_after", before_len=pl.lit(None, pl.Int64),
+        after_len=pl.lit(None, pl.Int64), replacement=pl.lit(None, pl.String), cache_epoch="_epoch",
+    ), STAGE_DECISION)
+
+    cols = list(BLOCK_SCHEMA.names())
+    apply = good.select(*VERSION_KEY, "_lf", "_la", "_lr", "_lrep", "_le")
+    marked = blocks.join(apply, on=VERSION_KEY, how="left", nulls_equal=True)
+    # replace-like decisions: the replacement JSON holds the new content columns
+    rep = pl.col("_lrep").str.json_decode(_replacement_struct())
+    has_rep = pl.col("_la").is_not_null() & pl.col("_lrep").is_not_null()
+    new_values = {c: pl.when(has_rep).then(rep.struct.field(c)).otherwise(pl.col(c)) for c in CONTENT_COLUMNS}
+    new_values["cache_epoch"] = pl.when(has_rep).then(pl.col("_le")).otherwise(pl.col("cache_epoch"))
+    out, d1 = replace_where(marked, has_rep, new_values, action=pl.col("_la"), reason=pl.col("_lr"),  # type: ignore[arg-type]
+                            from_call=pl.col("_lf"))
+    # replace_where keeps only block columns: join the ledger columns back for the drops
+    out = out.join(apply.filter(pl.col("_lrep").is_null()), on=VERSION_KEY, how="left", nulls_equal=True)
+    out, d2 = drop_where(out, pl.col("_la").is_not_null(), reason=pl.col("_lr"), from_call=pl.col("_lf"),
+                         action=pl.col("_la"))  # type: ignore[arg-type]
+    d2 = d2.join(led.select(*PART_KEY, from_call="_lf", _le="_le"), on=[*PART_KEY, "from_call"], how="left") \
+        .with_columns(cache_epoch=pl.coalesce("_le", "cache_epoch")).drop("_le")
+    return materialize(out.select(cols)), materialize(pl.concat([d1, d2.select(d1.collect_schema().names()),
+                                                                 conflict_dec]))
+
+
+def with_epoch(decisions: pl.LazyFrame, epochs: pl.LazyFrame) -> pl.LazyFrame:
+    """Set decisions' cache_epoch from `epochs` (PART_KEY, from_call, _epoch) where given."""
+    return decisions.join(epochs, on=[*PART_KEY, "from_call"], how="left").with_columns(
+        cache_epoch=pl.coalesce(pl.col("_epoch").cast(pl.Int32), pl.col("cache_epoch"))
+    ).drop("_epoch")
+
+
+def tombstone_params_from(ctx: StageContext) -> Any:
+    """The tombstone params snip dry-runs with: ctx.extra["tombstone"] (params, dict or None = no
+    tombstone stage in the pipeline); absent: the documented defaults."""
+    from stages.tombstone import Tombstone
+
+    if "tombstone" not in ctx.extra:
+        return Tombstone()
+    value = ctx.extra["tombstone"]
+    if value is None or isinstance(value, Tombstone):
+        return value
+    return Tombstone(**dict(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# the snip stage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Snip:
+    enabled: bool = True
+    """Turn the watermark snip on or off."""
+    reserve_output_tokens: int = 20_000
+    """Tokens kept free for the answer; the budget is window_tokens minus this."""
+    high_watermark: float = 0.80
+    """Snip when the estimated request (after a dry run of tombstone) exceeds this share of the budget."""
+    low_watermark: float = 0.60
+    """Snip whole turns, oldest first, until the request is at or under this share of the budget."""
+    min_tail_turns: int = 4
+    """The newest turns that are never snipped (the current tool loop is always kept)."""
+    keep_head_turns: int = 1
+    """The first turns that are never snipped (at least 1: the first user turn stays)."""
+
+    def validate(self) -> None:
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ValueError(f"need 0 < low_watermark <= high_watermark <= 1; got {self.low_watermark} "
+                             f"and {self.high_watermark}")
+        if self.keep_head_turns < 1:
+            raise ValueError("keep_head_turns must be at least 1: the first user turn is never snipped")
+        if self.min_tail_turns < 0 or self.reserve_output_tokens < 0:
+            raise ValueError("min_tail_turns and reserve_output_tokens must not be negative")
+
+
+def _marker_entry_id(session_id: str, thread_id: str) -> str:
+    return synthetic_id(session_id, "snip", "marker", thread_id, 0)
+
+
+
+_FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
+                  "n": pl.Int64, "t": pl.Int64, "epoch": pl.Int32}
+
+
+def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: float, marker_tok: int) -> pl.DataFrame:
+    """Walk the calls of each thread forward; one output row per firing: the call, the new
+    frontier (first turn not snipped), cumulative messages / tokens removed, and the cache epoch.
+
+    Input rows, by `kind`: `call` (call, tokens after the tombstone dry run, cur_turn, comp_turn,
+    ep), `row` (a snippable block or message overhead: turn, first, last, tok, is_msg) and at most
+    one `state` (the frozen snip already in the input: call, frontier, n, t, epoch).
+    Cost: O(calls) plus, per firing, the rows of the turns it looks at (bounded by the window).
+    """
+    out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
+    first_turn = head + 1
+    for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
+        calls = part.filter(pl.col("kind") == "call").sort("call")
+        rows = part.filter(pl.col("kind") == "row").sort("turn")
+        st = part.filter(pl.col("kind") == "state")
+        n_calls = calls.height
+        if n_calls == 0:
+            continue
+        d = calls["tokens"].fill_null(0).to_list()
+        cur_turn = calls["cur_turn"].fill_null(0).to_list()
+        comp_turn = calls["comp_turn"].fill_null(2**40).to_list()
+        ep = calls["ep"].fill_null(0).to_list()
+        r_turn = rows["turn"].to_list()
+        r_first = rows["first"].to_list()
+        r_last = rows["last"].fill_null(NO_CALL).to_list()
+        r_tok = rows["tok"].to_list()
+        r_msg = rows["is_msg"].to_list()
+        frontier, n_tot, t_tot, start, have_marker, last_epoch = first_turn, 0, 0, 0, False, 0
+        if st.height:  # a snip already in the input (re-run or re-applied ledger): continue after it
+            frontier = max(first_turn, int(st["frontier"][0]))
+            n_tot, t_tot = int(st["n"][0]), int(st["t"][0])
+            start, have_marker, last_epoch = int(st["call"][0]) + 1, True, int(st["epoch"][0])
+        delta = [0] * (n_calls + 1)  # changes of the removed tokens, per call (forward only)
+        removed = 0
+        for k in range(n_calls):
+            removed += delta[k]
+            if k < start:
+                continue
+            total = d[k] - removed
+            if total <= hi:
+                continue
+            protect = min(cur_turn[k] - max(min_tail, 1) + 1, comp_turn[k])
+            if protect <= frontier:
+                continue  # protected rows alone are over the budget: never snip into them
+            a, b = bisect_left(r_turn, frontier), bisect_left(r_turn, protect)
+            per_turn = [0] * (protect - frontier)
+            for x in range(a, b):
+                if r_first[x] <= k < r_last[x]:
+                    per_turn[r_turn[x] - frontier] += r_tok[x]
+            if not any(per_turn):
+                continue
+            add = 0 if have_marker else marker_tok
+            cum = list(accumulate(per_turn))
+            j = min(bisect_left(cum, total + add - lo), len(cum) - 1)
+            new_frontier = frontier + j + 1
+            c = bisect_left(r_turn, new_frontier, a, b)
+            t_add = n_add = 0
+            for x in range(a, c):
+                f0, l0 = max(r_first[x], k), min(r_last[x], n_calls)
+                if f0 < l0:  # from call k on, the rows of these turns are gone
+                    delta[f0] += r_tok[x]
+                    delta[l0] -= r_tok[x]
+                if r_first[x] <= k < r_last[x]:
+                    t_add += r_tok[x]
+                    n_add += int(r_msg[x])
+            removed += delta[k]
+            delta[k] = 0
+            removed -= add
+            n_tot, t_tot = n_tot + n_add, t_tot + t_add
+            epoch = max(int(ep[k]), last_epoch) + 1
+            for key, v in zip(_FIRING_SCHEMA, (sid, tid, k, new_frontier, n_tot, t_tot, epoch)):
+                out[key].append(v)
+            have_marker, frontier, last_epoch = True, new_frontier, epoch
+    return pl.DataFrame(out, schema=_FIRING_SCHEMA)
+
+
+def _marker_rows(anchors: pl.LazyFrame, versions: pl.LazyFrame) -> pl.LazyFrame:
+    """Marker block versions: `anchors` = the first snipped row of each thread (a blocks row),
+    `versions` = THREAD, first_call, last_call, text, cache_epoch."""
+    a = anchors.drop("first_call", "last_call", "text", "cache_epoch")
+    rows = a.join(versions, on=THREAD, how="inner")
+    nulls = ["parent_id", "message_id", "request_id", "part_type", "signature", "tool_use_id", "tool_name",
+             "tool_input", "is_error", "image_media_type", "image_bytes", "image_width", "image_height",
+             "image_data", "extra_json", "model", "provider", "api", "stop_reason", "usage_input", "usage_output",
+             "usage_cache_read", "usage_cache_write", "usage_cache_write_5m", "usage_cache_write_1h",
+             "provenance_kind", "provenance_source_session", "provenance_channel", "provenance_tool"]
+    marker_id = pl.struct("session_id", "thread_id").map_batches(
+        lambda s: pl.Series([_marker_entry_id(r["session_id"], r["thread_id"]) for r in s.to_list()],
+                            dtype=pl.String), return_dtype=pl.String)
+    rows = rows.with_columns(
+        *[pl.lit(None, BLOCK_SCHEMA[c]).alias(c) for c in nulls],
+        entry_id=marker_id, raw_line=pl.lit(""), role=pl.lit("user"), is_call=pl.lit(False),
+        block_pos=pl.lit(0, pl.Int32), part_pos=pl.lit(0, pl.Int32), block_type=pl.lit("text"),
+        is_meta=pl.lit(False), is_compact_summary=pl.lit(False), is_display_only=pl.lit(False),
+        order_key=pl.col("order_key") - 1, origin=pl.lit("snip"),
+    ).with_columns(msg_key=pl.col("entry_id"))
+    return conform(rehash(rows.with_columns(content_sha256=pl.lit(""))), _BLOCKS_ARROW)
+
+
+def _marker_decisions(rows: pl.LazyFrame, prior: pl.LazyFrame | None = None) -> pl.LazyFrame:
+    """One decision per marker version: `insert` for the first, `replace` for each extension."""
+    r = rows.sort([*THREAD, "first_call"]).with_columns(
+        _prev=pl.col("content_sha256").shift(1).over(THREAD),
+        _prev_len=content_len_expr().shift(1).over(THREAD),
+    )
+    if prior is not None:  # the open version of a marker already in the input precedes these
+        r = r.join(prior, on=THREAD, how="left").with_columns(
+            _prev=pl.coalesce("_prev", "_prior_sha"), _prev_len=pl.coalesce("_prev_len", "_prior_len"))
+    return decisions_from(
+        r, action=pl.when(pl.col("_prev").is_null()).then(pl.lit("insert")).otherwise(pl.lit("replace")),
+        reason="watermark", before_sha256=pl.col("_prev"), after_sha256=pl.col("content_sha256"),
+        before_len=pl.col("_prev_len"), after_len=content_len_expr(), replacement=block_json_expr(),
+    )
+
+
+def _snippable(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> pl.LazyFrame:
+    """Rows that a snip may remove: not system, not a marker, after the protected head turns."""
+    return blocks.join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left").filter(
+        (pl.col("role") != "system") & (pl.col("origin") != "snip") & (pl.col("turn") > head)
+    )
+
+
+def _frozen_state(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """The snip already present in the input (its marker versions and the rows they cut).
+
+    Returns (state per thread: call, frontier, n, t, epoch of the latest marker version;
+    prior per thread: the open marker version's sha and length).
+    """
+    markers = blocks.filter(pl.col("origin") == "snip")
+    calls = markers.select(*THREAD, _mcall="first_call", _morder="order_key").unique()
+    cut = _snippable(blocks, msgs, head).join(calls, on=THREAD, how="inner").filter(
+        (pl.col("last_call") == pl.col("_mcall")) & (pl.col("order_key") > pl.col("_morder"))
+    ).group_by(THREAD).agg(frontier=(pl.col("turn").max() + 1).cast(pl.Int64))
+    latest = markers.sort("first_call").group_by(THREAD).agg(
+        call=pl.col("first_call").last(), text=pl.col("text").last(), epoch=pl.col("cache_epoch").last(),
+        _prior_sha=pl.col("content_sha256").last(), _prior_len=pl.col("text").last().str.len_bytes().cast(pl.Int64),
+    )
+    parsed = latest.with_columns(
+        n=pl.col("text").str.extract(SNIP_RE.pattern, 1).cast(pl.Int64),
+        t=pl.col("text").str.extract(SNIP_RE.pattern, 2).cast(pl.Int64),
+    )
+    state = parsed.join(cut, on=THREAD, how="left").select(
+        *THREAD, kind=pl.lit("state"), call=pl.col("call").cast(pl.Int32),
+        frontier=pl.col("frontier").fill_null(head + 1), n=pl.col("n").fill_null(0), t=pl.col("t").fill_null(0),
+        epoch=pl.col("epoch").cast(pl.Int32))
+    return state, parsed.select(*THREAD, "_prior_sha", "_prior_len")
+
+
+def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """The snip itself (no ledger): returns (blocks, decisions)."""
+    from stages.tombstone import plan as tombstone_plan
+
+    budget = max(0, ctx.window_tokens - params.reserve_output_tokens)
+    hi, lo = params.high_watermark * budget, params.low_watermark * budget
+    head = params.keep_head_turns
+    tparams = tombstone_params_from(ctx)
+    dry = materialize(tombstone_plan(blocks, tparams, ctx)[0]) if tparams is not None else blocks
+    grid = call_grid(blocks)
+    msgs = messages(blocks)
+    tokens = request_tokens(dry, ctx, grid, messages(dry))
+
+    real = msgs.filter("is_real_user")
+    cur_turn = real.group_by([*THREAD, pl.col("first").alias("call")]).agg(cur_turn=pl.col("turn").max())
+    comp = msgs.filter("is_compact_summary").group_by([*THREAD, pl.col("first").alias("call")]).agg(
+        comp_turn=pl.col("turn").max())
+    ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
+    per_call = forward_by_call(cur_turn, grid, ["cur_turn"]).join(
+        comp, on=[*THREAD, "call"], how="left").join(ep, on=[*THREAD, "call"], how="left").sort([*THREAD, "call"])
+    per_call = per_call.with_columns(
+        pl.col("comp_turn").forward_fill().over(THREAD),
+        pl.col("ep").fill_null(0).cum_max().over(THREAD),
+        pl.col("cur_turn").cum_max().over(THREAD),
+    ).join(tokens, on=[*THREAD, "call"], how="left")
+
+    tok_rows = _snippable(dry, msgs, head).select(
+        *THREAD, "turn", first="first_call", last="last_call", tok=row_tokens_expr(ctx), is_msg=pl.lit(False))
+    msg_rows = msgs.filter((pl.col("role") != "system") & (pl.col("origin") != "snip") & (pl.col("turn") > head)) \
+        .select(*THREAD, "turn", "first", "last", tok=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64), is_msg=pl.lit(True))
+    state, prior = _frozen_state(blocks, msgs, head)
+    marker_tok = text_tokens([SNIP_TEMPLATE.format(n=100, t=100_000)], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
+    scan_in = pl.concat([
+        per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", cur_turn="cur_turn",
+                        comp_turn="comp_turn", ep="ep"),
+        pl.concat([tok_rows, msg_rows]).with_columns(kind=pl.lit("row")),
+        state,
+    ], how="diagonal_relaxed")
+    firings = scan_in.map_batches(
+        lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=hi, lo=lo, marker_tok=marker_tok),
+        schema=_FIRING_SCHEMA)
+    firings = materialize(firings)
+    firings = firings.sort([*THREAD, "call"]).with_columns(
+        lo=pl.col("frontier").shift(1).over(THREAD)).join(
+        state.select(*THREAD, _f0="frontier"), on=THREAD, how="left").with_columns(
+        lo=pl.coalesce("lo", "_f0", pl.lit(head + 1, pl.Int64))).drop("_f0")
+
+    # the rows each firing removes: turns lo..frontier-1, from the firing's call on
+    snippable = _snippable(blocks, msgs, head).select(*VERSION_KEY, "turn").with_columns(
+        pl.col("turn").cast(pl.Int64)).sort("turn")
+    hit = snippable.join_asof(
+        firings.select(*THREAD, "lo", "frontier", _call="call", _epoch="epoch").sort("lo"),
+        left_on="turn", right_on="lo", by=THREAD, strategy="backward", check_sortedness=False,
+    ).filter(pl.col("turn") < pl.col("frontier")).select(*VERSION_KEY, "_call", "_epoch")
+    hit = materialize(hit)
+    marked = blocks.join(hit, on=VERSION_KEY, how="left", nulls_equal=True)
+    out, dropped = drop_where(marked, pl.col("_call").is_not_null(), reason="watermark", from_call=pl.col("_call"),
+                              action="snip")
+    out = materialize(out)
+    epochs = hit.select(*PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch")
+    dropped = with_epoch(dropped, epochs)
+
+    # the marker: one row, a new version per firing; closes the open version of an existing marker
+    first_hit = hit.join(blocks.select(*VERSION_KEY, "order_key"), on=VERSION_KEY).sort("order_key") \
+        .group_by(THREAD).agg(pl.col("first_call").first(), pl.col("entry_id").first(), pl.col("block_pos").first(),
+                              pl.col("part_pos").first())
+    existing = blocks.filter(pl.col("origin") == "snip").sort("first_call").group_by(THREAD).agg(
+        pl.all().last())
+    anchors_new = blocks.join(first_hit, on=[*THREAD, "entry_id", "block_pos", "part_pos", "first_call"], how="semi")
+    anchors_new = anchors_new.join(existing.select(THREAD), on=THREAD, how="anti").with_columns(
+        pl.col("order_key"))
+    anchors = pl.concat([anchors_new.select(BLOCK_SCHEMA.names()),
+                         existing.select(BLOCK_SCHEMA.names()).with_columns(order_key=pl.col("order_key") + 1)])
+    removed_end = _snippable(blocks, msgs, head).join(hit.select(*VERSION_KEY), on=VERSION_KEY, how="semi") \
+        .group_by(THREAD).agg(_end=pl.when(pl.col("last_call").is_null().any()).then(None)
+                              .otherwise(pl.col("last_call").max()))
+    versions = firings.with_columns(
+        last_call=pl.col("call").shift(-1).over(THREAD),
+        text=pl.format("[Earlier conversation snipped: {} messages (~{} tokens) removed to fit the context budget]",
+                       "n", "t"),
+    ).join(removed_end, on=THREAD, how="left").with_columns(
+        last_call=pl.coalesce("last_call", pl.when(pl.col("_end") > pl.col("call")).then(pl.col("_end")))
+        .cast(pl.Int32),
+    ).select(*THREAD, first_call="call", last_call="last_call", text="text", cache_epoch="epoch")
+    new_markers = _marker_rows(anchors, versions)
+    marker_dec = _marker_decisions(new_markers, prior)
+    first_new = versions.group_by(THREAD).agg(_close=pl.col("first_call").min())
+    out = out.join(first_new, on=THREAD, how="left").with_columns(
+        last_call=pl.when((pl.col("origin") == "snip") & pl.col("last_call").is_null() & pl.col("_close").is_not_null())
+        .then(pl.col("_close")).otherwise(pl.col("last_call"))).drop("_close")
+    cols = list(BLOCK_SCHEMA.names())
+    out = pl.concat([out.select(cols), new_markers.select(cols)])
+    return materialize(out), materialize(pl.concat([dropped, marker_dec]))
+
+
+def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFrame) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """Rebuild the marker versions this stage recorded in the ledger (insert / replace decisions),
+    anchored at the first row its recorded snips removed. Returns (blocks, marker decisions)."""
+    led = ledger.filter(pl.col("action").is_in(["insert", "replace"]) & pl.col("replacement").is_not_null())
+    snips = ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call")
+    targets = before.join(snips, on=PART_KEY, how="inner").filter(
+        (pl.col("first_call") <= pl.col("from_call"))
+        & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("from_call"))))
+    anchors = targets.sort("order_key").group_by(THREAD).agg(pl.all().first()).select(BLOCK_SCHEMA.names())
+    anchors = anchors.join(before.filter(pl.col("origin") == "snip").select(THREAD).unique(), on=THREAD, how="anti")
+    end = targets.group_by(THREAD).agg(_end=pl.when(pl.col("last_call").is_null().any()).then(None)
+                                       .otherwise(pl.col("last_call").max()))
+    versions = led.sort("from_call").select(
+        *THREAD, first_call="from_call", cache_epoch="cache_epoch",
+        text=pl.col("replacement").str.json_decode(pl.Struct({"text": pl.String})).struct.field("text"),
+    ).with_columns(last_call=pl.col("first_call").shift(-1).over(THREAD)).join(end, on=THREAD, how="left") \
+        .with_columns(last_call=pl.coalesce("last_call", pl.when(pl.col("_end") > pl.col("first_call"))
+                                            .then(pl.col("_end"))).cast(pl.Int32)).drop("_end")
+    rows = _marker_rows(anchors, versions)
+    cols = list(BLOCK_SCHEMA.names())
+    return pl.concat([after.select(cols), rows.select(cols)]), _marker_decisions(rows)
+
+
+@stage("snip", version=1, params=Snip)
+def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
+    """Remove whole old middle turns when the request passes the high watermark.
+
+    Judged per call on the estimated request tokens after a dry run of tombstone; removes turns
+    oldest first (after the protected head, before the protected tail, the current tool loop and
+    the latest compaction summary) until the request is at or under the low watermark. The removed
+    rows get a `snip` decision from that call on; one user-role marker row (origin `snip`) stands
+    for the whole range, a new version of it (`insert`, then `replace`) each time the range grows.
+    Each firing takes a new cache epoch. Frozen: the ledger's snips are re-applied first (a changed
+    row is still removed, and a `conflict` recorded); only later calls are decided afresh.
+    """
+    if not params.enabled:
+        return StageResult(blocks, empty_decisions())
+    blocks = before = materialize(blocks)
+    blocks, reapplied = reapply_ledger(blocks, ledger, actions=("snip",), apply_on_mismatch=True)
+    blocks, marker_dec = _ledger_markers(before, blocks, ledger)
+    blocks = materialize(blocks)
+    out, decisions = plan(blocks, params, ctx)
+    return StageResult(out, pl.concat([reapplied, marker_dec, decisions]))

@@ -1,0 +1,371 @@
+"""L6 tombstone: clear the content of old tool results, keep ids, names and positions (layer-semantics §9).
+
+Per thread, a forward walk over the calls (inside `map_batches`; linear in calls, with binary
+searches over prefix sums of the results' token savings) decides when tombstoning fires:
+on the token trigger (estimated request tokens over `trigger_tokens`, and only when the batch
+frees at least `clear_at_least_tokens`) or the idle trigger (the request comes
+`trigger_idle_seconds` or more after the last assistant row, by transcript timestamps). A firing
+at call k moves a monotone frontier over the eligible results (oldest first) and takes a new
+cache epoch; every result below the frontier is cleared from call k on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, Literal
+
+import polars as pl
+
+from pipeline.blockops import BLOCK_SCHEMA, drop_where, replace_where
+from pipeline.registry import StageContext, StageResult, stage
+from stages.snip import (
+    BLOCK_KEY,
+    NO_CALL,
+    PART_KEY,
+    THREAD,
+    call_grid,
+    forward_by_call,
+    is_image_expr,
+    materialize,
+    messages,
+    reapply_ledger,
+    request_tokens,
+    row_tokens_expr,
+    text_tokens,
+    with_epoch,
+)
+
+CLEARED = "[Old tool result content cleared]"
+REASONING_OMITTED = "[assistant reasoning omitted]"
+THINKING_TYPES = ["thinking", "redacted_thinking"]
+TOOL_CALL_TYPES = ["tool_use", "tool_call", "function_call"]
+
+
+def _default_tools() -> dict[str, tuple[str, ...]]:
+    return {"allow": ("*",), "deny": ()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tombstone:
+    trigger_tokens: int = 100_000
+    """Fire when the estimated request exceeds this many tokens (0: no token trigger)."""
+    trigger_idle_seconds: int = 3_600
+    """Fire when the request comes this many seconds after the last assistant row (0: no idle trigger)."""
+    keep_recent: int = 5
+    """Newest eligible tool results left as they are."""
+    min_result_chars: int = 256
+    """Results shorter than this (characters of text) are never cleared."""
+    clear_at_least_tokens: int = 20_000
+    """The token trigger clears only when the batch frees at least this many tokens."""
+    tools: dict[str, Any] = dataclasses.field(default_factory=_default_tools)
+    """`allow` / `deny`: tool-name globs (`*`, case-insensitive); deny wins. Write `tools.deny = ["Read"]`."""
+    clear_tool_inputs: bool = False
+    """Also replace the input of each cleared result's tool call by `{}` (id and name kept)."""
+    clear_thinking_keep: int | Literal["all"] = "all"
+    """At each firing, remove thinking older than this many recent user turns (never in the current tool loop)."""
+
+    def validate(self) -> None:
+        unknown = set(self.tools) - {"allow", "deny"}
+        if unknown:
+            raise ValueError(f"tools has unknown key(s) {sorted(unknown)}; use tools.allow and tools.deny")
+        for k, v in self.tools.items():
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+                raise ValueError(f"tools.{k} must be a list of tool-name globs; got {v!r}")
+        for name in ("trigger_tokens", "trigger_idle_seconds", "keep_recent", "min_result_chars",
+                     "clear_at_least_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative; got {getattr(self, name)}")
+        if isinstance(self.clear_thinking_keep, int) and self.clear_thinking_keep < 0:
+            raise ValueError(f"clear_thinking_keep must be 'all' or >= 0; got {self.clear_thinking_keep}")
+
+    @property
+    def allow(self) -> tuple[str, ...]:
+        return tuple(self.tools.get("allow", ("*",)))
+
+    @property
+    def deny(self) -> tuple[str, ...]:
+        return tuple(self.tools.get("deny", ()))
+
+
+def glob_regex(globs: tuple[str, ...]) -> str | None:
+    """One case-insensitive anchored regex for tool-name globs (`*` any run, `?` one character)."""
+    if not globs:
+        return None
+    parts = []
+    for g in globs:
+        out = []
+        for ch in g:
+            out.append(".*" if ch == "*" else "." if ch == "?" else "\\" + ch if not ch.isalnum() else ch)
+        parts.append("".join(out))
+    return "(?is)^(?:" + "|".join(parts) + ")$"
+
+
+def tool_filter_expr(params: Tombstone) -> pl.Expr:
+    name = pl.col("tool_name").fill_null("").str.strip_chars()
+    allow, deny = glob_regex(params.allow), glob_regex(params.deny)
+    ok = name.str.contains(allow) if allow else pl.lit(False)
+    if deny:
+        ok = ok & ~name.str.contains(deny)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# the walk over calls
+
+_ASSIGN_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "kind": pl.String, "entry_id": pl.String,
+                  "block_pos": pl.Int32, "clear_call": pl.Int32, "epoch": pl.Int32, "reason": pl.String}
+
+
+def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
+    """Walk the calls of each thread; return the call, epoch and reason at which each result (and,
+    with `clear_thinking_keep`, each thinking block) is cleared. O((calls + results) log results)."""
+    out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
+    keep_n = None if p.clear_thinking_keep == "all" else int(p.clear_thinking_keep)
+
+    def emit(sid: str, tid: str, kind: str, eid: Any, bpos: Any, j: int) -> None:
+        vals = (sid, tid, kind, eid, bpos, fire_k[j], fire_e[j], fire_r[j] if kind == "result" else "clear_thinking")
+        for key, v in zip(_ASSIGN_SCHEMA, vals):
+            out[key].append(v)
+
+    for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
+        calls = part.filter(pl.col("kind") == "call").sort("call")
+        res = part.filter(pl.col("kind") == "result").sort("order", "entry_id", "block_pos")
+        n = calls.height
+        if n == 0 or res.height == 0:
+            continue
+        tok = calls["tokens"].fill_null(0).to_list()
+        u = calls["u_order"].fill_null(-(2**62)).to_list()
+        cur_turn = calls["cur_turn"].fill_null(0).to_list()
+        ep = calls["ep"].fill_null(0).to_list()
+        idle = calls["idle"].fill_null(False).to_list()
+        order = res["order"].to_list()
+        a = res["a"].to_list()
+        z = res["z"].fill_null(NO_CALL).to_list()
+        done = res["done"].to_list()
+        s = [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)]
+        native = res["native"].to_list()
+        S = [0, *accumulate(s)]
+        cnt = [0, *accumulate(0 if dn else 1 for dn in done)]
+        a_sorted, z_sorted = sorted(a), sorted(z)
+
+        f, start, last_epoch = 0, 0, 0
+        frozen = [i for i, (dn, nat) in enumerate(zip(done, native)) if dn and not nat]
+        if frozen:  # clearing already in the input (re-run or re-applied ledger): go on after it
+            dc, de = res["done_call"].to_list(), res["done_epoch"].to_list()
+            f = max(frozen) + 1
+            start = max(dc[i] for i in frozen) + 1
+            last_epoch = max(de[i] for i in frozen)
+        fire_k: list[int] = []
+        fire_f: list[int] = []
+        fire_e: list[int] = []
+        fire_r: list[str] = []
+        for k in range(start, n):
+            seen = bisect_right(a_sorted, k)
+            e = max(0, min(seen - p.keep_recent, bisect_left(order, u[k])))
+            if e <= f or cnt[e] == cnt[f]:
+                continue
+            g = bisect_right(z_sorted, k)  # results compacted away by call k (a prefix)
+            b = max(f, g)
+            if p.trigger_idle_seconds > 0 and idle[k]:
+                nf, reason = e, "idle"
+            else:
+                if p.trigger_tokens <= 0:
+                    continue
+                total = tok[k] - (S[b] - S[g])
+                if total <= p.trigger_tokens or b >= e:
+                    continue
+                if S[e] - S[b] < p.clear_at_least_tokens:
+                    continue  # the batch would free too little: do nothing
+                need = max(p.clear_at_least_tokens, total - p.trigger_tokens)
+                nf, reason = min(max(bisect_left(S, S[b] + need), f + 1), e), "token"
+            if cnt[nf] == cnt[f]:
+                continue
+            epoch = max(int(ep[k]), last_epoch) + 1
+            fire_k.append(k), fire_f.append(nf), fire_e.append(epoch), fire_r.append(reason)
+            f, last_epoch = nf, epoch
+        if not fire_k:
+            continue
+        # each result: the first firing at or after its first appearance whose frontier passes it
+        eids, bpos = res["entry_id"].to_list(), res["block_pos"].to_list()
+        for i in range(res.height):
+            if done[i]:
+                continue
+            j = max(bisect_left(fire_k, a[i]), bisect_right(fire_f, i))
+            if j < len(fire_k) and fire_k[j] < z[i]:
+                emit(sid, tid, "result", eids[i], bpos[i], j)
+        if keep_n is None:
+            continue
+        th = part.filter(pl.col("kind") == "think")
+        turn_limit = [cur_turn[k] - keep_n for k in fire_k]
+        u_at = [u[k] for k in fire_k]
+        for eid, bp, t_first, t_order, t_turn in zip(th["entry_id"].to_list(), th["block_pos"].to_list(),
+                                                     th["a"].to_list(), th["order"].to_list(), th["turn"].to_list()):
+            j = max(bisect_left(fire_k, t_first), bisect_left(turn_limit, t_turn), bisect_right(u_at, t_order))
+            if j < len(fire_k):
+                emit(sid, tid, "think", eid, bp, j)
+    return pl.DataFrame(out, schema=_ASSIGN_SCHEMA)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan and stage
+
+
+def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """The tombstoning itself (no ledger): returns (blocks, decisions). Snip dry-runs it."""
+    blocks = materialize(blocks)
+    grid = materialize(call_grid(blocks))
+    msgs = materialize(messages(blocks))
+    tokens = request_tokens(blocks, ctx, grid, msgs)
+    cleared_tok = text_tokens([CLEARED], ctx)[0]
+
+    # per call: latest real user row (the current tool loop starts after it), turn, epoch, idle gap
+    real = msgs.filter("is_real_user").group_by([*THREAD, pl.col("first").alias("call")]).agg(
+        u_order=pl.col("order").max(), cur_turn=pl.col("turn").max())
+    req = msgs.group_by([*THREAD, pl.col("first").alias("call")]).agg(
+        t_req=pl.col("timestamp").sort_by("order").last())
+    asst = msgs.filter(pl.col("role") == "assistant").group_by([*THREAD, pl.col("first").alias("call")]).agg(
+        t_asst=pl.col("timestamp").sort_by("order").last())
+    ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
+    per_call = forward_by_call(real.join(req, on=[*THREAD, "call"], how="full", coalesce=True)
+                               .join(asst, on=[*THREAD, "call"], how="full", coalesce=True),
+                               grid, ["u_order", "cur_turn", "t_req", "t_asst"])
+    per_call = per_call.join(ep, on=[*THREAD, "call"], how="left").join(tokens, on=[*THREAD, "call"], how="left") \
+        .sort([*THREAD, "call"]).with_columns(
+            pl.col("ep").fill_null(0).cum_max().over(THREAD),
+            pl.col("u_order").cum_max().over(THREAD),
+            pl.col("cur_turn").cum_max().over(THREAD),
+            idle=((pl.col("t_req") - pl.col("t_asst")).dt.total_seconds() >= max(params.trigger_idle_seconds, 1))
+            & (params.trigger_idle_seconds > 0),
+        )
+
+    # per tool result: first appearance, end, order, size and savings of its first version, state
+    rows = blocks.filter(pl.col("block_type") == "tool_result").with_columns(_tok=row_tokens_expr(ctx))
+    first_version = rows.filter(pl.col("first_call") == pl.col("first_call").min().over(PART_KEY))
+    size = first_version.group_by(BLOCK_KEY).agg(
+        size=(pl.when(is_image_expr()).then(pl.col("_tok") * 4)
+              .otherwise(pl.col("text").str.len_chars().fill_null(0))).sum(),
+        tok=pl.col("_tok").sum(),
+    )
+    placeholder = rows.filter((pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).sort("first_call") \
+        .group_by(BLOCK_KEY).agg(done_call=pl.col("first_call").first(), done_epoch=pl.col("cache_epoch").first())
+    res = rows.group_by(BLOCK_KEY).agg(
+        order=pl.col("order_key").min(),
+        a=pl.col("first_call").min(),
+        z=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
+        tool_name=pl.col("tool_name").drop_nulls().first(),
+        pinned=pl.col("extra_json").fill_null("").str.contains('"pinned":true', literal=True).any(),
+        msg_key=pl.col("msg_key").first(),
+    ).join(size, on=BLOCK_KEY, how="left").join(placeholder, on=BLOCK_KEY, how="left").with_columns(
+        done=pl.col("done_call").is_not_null(),
+    ).with_columns(
+        native=pl.col("done") & (pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0),
+        s=pl.when(pl.col("done")).then(0).otherwise((pl.col("tok") - cleared_tok).clip(lower_bound=0)),
+    ).filter(
+        tool_filter_expr(params) & ~pl.col("pinned") & ((pl.col("size") >= params.min_result_chars) | pl.col("done"))
+    )
+    parts = [
+        per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", u_order="u_order",
+                        cur_turn="cur_turn", ep="ep", idle="idle"),
+        res.select(*THREAD, "entry_id", "block_pos", "order", "a", "z", "s", "done", "native", "done_call",
+                   "done_epoch", kind=pl.lit("result")),
+    ]
+    if params.clear_thinking_keep != "all":
+        think = blocks.filter(pl.col("block_type").is_in(THINKING_TYPES) & (pl.col("role") == "assistant")) \
+            .join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left") \
+            .group_by(BLOCK_KEY).agg(order=pl.col("order_key").min(), a=pl.col("first_call").min(),
+                                     turn=pl.col("turn").min())
+        parts.append(think.with_columns(kind=pl.lit("think")))
+    assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
+                                                                              schema=_ASSIGN_SCHEMA))
+    return _apply(blocks, assign, params)
+
+
+def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    cols = list(BLOCK_SCHEMA.names())
+    a = assign.select(*BLOCK_KEY, "kind", _call="clear_call", _epoch="epoch", _reason="reason")
+    marked = blocks.join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
+    is_hit = pl.col("_call").is_not_null() & (pl.col("block_type") == "tool_result")
+    null = lambda c: pl.lit(None, BLOCK_SCHEMA[c])
+    out, d_clear = replace_where(
+        marked, is_hit & (pl.col("part_pos") == 0),
+        {"text": pl.lit(CLEARED),
+         "part_type": pl.when(pl.col("part_type") == "string").then(pl.lit("string")).otherwise(pl.lit("text")),
+         **{c: null(c) for c in ("image_media_type", "image_data", "image_bytes", "image_width", "image_height",
+                                 "signature")},
+         "cache_epoch": pl.col("_epoch")},
+        action="tombstone", reason=pl.col("_reason"), from_call=pl.col("_call"),  # type: ignore[arg-type]
+    )
+    out = materialize(out).join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
+    out, d_parts = drop_where(out, is_hit & (pl.col("part_pos") > 0), reason=pl.col("_reason"),
+                              from_call=pl.col("_call"), action="tombstone")  # type: ignore[arg-type]
+    hits = marked.filter(is_hit).select(*PART_KEY, "first_call", "_call", "_epoch")
+    epochs = hits.select(*PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch")
+    out = materialize(out)
+    decisions = [d_clear, with_epoch(d_parts, epochs)]
+
+    if params.clear_tool_inputs:
+        cleared = a.filter(pl.col("kind") == "result").join(
+            blocks.filter((pl.col("block_type") == "tool_result") & (pl.col("part_pos") == 0))
+            .select(*BLOCK_KEY, "tool_use_id", "order_key").unique(subset=BLOCK_KEY),
+            on=BLOCK_KEY).filter(pl.col("tool_use_id").is_not_null())
+        calls = blocks.filter(pl.col("block_type").is_in(TOOL_CALL_TYPES) & pl.col("tool_use_id").is_not_null()) \
+            .group_by(BLOCK_KEY).agg(pl.col("tool_use_id").first(), order_key=pl.col("order_key").min())
+        owner = cleared.sort("order_key").join_asof(
+            calls.select(*THREAD, "tool_use_id", _use_entry="entry_id", _use_pos="block_pos", _use_order="order_key")
+            .sort("_use_order"),
+            left_on="order_key", right_on="_use_order", by=[*THREAD, "tool_use_id"], strategy="backward",
+            check_sortedness=False,
+        ).filter(pl.col("_use_entry").is_not_null()).select(
+            *THREAD, entry_id="_use_entry", block_pos="_use_pos", _call2="_call", _epoch2="_epoch")
+        m2 = out.join(owner.unique(subset=BLOCK_KEY), on=BLOCK_KEY, how="left")
+        out, d_input = replace_where(
+            m2, pl.col("_call2").is_not_null(), {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_epoch2")},
+            action="clear_input", reason="tombstone", from_call=pl.col("_call2"),
+        )
+        decisions.append(d_input)
+        out = materialize(out)
+
+    if params.clear_thinking_keep != "all":
+        th = a.filter(pl.col("kind") == "think").drop("kind")
+        m3 = out.join(th, on=BLOCK_KEY, how="left")
+        # a message left with only thinking keeps one text block saying so (as layer 1 does)
+        only_thinking = pl.col("block_type").is_in(THINKING_TYPES).all().over([*THREAD, "msg_key"])
+        first_block = pl.col("block_pos") == pl.col("block_pos").min().over([*THREAD, "msg_key"])
+        hit = pl.col("_call").is_not_null()
+        m3 = m3.with_columns(_only=only_thinking, _firstb=first_block)
+        out, d_t1 = replace_where(
+            m3, hit & pl.col("_only") & pl.col("_firstb"),
+            {"block_type": pl.lit("text"), "text": pl.lit(REASONING_OMITTED), "signature": null("signature"),
+             "cache_epoch": pl.col("_epoch")},
+            action="replace", reason="clear_thinking", from_call=pl.col("_call"),
+        )
+        m4 = materialize(out).join(th, on=BLOCK_KEY, how="left").with_columns(_only=only_thinking, _firstb=first_block)
+        out, d_t2 = drop_where(m4, hit & pl.col("block_type").is_in(THINKING_TYPES) & ~(pl.col("_only") & pl.col("_firstb")),
+                               reason="clear_thinking", from_call=pl.col("_call"))
+        th_hits = m3.filter(hit).select(*PART_KEY, "first_call", "_call", "_epoch")
+        decisions += [d_t1, with_epoch(d_t2, th_hits.select(
+            *PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch"))]
+    return materialize(out.select(cols)), materialize(pl.concat(decisions))
+
+
+@stage("tombstone", version=1, params=Tombstone)
+def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
+    """Clear the content of old tool results; ids, names, positions and is_error stay.
+
+    Fires on the token trigger (oldest first, only when the batch frees `clear_at_least_tokens`)
+    or the idle trigger (transcript timestamps; clears every eligible result). Eligible: results
+    whose tool passes `tools.allow` / `tools.deny`, not pinned, at least `min_result_chars`, not in
+    the current tool loop, not among the `keep_recent` newest. A cleared result's content becomes
+    one text block `[Old tool result content cleared]` from the firing's call on (decision
+    `tombstone`, reason `token` or `idle`); optionally its call's input becomes `{}`
+    (`clear_input`) and old thinking is removed. Each firing takes a new cache epoch. Frozen: the
+    ledger's decisions are re-applied first (hash mismatch: `conflict`, decided afresh); only
+    calls after them are decided.
+    """
+    blocks, reapplied = reapply_ledger(materialize(blocks), ledger,
+                                       actions=("tombstone", "clear_input", "replace", "drop"))
+    out, decisions = plan(blocks, params, ctx)
+    return StageResult(out, pl.concat([reapplied, decisions]))
