@@ -18,7 +18,7 @@ from stages.sanitize import (
     MSG,
     alive,
     finish,
-    insert_blocks,
+    Insert,
     mark_drop,
     mark_replace,
     start_marks,
@@ -41,13 +41,21 @@ _ENCODED = ["%", " ", "="] + [chr(c) for c in range(0x20)] + ["\x7f"] + [chr(c) 
     + ["\u2028", "\u2029"]
 
 
-def percent_encode(value: pl.Expr) -> pl.Expr:
+_ENCODE_MAP = {ch: "".join(f"%{b:02X}" for b in ch.encode("utf-8")) for ch in _ENCODED}
+
+
+def percent_encode_text(value: str) -> str:
     """Percent-encode (UTF-8 bytes, upper-case hex) the characters of `_ENCODED` in a value."""
-    out = value
-    for ch in _ENCODED:
-        enc = "".join(f"%{b:02X}" for b in ch.encode("utf-8"))
-        out = out.str.replace_all(ch, enc, literal=True)
-    return out
+    return "".join(_ENCODE_MAP.get(ch, ch) for ch in value)
+
+
+def _encode_batch(s: pl.Series) -> pl.Series:
+    return pl.Series([None if v is None else percent_encode_text(v) for v in s.to_list()], dtype=pl.String)
+
+
+def percent_encode(value: pl.Expr) -> pl.Expr:
+    """`percent_encode_text` over a column (provenance values are few; nulls pass through)."""
+    return value.map_batches(_encode_batch, return_dtype=pl.String)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,11 +78,13 @@ def header_expr(prefix_version: str) -> pl.Expr:
     return pl.concat_str(parts)
 
 
+def _envelope_tail(prefix_version: str) -> str:
+    return "\n" + EXPLANATION + "\n" if prefix_version == "v2" else "\n"
+
+
 def envelope_expr(prefix_version: str) -> pl.Expr:
     """What is prepended to the first text block: header, newline, and (v2) explanation, newline."""
-    if prefix_version == "v2":
-        return pl.concat_str([header_expr(prefix_version), pl.lit("\n" + EXPLANATION + "\n")])
-    return pl.concat_str([header_expr(prefix_version), pl.lit("\n")])
+    return pl.concat_str([header_expr(prefix_version), pl.lit(_envelope_tail(prefix_version))])
 
 
 @stage("inter_session", version=1, params=InterSession)
@@ -90,10 +100,11 @@ def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFra
     is_text = target & (pl.col("block_type") == "text") & alive() & pl.col("text").is_not_null()
     w = w.with_columns(
         _target=target.fill_null(False),
-        _env=pl.when(target).then(envelope_expr(params.prefix_version)).otherwise(None),
         _hdr=pl.when(target).then(header_expr(params.prefix_version)).otherwise(None),
-        _hdr_line=pl.when(target).then(pl.concat_str([header_expr(params.prefix_version), pl.lit("\n")])).otherwise(None),
         _is_text=is_text.fill_null(False),
+    ).with_columns(
+        _env=pl.concat_str([pl.col("_hdr"), pl.lit(_envelope_tail(params.prefix_version))]),
+        _hdr_line=pl.concat_str([pl.col("_hdr"), pl.lit("\n")]),
     ).with_columns(
         _first_text_pos=pl.when("_is_text").then(pl.col("block_pos")).otherwise(None).min().over(MSG),
     ).with_columns(
@@ -135,10 +146,11 @@ def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFra
 
     # a row without any text block gets one before its first block
     body = "\n" + EXPLANATION + "\n" + NO_TEXT_BODY if params.prefix_version == "v2" else "\n" + NO_TEXT_BODY
-    new = (
-        w.filter(pl.col("_target") & pl.col("_is_first_row") & ~pl.col("_msg_has_text"))
-        .with_columns(**text_row(pl.concat_str([pl.col("_hdr"), pl.lit(body)]), origin="inter_session"),
-                      block_pos=(pl.col("_min_pos") - 1).cast(pl.Int32))
+    insert = Insert(
+        when=pl.col("_target") & pl.col("_is_first_row") & ~pl.col("_msg_has_text"),
+        values={**text_row(pl.concat_str([pl.col("_hdr"), pl.lit(body)]), origin="inter_session"),
+                "block_pos": (pl.col("_min_pos") - 1).cast(pl.Int32)},
+        reason="inter_session_header",
     )
     action = pl.when(pl.col("_rep_reason") == "move_envelope").then(pl.lit("move_envelope")).otherwise(pl.lit("annotate"))
-    return finish(w, [insert_blocks(new, reason="inter_session_header")], replace_action=action)
+    return finish(w, [insert], replace_action=action)

@@ -35,13 +35,12 @@ from pipeline.blockops import (
     BLOCK_SCHEMA,
     block_json_expr,
     content_len_expr,
+    content_sha256,
     decisions_from,
-    drop_where,
-    empty_decisions,
-    rehash,
     sort_blocks,
 )
 from pipeline.registry import StageContext, StageResult, stage
+from schemas.blocks import CONTENT_COLUMNS
 from schemas.decisions import DECISION_KEY
 
 FAILED_TURN_TEXT = "[assistant turn failed before producing content]"
@@ -225,18 +224,38 @@ def text_row(text: str | pl.Expr, *, origin: str) -> dict[str, pl.Expr]:
     )
 
 
-def insert_blocks(rows: pl.LazyFrame, *, reason: str | pl.Expr, action: str = "insert") -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """New block rows (blocks-shaped, content_sha256 recomputed) and one `insert` decision each."""
-    rows = rehash(rows.with_columns(_ins_reason=reason if isinstance(reason, pl.Expr) else pl.lit(reason)))
-    decisions = decisions_from(
-        rows, action=action, reason=pl.col("_ins_reason"),
-        after_sha256=pl.col("content_sha256"), after_len=content_len_expr(), replacement=block_json_expr(),
-    )
-    return rows.select(BLOCK_SCHEMA.names()), decisions
+@dataclass(frozen=True, slots=True)
+class Insert:
+    """Rows to insert: one per working row where `when` holds, that row with `values` applied
+    (`values` must set block_pos and may set first_call / last_call); one `insert` decision each."""
+
+    when: pl.Expr
+    values: dict[str, pl.Expr]
+    reason: str
+
+
+def _masked_sha(mask: str) -> pl.Expr:
+    """content_sha256 recomputed for the rows where boolean column `mask` holds (null elsewhere);
+    only those rows are hashed."""
+    def run(s: pl.Series) -> pl.Series:
+        df = s.struct.unnest()
+        m = df.get_column("_mask").fill_null(False)
+        out = pl.Series("sha", [None] * df.height, dtype=pl.String)
+        if m.any():
+            rows = df.filter(m).drop("_mask").to_dicts()
+            out = out.scatter(m.arg_true(), [content_sha256(r) for r in rows])
+        return out
+
+    return pl.struct(pl.col(mask).alias("_mask"), *CONTENT_COLUMNS).map_batches(run, return_dtype=pl.String)
+
+
+# kinds of output rows made from one working row (finish explodes each row into its outputs)
+_KEEP, _LATE, _D_REP, _D_DROP, _D_LATE = 0, 1, 2, 3, 4
+_INS = 10  # _INS + 2*i: inserted row of Insert i; _INS + 2*i + 1: its decision
 
 
 def finish(
-    w: pl.LazyFrame, inserts: Sequence[tuple[pl.LazyFrame, pl.LazyFrame]] = (), *,
+    w: pl.LazyFrame, inserts: Sequence[Insert] = (), *,
     replace_action: str | pl.Expr = "replace", late_values: dict[str, pl.Expr] | None = None,
     late_action: str = "replace",
 ) -> StageResult:
@@ -244,62 +263,103 @@ def finish(
 
     A replaced version is rehashed; a decision is written when its content hash or its
     `extra_json` changed. A version dropped from its first call disappears (a replacement of it is
-    void); dropped later, it ends at that call (`last_call`). With `late_values`, a version whose
-    `_late_from` lies after its first call ends there and a new version with those values starts
-    there (one `late_action` decision from that call, before = the version it replaces).
+    void); dropped later, it ends at that call. With `late_values`, a version whose `_late_from`
+    lies after its first call ends there and a new version with those values starts there (one
+    `late_action` decision from that call). Each working row is exploded into its output rows and
+    decision rows, so the working plan is referenced twice (blocks, decisions), never more.
     """
     cols = BLOCK_SCHEMA.names()
-    rep = rehash(w.filter(pl.col("_rep_reason").is_not_null()))
-    w2 = pl.concat([w.filter(pl.col("_rep_reason").is_null()), rep])
+    w = w.with_columns(_has_rep=pl.col("_rep_reason").is_not_null())
+    w = w.with_columns(
+        content_sha256=pl.coalesce(_masked_sha("_has_rep"), pl.col("content_sha256")),
+        _cur_len=content_len_expr(),
+    )
     changed = (
         (pl.col("content_sha256") != pl.col("_orig_sha")) | ~pl.col("extra_json").eq_missing(pl.col("_orig_extra"))
     )
-    d_rep = decisions_from(
-        rep.filter(changed & alive()),
-        action=replace_action, reason=pl.col("_rep_reason"),
-        before_sha256=pl.col("_orig_sha"), after_sha256=pl.col("content_sha256"),
-        before_len=pl.col("_orig_len"), after_len=content_len_expr(), replacement=block_json_expr(),
+    if late_values is None:
+        w = w.with_columns(_late_from=pl.lit(None, pl.Int32), _late_reason=pl.lit(None, pl.String))
+    is_late = (
+        pl.col("_late_from").is_not_null() & (pl.col("_late_from") > pl.col("first_call"))
+        & (pl.col("_late_from") < cover_end())
+    ).fill_null(False)
+    w = w.with_columns(_is_late=is_late, _is_alive=alive())
+    kinds = [
+        pl.when(pl.col("_is_alive")).then(pl.lit(_KEEP)),
+        pl.when(pl.col("_is_late")).then(pl.lit(_LATE)),
+        pl.when(pl.col("_is_late")).then(pl.lit(_D_LATE)),
+        pl.when(pl.col("_has_rep") & changed & pl.col("_is_alive")).then(pl.lit(_D_REP)),
+        pl.when(pl.col("_drop_from").is_not_null()).then(pl.lit(_D_DROP)),
+    ]
+    for i, ins in enumerate(inserts):
+        kinds.append(pl.when(ins.when.fill_null(False)).then(pl.lit(_INS + 2 * i)))
+        kinds.append(pl.when(ins.when.fill_null(False)).then(pl.lit(_INS + 2 * i + 1)))
+    x = (
+        w.with_columns(_kind=pl.concat_list([k.cast(pl.Int16) for k in kinds]).list.drop_nulls())
+        .explode("_kind").filter(pl.col("_kind").is_not_null())
+        .with_columns(_prev_sha=pl.col("content_sha256"), _prev_len=pl.col("_cur_len"))
     )
-    gone_at_first = pl.col("_drop_from") <= pl.col("first_call")
-    d_drop = decisions_from(
-        w2.filter(pl.col("_drop_from").is_not_null()),
-        action="drop", reason=pl.col("_drop_reason"), from_call=pl.col("_drop_from"),
-        before_sha256=pl.when(gone_at_first).then(pl.col("_orig_sha")).otherwise(pl.col("content_sha256")),
-        before_len=pl.when(gone_at_first).then(pl.col("_orig_len")).otherwise(content_len_expr()),
-    )
-    kept = w2.filter(alive())
-    parts = [d_rep, d_drop]
-    late_rows: list[pl.LazyFrame] = []
+    # new content of late versions and inserted rows (and of their decision rows)
+    kind = pl.col("_kind")
+    groups: list[tuple[pl.Expr, dict[str, pl.Expr]]] = []
     if late_values is not None:
-        is_late = (
-            pl.col("_late_from").is_not_null() & (pl.col("_late_from") > pl.col("first_call"))
-            & (pl.col("_late_from") < cover_end())
-        ).fill_null(False)
-        kept = kept.with_columns(_is_late=is_late)
-        new = (
-            kept.filter("_is_late")
-            .with_columns(_prev_sha=pl.col("content_sha256"), _prev_len=content_len_expr())
-            .with_columns(**late_values)
-            .with_columns(first_call=pl.col("_late_from").cast(pl.Int32))
+        groups.append((kind.is_in([_LATE, _D_LATE]),
+                       {**late_values, "first_call": pl.col("_late_from").cast(pl.Int32)}))
+    for i, ins in enumerate(inserts):
+        groups.append((kind.is_in([_INS + 2 * i, _INS + 2 * i + 1]),
+                       {**ins.values, "origin": ins.values.get("origin", pl.col("origin"))}))
+    new_content = pl.lit(False)
+    for cond, values in groups:
+        new_content = new_content | cond
+    touched = sorted({c for _, v in groups for c in v})
+    if groups:
+        x = x.with_columns(**{
+            c: _chain([(cond, v[c]) for cond, v in groups if c in v], pl.col(c)) for c in touched
+        })
+        x = x.with_columns(_new_content=new_content).with_columns(
+            content_sha256=pl.coalesce(_masked_sha("_new_content"), pl.col("content_sha256"))
         )
-        new = rehash(new).with_columns(
-            last_call=pl.when(pl.col("_drop_from").is_not_null()).then(pl.col("_drop_from")).otherwise(pl.col("last_call"))
-        )
-        parts.append(decisions_from(
-            new, action=late_action, reason=pl.col("_late_reason"),
-            before_sha256=pl.col("_prev_sha"), after_sha256=pl.col("content_sha256"),
-            before_len=pl.col("_prev_len"), after_len=content_len_expr(), replacement=block_json_expr(),
-        ))
-        late_rows.append(new.select(cols))
-        kept = kept.with_columns(
-            _drop_from=pl.when("_is_late").then(pl.col("_late_from")).otherwise(pl.col("_drop_from"))
-        )
-    kept = kept.with_columns(
-        last_call=pl.when(pl.col("_drop_from").is_not_null()).then(pl.col("_drop_from")).otherwise(pl.col("last_call"))
+    is_keep = kind == _KEEP
+    ends = pl.when(is_keep & pl.col("_is_late")).then(pl.col("_late_from")).when(
+        kind.is_in([_KEEP, _LATE]) & pl.col("_drop_from").is_not_null()).then(pl.col("_drop_from"))
+    ins_block_kinds = [_INS + 2 * i for i in range(len(inserts))]
+    blocks_out = (
+        x.filter(kind.is_in([_KEEP, _LATE, *ins_block_kinds]))
+        .with_columns(last_call=ends.otherwise(pl.col("last_call")).cast(pl.Int32))
+        .select(cols)
     )
-    blocks_out = pl.concat([kept.select(cols), *late_rows, *[rows for rows, _ in inserts]])
-    decisions = pl.concat([*parts, *[d for _, d in inserts]])
+    d = x.filter(kind.is_in([_D_REP, _D_DROP, _D_LATE, *[k + 1 for k in ins_block_kinds]]))
+    gone_at_first = pl.col("_drop_from") <= pl.col("first_call")
+    rep_action = replace_action if isinstance(replace_action, pl.Expr) else pl.lit(replace_action)
+    ins_reason = _chain([(kind == _INS + 2 * i + 1, pl.lit(ins.reason)) for i, ins in enumerate(inserts)],
+                        pl.lit(None, pl.String))
+    decisions = decisions_from(
+        d,
+        action=pl.when(kind == _D_REP).then(rep_action).when(kind == _D_DROP).then(pl.lit("drop"))
+        .when(kind == _D_LATE).then(pl.lit(late_action)).otherwise(pl.lit("insert")),
+        reason=pl.when(kind == _D_REP).then(pl.col("_rep_reason")).when(kind == _D_DROP).then(pl.col("_drop_reason"))
+        .when(kind == _D_LATE).then(pl.col("_late_reason")).otherwise(ins_reason),
+        from_call=pl.when(kind == _D_DROP).then(pl.col("_drop_from")).otherwise(pl.col("first_call")),
+        before_sha256=pl.when(kind == _D_REP).then(pl.col("_orig_sha"))
+        .when(kind == _D_DROP).then(pl.when(gone_at_first).then(pl.col("_orig_sha")).otherwise(pl.col("content_sha256")))
+        .when(kind == _D_LATE).then(pl.col("_prev_sha")).otherwise(pl.lit(None, pl.String)),
+        after_sha256=pl.when(kind == _D_DROP).then(pl.lit(None, pl.String)).otherwise(pl.col("content_sha256")),
+        before_len=pl.when(kind == _D_REP).then(pl.col("_orig_len"))
+        .when(kind == _D_DROP).then(pl.when(gone_at_first).then(pl.col("_orig_len")).otherwise(pl.col("_cur_len")))
+        .when(kind == _D_LATE).then(pl.col("_prev_len")).otherwise(pl.lit(None, pl.Int64)),
+        after_len=pl.when(kind == _D_DROP).then(pl.lit(None, pl.Int64)).otherwise(content_len_expr()),
+        replacement=pl.when(kind == _D_DROP).then(pl.lit(None, pl.String)).otherwise(block_json_expr()),
+    )
     return StageResult(sort_blocks(blocks_out), decisions.sort(DECISION_KEY))
+
+
+def _chain(cases: list[tuple[pl.Expr, pl.Expr]], otherwise: pl.Expr) -> pl.Expr:
+    if not cases:
+        return otherwise
+    expr = pl.when(cases[0][0]).then(cases[0][1])
+    for cond, val in cases[1:]:
+        expr = expr.when(cond).then(val)
+    return expr.otherwise(otherwise)
 
 
 # ----------------------------------------------------------------------------- usage (sub-step 8)
@@ -371,14 +431,14 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     w = w.with_columns(_filtered=filt.fill_null(False).any().over(MSG) if filt is not None else pl.lit(False))
     w = mark_drop(w, pl.col("_filtered"), "row_filter")
     # 4. failed empty assistant turns
-    w, failed_rows = _failed_turns(w)
+    w, failed_insert = _failed_turns(w)
     # 5. thinking
-    w, omitted_rows = _thinking(w, params, family)
+    w, omitted_insert = _thinking(w, params, family)
     # 6. invalid tool calls
     w = _tool_calls(w, params)
     # 7 + 9. non-model result fields and magic strings (a block changed by both: one decision)
     w = _strip_and_scrub(w, params, family)
-    return finish(w, [failed_rows, omitted_rows])
+    return finish(w, [failed_insert, omitted_insert])
 
 
 def _row_filter_expr(names: Sequence[str]) -> pl.Expr | None:
@@ -400,7 +460,7 @@ def _row_filter_expr(names: Sequence[str]) -> pl.Expr | None:
     return out
 
 
-def _failed_turns(w: pl.LazyFrame) -> tuple[pl.LazyFrame, tuple[pl.LazyFrame, pl.LazyFrame]]:
+def _failed_turns(w: pl.LazyFrame) -> tuple[pl.LazyFrame, Insert]:
     """Sub-step 4. A failed empty assistant row loses its placeholders; from the first call that sees
     a later message it reads FAILED_TURN_TEXT. While it is the last row of a request it is absent
     (a trailing failed turn is dropped), so the decision for call k depends only on rows seen at k."""
@@ -422,16 +482,16 @@ def _failed_turns(w: pl.LazyFrame) -> tuple[pl.LazyFrame, tuple[pl.LazyFrame, pl
     ).with_columns(_next_content=next_message_first_call("_has_content"))
     w = mark_drop(w, pl.col("_failed") & (pl.col("block_type") == EMPTY_PLACEHOLDER), "failed_turn")
     start = pl.max_horizontal(pl.col("_next_content"), pl.col("first_call"))
-    new = (
-        w.filter(pl.col("_is_first_row") & pl.col("_failed") & pl.col("_next_content").is_not_null()
-                 & (start < pl.col("_end")))
-        .with_columns(**text_row(FAILED_TURN_TEXT, origin="sanitize"),
-                      block_pos=(pl.col("_min_pos") - 1).cast(pl.Int32), first_call=start.cast(pl.Int32))
+    insert = Insert(
+        when=pl.col("_is_first_row") & pl.col("_failed") & pl.col("_next_content").is_not_null() & (start < pl.col("_end")),
+        values={**text_row(FAILED_TURN_TEXT, origin="sanitize"),
+                "block_pos": (pl.col("_min_pos") - 1).cast(pl.Int32), "first_call": start.cast(pl.Int32)},
+        reason="failed_turn",
     )
-    return w, insert_blocks(new, reason="failed_turn")
+    return w, insert
 
 
-def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFrame, tuple[pl.LazyFrame, pl.LazyFrame]]:
+def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFrame, Insert]:
     """Sub-step 5: foreign thinking, the thinking policy, and the reasoning-omitted text for a row
     that this sub-step leaves empty (from the call at which it becomes empty)."""
     is_thinking = pl.col("block_type").is_in(list(THINKING_TYPES))
@@ -478,16 +538,16 @@ def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFr
     ).with_columns(
         _omit_from=pl.coalesce(pl.col("_tail_after"), pl.col("_first_before")),
     )
-    new = (
-        w.filter(pl.col("_is_first_row") & (pl.col("role") == "assistant") & pl.col("_lost")
-                 & (pl.col("_omit_from") < pl.col("_tail_before")))
-        .with_columns(**text_row(REASONING_OMITTED_TEXT, origin="sanitize"),
-                      block_pos=(pl.col("_min_pos") - 1).cast(pl.Int32),
-                      first_call=pl.col("_omit_from").cast(pl.Int32),
-                      last_call=pl.when(pl.col("_tail_before") == OPEN).then(None)
-                      .otherwise(pl.col("_tail_before")).cast(pl.Int32))
+    insert = Insert(
+        when=pl.col("_is_first_row") & (pl.col("role") == "assistant") & pl.col("_lost")
+        & (pl.col("_omit_from") < pl.col("_tail_before")),
+        values={**text_row(REASONING_OMITTED_TEXT, origin="sanitize"),
+                "block_pos": (pl.col("_min_pos") - 1).cast(pl.Int32),
+                "first_call": pl.col("_omit_from").cast(pl.Int32),
+                "last_call": pl.when(pl.col("_tail_before") == OPEN).then(None).otherwise(pl.col("_tail_before")).cast(pl.Int32)},
+        reason="reasoning_omitted",
     )
-    return w, insert_blocks(new, reason="reasoning_omitted")
+    return w, insert
 
 
 def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
