@@ -82,15 +82,18 @@ def is_image_expr() -> pl.Expr:
     return (pl.col("block_type") == "image") | (pl.col("part_type") == "image")
 
 
+def tokens_expr(text: pl.Expr, ctx: StageContext) -> pl.Expr:
+    """Tokens of a text column: the injected counter, else the fast estimate."""
+    if ctx.count_tokens is None:
+        return fast_token_estimate(text.fill_null("").str.len_chars())
+    counter = ctx.count_tokens
+    return text.fill_null("").map_batches(lambda s: counter(s).cast(pl.Int64), return_dtype=pl.Int64)
+
+
 def row_tokens_expr(ctx: StageContext) -> pl.Expr:
     """Estimated tokens of one block: the injected counter when there is one, else ceil(chars/4);
     images min(1600, ceil(w*h/750)), unknown size 1600 (layer-semantics §1)."""
-    text = _token_text()
-    if ctx.count_tokens is None:
-        tok = fast_token_estimate(text.str.len_chars())
-    else:
-        counter = ctx.count_tokens
-        tok = text.map_batches(lambda s: counter(s).cast(pl.Int64), return_dtype=pl.Int64)
+    tok = tokens_expr(_token_text(), ctx)
     w, h = pl.col("image_width").cast(pl.Int64), pl.col("image_height").cast(pl.Int64)
     img = (
         pl.when(w.is_not_null() & h.is_not_null())

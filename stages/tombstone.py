@@ -35,6 +35,7 @@ from stages.snip import (
     request_tokens,
     row_tokens_expr,
     text_tokens,
+    tokens_expr,
     with_epoch,
 )
 
@@ -121,18 +122,23 @@ _ASSIGN_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "kind": pl.St
 
 def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     """Walk the calls of each thread; return the call, epoch and reason at which each result (and,
-    with `clear_thinking_keep`, each thinking block) is cleared. O((calls + results) log results)."""
+    with `clear_thinking_keep`, each thinking block) is cleared.
+
+    Input rows by `kind`: `call` (tokens, u_order, cur_turn, ep, idle), `result` (order, a = first
+    call, z = end, s = tokens freed, done / native / done_call / done_epoch) and `think` (order, a,
+    z, turn, s, last). Results below the frontier and thinking below its own frontier are cleared;
+    both frontiers only move forward. O((calls + results) log results).
+    """
     out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
     keep_n = None if p.clear_thinking_keep == "all" else int(p.clear_thinking_keep)
-
-    def emit(sid: str, tid: str, kind: str, eid: Any, bpos: Any, j: int) -> None:
-        vals = (sid, tid, kind, eid, bpos, fire_k[j], fire_e[j], fire_r[j] if kind == "result" else "clear_thinking")
-        for key, v in zip(_ASSIGN_SCHEMA, vals):
-            out[key].append(v)
 
     for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
         calls = part.filter(pl.col("kind") == "call").sort("call")
         res = part.filter(pl.col("kind") == "result").sort("order", "entry_id", "block_pos")
+        th = part.filter(pl.col("kind") == "think").sort("order", "entry_id", "block_pos")
+        if "turn" not in th.columns:  # no thinking rows were passed (clear_thinking_keep = "all")
+            th = pl.DataFrame(schema={"entry_id": pl.String, "block_pos": pl.Int32, "order": pl.Int64, "a": pl.Int32,
+                                      "turn": pl.Int32, "z": pl.Int32, "last": pl.Int32, "s": pl.Int64})
         n = calls.height
         if n == 0 or res.height == 0:
             continue
@@ -145,19 +151,29 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
         a = res["a"].to_list()
         z = res["z"].fill_null(NO_CALL).to_list()
         done = res["done"].to_list()
-        s = [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)]
         native = res["native"].to_list()
-        S = [0, *accumulate(s)]
+        S = [0, *accumulate(0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done))]
         cnt = [0, *accumulate(0 if dn else 1 for dn in done)]
         a_sorted, z_sorted = sorted(a), sorted(z)
 
-        f, start, last_epoch = 0, 0, 0
+        f, hf, start, last_epoch = 0, 0, 0, 0
         frozen = [i for i, (dn, nat) in enumerate(zip(done, native)) if dn and not nat]
+        frozen_calls: set[int] = set()
         if frozen:  # clearing already in the input (re-run or re-applied ledger): go on after it
             dc, de = res["done_call"].to_list(), res["done_epoch"].to_list()
             f = max(frozen) + 1
-            start = max(dc[i] for i in frozen) + 1
-            last_epoch = max(de[i] for i in frozen)
+            frozen_calls = {int(dc[i]) for i in frozen}
+            start = max(frozen_calls) + 1
+            last_epoch = max(int(de[i]) for i in frozen)
+        # thinking: a prefix (in order) is cleared; turn and first call grow with order
+        th_order, th_a, th_turn = th["order"].to_list(), th["a"].to_list(), th["turn"].to_list()
+        th_z = th["z"].fill_null(NO_CALL).to_list()
+        th_done = [lst is not None and int(lst) in frozen_calls for lst in th["last"].to_list()]
+        TS = [0, *accumulate(0 if dn else int(x or 0) for x, dn in zip(th["s"].to_list(), th_done))]
+        th_z_sorted, th_a_sorted, th_turn_sorted = sorted(th_z), sorted(th_a), sorted(th_turn)
+        if any(th_done):
+            hf = max(i for i, dn in enumerate(th_done) if dn) + 1
+
         fire_k: list[int] = []
         fire_f: list[int] = []
         fire_e: list[int] = []
@@ -174,7 +190,8 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
             else:
                 if p.trigger_tokens <= 0:
                     continue
-                total = tok[k] - (S[b] - S[g])
+                gt = bisect_right(th_z_sorted, k)
+                total = tok[k] - (S[b] - S[g]) - (TS[max(hf, gt)] - TS[gt])
                 if total <= p.trigger_tokens or b >= e:
                     continue
                 if S[e] - S[b] < p.clear_at_least_tokens:
@@ -186,31 +203,57 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
             epoch = max(int(ep[k]), last_epoch) + 1
             fire_k.append(k), fire_f.append(nf), fire_e.append(epoch), fire_r.append(reason)
             f, last_epoch = nf, epoch
+            if keep_n is not None:
+                hf = max(hf, min(bisect_right(th_turn_sorted, cur_turn[k] - keep_n), bisect_left(th_order, u[k]),
+                                 bisect_right(th_a_sorted, k)))
         if not fire_k:
             continue
+
         # each result: the first firing at or after its first appearance whose frontier passes it
+        found: list[tuple[str, Any, Any, int, str]] = []
         eids, bpos = res["entry_id"].to_list(), res["block_pos"].to_list()
         for i in range(res.height):
             if done[i]:
                 continue
             j = max(bisect_left(fire_k, a[i]), bisect_right(fire_f, i))
             if j < len(fire_k) and fire_k[j] < z[i]:
-                emit(sid, tid, "result", eids[i], bpos[i], j)
-        if keep_n is None:
-            continue
-        th = part.filter(pl.col("kind") == "think")
-        turn_limit = [cur_turn[k] - keep_n for k in fire_k]
+                found.append(("result", eids[i], bpos[i], j, fire_r[j]))
+        turn_limit = [cur_turn[k] - (keep_n or 0) for k in fire_k]
         u_at = [u[k] for k in fire_k]
-        for eid, bp, t_first, t_order, t_turn in zip(th["entry_id"].to_list(), th["block_pos"].to_list(),
-                                                     th["a"].to_list(), th["order"].to_list(), th["turn"].to_list()):
-            j = max(bisect_left(fire_k, t_first), bisect_left(turn_limit, t_turn), bisect_right(u_at, t_order))
-            if j < len(fire_k):
-                emit(sid, tid, "think", eid, bp, j)
+        for x, (eid, bp) in enumerate(zip(th["entry_id"].to_list(), th["block_pos"].to_list())):
+            if th_done[x] or keep_n is None:
+                continue
+            j = max(bisect_left(fire_k, th_a[x]), bisect_left(turn_limit, th_turn[x]), bisect_right(u_at, th_order[x]))
+            if j < len(fire_k) and fire_k[j] < th_z[x]:
+                found.append(("think", eid, bp, j, "clear_thinking"))
+        for kind, eid, bp, j, reason in found:
+            for key, v in zip(_ASSIGN_SCHEMA, (sid, tid, kind, eid, bp, fire_k[j], fire_e[j], reason)):
+                out[key].append(v)
     return pl.DataFrame(out, schema=_ASSIGN_SCHEMA)
 
 
 # ---------------------------------------------------------------------------------------------
 # plan and stage
+
+
+def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
+    """For each tool result: its tool call block (the latest earlier call with that id) and the
+    tokens that clearing the call's input would free."""
+    results = blocks.filter((pl.col("block_type") == "tool_result") & pl.col("tool_use_id").is_not_null()) \
+        .group_by(BLOCK_KEY).agg(pl.col("tool_use_id").first(), order_key=pl.col("order_key").min())
+    calls = blocks.filter(pl.col("block_type").is_in(TOOL_CALL_TYPES) & pl.col("tool_use_id").is_not_null()) \
+        .with_columns(_tok=row_tokens_expr(ctx),
+                      _after=tokens_expr(pl.concat_str([pl.col("tool_name"), pl.lit("{}")], separator=" ",
+                                                       ignore_nulls=True), ctx)) \
+        .sort("first_call").group_by(BLOCK_KEY).agg(
+            pl.col("tool_use_id").first(), _use_order=pl.col("order_key").min(),
+            _in_saved=(pl.col("_tok").first() - pl.col("_after").first()).clip(lower_bound=0))
+    return results.sort("order_key").join_asof(
+        calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", _use_entry="entry_id", _use_pos="block_pos")
+        .sort("_use_order"),
+        left_on="order_key", right_on="_use_order", by=[*THREAD, "tool_use_id"], strategy="backward",
+        check_sortedness=False,
+    ).filter(pl.col("_use_entry").is_not_null()).select(*BLOCK_KEY, "_use_entry", "_use_pos", "_in_saved")
 
 
 def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
@@ -219,7 +262,7 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl
     grid = materialize(call_grid(blocks))
     msgs = materialize(messages(blocks))
     tokens = request_tokens(blocks, ctx, grid, msgs)
-    cleared_tok = text_tokens([CLEARED], ctx)[0]
+    cleared_tok, omitted_tok = text_tokens([CLEARED, REASONING_OMITTED], ctx)
 
     # per call: latest real user row (the current tool loop starts after it), turn, epoch, idle gap
     real = msgs.filter("is_real_user").group_by([*THREAD, pl.col("first").alias("call")]).agg(
@@ -257,12 +300,17 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl
         z=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
         tool_name=pl.col("tool_name").drop_nulls().first(),
         pinned=pl.col("extra_json").fill_null("").str.contains('"pinned":true', literal=True).any(),
-        msg_key=pl.col("msg_key").first(),
     ).join(size, on=BLOCK_KEY, how="left").join(placeholder, on=BLOCK_KEY, how="left").with_columns(
         done=pl.col("done_call").is_not_null(),
-    ).with_columns(
+    )
+    owners = materialize(_call_owners(blocks, ctx)) if params.clear_tool_inputs else None
+    in_saved = pl.lit(0, pl.Int64)
+    if owners is not None:
+        res = res.join(owners.select(*BLOCK_KEY, "_in_saved"), on=BLOCK_KEY, how="left")
+        in_saved = pl.col("_in_saved").fill_null(0)
+    res = res.with_columns(
         native=pl.col("done") & (pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0),
-        s=pl.when(pl.col("done")).then(0).otherwise((pl.col("tok") - cleared_tok).clip(lower_bound=0)),
+        s=pl.when(pl.col("done")).then(0).otherwise((pl.col("tok") - cleared_tok).clip(lower_bound=0) + in_saved),
     ).filter(
         tool_filter_expr(params) & ~pl.col("pinned") & ((pl.col("size") >= params.min_result_chars) | pl.col("done"))
     )
@@ -273,22 +321,40 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl
                    "done_epoch", kind=pl.lit("result")),
     ]
     if params.clear_thinking_keep != "all":
-        think = blocks.filter(pl.col("block_type").is_in(THINKING_TYPES) & (pl.col("role") == "assistant")) \
-            .join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left") \
-            .group_by(BLOCK_KEY).agg(order=pl.col("order_key").min(), a=pl.col("first_call").min(),
-                                     turn=pl.col("turn").min())
+        think = _thinking(blocks, msgs).with_columns(_tok=row_tokens_expr(ctx)).group_by(BLOCK_KEY).agg(
+            order=pl.col("order_key").min(), a=pl.col("first_call").min(), turn=pl.col("turn").min(),
+            z=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
+            last=pl.col("last_call").max(),
+            s=(pl.col("_tok").sort_by("first_call").first()
+               - pl.when(pl.col("_only").first() & pl.col("_firstb").first()).then(omitted_tok).otherwise(0)),
+        )
         parts.append(think.with_columns(kind=pl.lit("think")))
     assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
                                                                               schema=_ASSIGN_SCHEMA))
-    return _apply(blocks, assign, params)
+    return _apply(blocks, assign, params, owners)
 
 
-def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+def _thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame) -> pl.LazyFrame:
+    """Thinking blocks of assistant messages, with their turn and whether the message holds only
+    thinking (then its first block becomes `[assistant reasoning omitted]` instead of going)."""
+    only_thinking = pl.col("block_type").is_in(THINKING_TYPES).all().over([*THREAD, "msg_key"])
+    first_block = pl.col("block_pos") == pl.col("block_pos").min().over([*THREAD, "msg_key"])
+    return blocks.filter(pl.col("role") == "assistant").with_columns(_only=only_thinking, _firstb=first_block) \
+        .filter(pl.col("block_type").is_in(THINKING_TYPES)) \
+        .join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left")
+
+
+def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
+           owners: pl.LazyFrame | None) -> tuple[pl.LazyFrame, pl.LazyFrame]:
     cols = list(BLOCK_SCHEMA.names())
     a = assign.select(*BLOCK_KEY, "kind", _call="clear_call", _epoch="epoch", _reason="reason")
-    marked = blocks.join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
+    ra = a.filter(pl.col("kind") == "result").drop("kind")
+    marked = blocks.join(ra, on=BLOCK_KEY, how="left")
     is_hit = pl.col("_call").is_not_null() & (pl.col("block_type") == "tool_result")
-    null = lambda c: pl.lit(None, BLOCK_SCHEMA[c])
+
+    def null(c: str) -> pl.Expr:
+        return pl.lit(None, BLOCK_SCHEMA[c])
+
     out, d_clear = replace_where(
         marked, is_hit & (pl.col("part_pos") == 0),
         {"text": pl.lit(CLEARED),
@@ -298,7 +364,7 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone) -> tup
          "cache_epoch": pl.col("_epoch")},
         action="tombstone", reason=pl.col("_reason"), from_call=pl.col("_call"),  # type: ignore[arg-type]
     )
-    out = materialize(out).join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
+    out = materialize(out).join(ra, on=BLOCK_KEY, how="left")
     out, d_parts = drop_where(out, is_hit & (pl.col("part_pos") > 0), reason=pl.col("_reason"),
                               from_call=pl.col("_call"), action="tombstone")  # type: ignore[arg-type]
     hits = marked.filter(is_hit).select(*PART_KEY, "first_call", "_call", "_epoch")
@@ -306,23 +372,13 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone) -> tup
     out = materialize(out)
     decisions = [d_clear, with_epoch(d_parts, epochs)]
 
-    if params.clear_tool_inputs:
-        cleared = a.filter(pl.col("kind") == "result").join(
-            blocks.filter((pl.col("block_type") == "tool_result") & (pl.col("part_pos") == 0))
-            .select(*BLOCK_KEY, "tool_use_id", "order_key").unique(subset=BLOCK_KEY),
-            on=BLOCK_KEY).filter(pl.col("tool_use_id").is_not_null())
-        calls = blocks.filter(pl.col("block_type").is_in(TOOL_CALL_TYPES) & pl.col("tool_use_id").is_not_null()) \
-            .group_by(BLOCK_KEY).agg(pl.col("tool_use_id").first(), order_key=pl.col("order_key").min())
-        owner = cleared.sort("order_key").join_asof(
-            calls.select(*THREAD, "tool_use_id", _use_entry="entry_id", _use_pos="block_pos", _use_order="order_key")
-            .sort("_use_order"),
-            left_on="order_key", right_on="_use_order", by=[*THREAD, "tool_use_id"], strategy="backward",
-            check_sortedness=False,
-        ).filter(pl.col("_use_entry").is_not_null()).select(
+    if owners is not None:
+        owner = ra.join(owners, on=BLOCK_KEY).select(
             *THREAD, entry_id="_use_entry", block_pos="_use_pos", _call2="_call", _epoch2="_epoch")
         m2 = out.join(owner.unique(subset=BLOCK_KEY), on=BLOCK_KEY, how="left")
         out, d_input = replace_where(
-            m2, pl.col("_call2").is_not_null(), {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_epoch2")},
+            m2, pl.col("_call2").is_not_null() & pl.col("block_type").is_in(TOOL_CALL_TYPES),
+            {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_epoch2")},
             action="clear_input", reason="tombstone", from_call=pl.col("_call2"),
         )
         decisions.append(d_input)
@@ -330,22 +386,22 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone) -> tup
 
     if params.clear_thinking_keep != "all":
         th = a.filter(pl.col("kind") == "think").drop("kind")
-        m3 = out.join(th, on=BLOCK_KEY, how="left")
-        # a message left with only thinking keeps one text block saying so (as layer 1 does)
         only_thinking = pl.col("block_type").is_in(THINKING_TYPES).all().over([*THREAD, "msg_key"])
         first_block = pl.col("block_pos") == pl.col("block_pos").min().over([*THREAD, "msg_key"])
-        hit = pl.col("_call").is_not_null()
-        m3 = m3.with_columns(_only=only_thinking, _firstb=first_block)
+        hit = pl.col("_call").is_not_null() & pl.col("block_type").is_in(THINKING_TYPES)
+        # a message left with only thinking keeps one text block saying so (as layer 1 does)
+        m3 = out.with_columns(_only=only_thinking, _firstb=first_block).join(th, on=BLOCK_KEY, how="left")
+        th_hits = m3.filter(hit).select(*PART_KEY, "first_call", "_call", "_epoch")
         out, d_t1 = replace_where(
             m3, hit & pl.col("_only") & pl.col("_firstb"),
             {"block_type": pl.lit("text"), "text": pl.lit(REASONING_OMITTED), "signature": null("signature"),
              "cache_epoch": pl.col("_epoch")},
             action="replace", reason="clear_thinking", from_call=pl.col("_call"),
         )
-        m4 = materialize(out).join(th, on=BLOCK_KEY, how="left").with_columns(_only=only_thinking, _firstb=first_block)
-        out, d_t2 = drop_where(m4, hit & pl.col("block_type").is_in(THINKING_TYPES) & ~(pl.col("_only") & pl.col("_firstb")),
-                               reason="clear_thinking", from_call=pl.col("_call"))
-        th_hits = m3.filter(hit).select(*PART_KEY, "first_call", "_call", "_epoch")
+        m4 = materialize(out).join(th.join(m3.filter(hit & pl.col("_only") & pl.col("_firstb"))
+                                             .select(BLOCK_KEY).unique(), on=BLOCK_KEY, how="anti"),
+                                   on=BLOCK_KEY, how="left")
+        out, d_t2 = drop_where(m4, hit, reason="clear_thinking", from_call=pl.col("_call"))
         decisions += [d_t1, with_epoch(d_t2, th_hits.select(
             *PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch"))]
     return materialize(out.select(cols)), materialize(pl.concat(decisions))
