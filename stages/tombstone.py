@@ -256,8 +256,10 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     ).filter(pl.col("_use_entry").is_not_null()).select(*BLOCK_KEY, "_use_entry", "_use_pos", "_in_saved")
 
 
-def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """The tombstoning itself (no ledger): returns (blocks, decisions). Snip dry-runs it."""
+def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
+         forced: pl.LazyFrame | None = None) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """The tombstoning itself (no ledger): returns (blocks, decisions). Snip dry-runs it.
+    `forced`: clearings decided before (rows of the assignment schema) applied as they are."""
     blocks = materialize(blocks)
     grid = materialize(call_grid(blocks))
     msgs = materialize(messages(blocks))
@@ -331,6 +333,9 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> tuple[pl
         parts.append(think.with_columns(kind=pl.lit("think")))
     assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
                                                                               schema=_ASSIGN_SCHEMA))
+    if forced is not None:
+        forced = forced.select(list(_ASSIGN_SCHEMA)).cast(_ASSIGN_SCHEMA)  # type: ignore[arg-type]
+        assign = materialize(pl.concat([assign.join(forced, on=BLOCK_KEY, how="anti"), forced]))
     return _apply(blocks, assign, params, owners)
 
 
@@ -423,5 +428,13 @@ def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx
     """
     blocks, reapplied = reapply_ledger(materialize(blocks), ledger,
                                        actions=("tombstone", "clear_input", "replace", "drop"))
-    out, decisions = plan(blocks, params, ctx)
+    # a result whose recorded clearing no longer matches its content is cleared afresh, from the
+    # same call and in the same epoch (the position in time is what was decided)
+    redo = reapplied.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).join(
+        ledger.filter(pl.col("action") == "tombstone").select(*PART_KEY, "from_call", _r="reason",
+                                                             _e="cache_epoch"),
+        on=[*PART_KEY, "from_call"]).filter(pl.col("part_pos") == 0).select(
+        *THREAD, "entry_id", "block_pos", kind=pl.lit("result"), clear_call="from_call",
+        epoch=pl.col("_e").cast(pl.Int32), reason="_r")
+    out, decisions = plan(blocks, params, ctx, forced=redo)
     return StageResult(out, pl.concat([reapplied, decisions]))
