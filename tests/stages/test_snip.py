@@ -74,7 +74,7 @@ def test_later_snips_extend_the_same_marker() -> None:
 
 
 def test_first_user_turn_and_system_rows_are_never_snipped_13() -> None:
-    blocks, dec = run(chat(14), {"min_tail_turns": 1, "high_watermark": 0.5, "low_watermark": 0.3})
+    _blocks, dec = run(chat(14), {"min_tail_turns": 1, "high_watermark": 0.5, "low_watermark": 0.3})
     gone = set(dec.filter(pl.col("action") == "snip")["entry_id"])
     assert dec.height and not gone & {"e0000", "e0001", "e0002"}
     with pytest.raises(SpecError, match="first user turn"):

@@ -68,7 +68,7 @@ IDLE = {"trigger_tokens": 0, "keep_recent": 2, "min_result_chars": 100}
 
 
 def test_idle_trigger_clears_all_eligible_but_the_newest() -> None:
-    blocks, dec = run(session(6, idle_before=5, size=300), IDLE)
+    _blocks, dec = run(session(6, idle_before=5, size=300), IDLE)
     assert cleared(dec) == ["toolu_0", "toolu_1", "toolu_2"]  # 3 and 4 are the 2 newest eligible; 5 is current
     assert set(dec["reason"]) == {"idle"}
     assert set(dec["from_call"]) == {5}  # the request after the idle hour
@@ -165,7 +165,7 @@ def test_clear_tool_inputs_replaces_the_matching_call_input() -> None:
 
 def test_clear_thinking_keeps_the_recent_turns_and_the_current_loop() -> None:
     msgs = session(6, idle_before=5, size=300, thinking=True)
-    blocks, dec = run(msgs, {**IDLE, "clear_thinking_keep": 2})
+    _blocks, dec = run(msgs, {**IDLE, "clear_thinking_keep": 2})
     th = dec.filter(pl.col("reason") == "clear_thinking")
     # at call 5 the current turn is 6 (next 5); turns <= 4 lose thinking: loops 0..3
     assert th["action"].unique().to_list() == ["drop"]
@@ -177,7 +177,7 @@ def test_thinking_only_message_keeps_an_omitted_marker() -> None:
     msgs = session(4, idle_before=3, size=300)
     msgs.insert(2, {"role": "assistant", "blocks": [{"type": "thinking", "text": "hm " * 50, "signature": "s"}],
                     "timestamp": 10, "is_call": False})
-    blocks, dec = run(msgs, {**IDLE, "clear_thinking_keep": 0})
+    blocks, _dec = run(msgs, {**IDLE, "clear_thinking_keep": 0})
     row = visible(blocks, int(blocks["first_call"].max())).filter(pl.col("entry_id") == "e0002")
     assert row.select("block_type", "text").rows() == [("text", REASONING_OMITTED)]
 
@@ -206,7 +206,7 @@ def test_ledger_hash_mismatch_writes_a_conflict_and_decides_afresh() -> None:
     _, dec = run(msgs, TOKEN)
     changed = [dict(m) for m in msgs]
     changed[2] = {**changed[2], "blocks": [{**changed[2]["blocks"][0], "text": "0:" + "y" * 2_000}]}
-    blocks, dec2 = run(changed, TOKEN, ledger=dec.lazy())
+    _blocks, dec2 = run(changed, TOKEN, ledger=dec.lazy())
     conflicts = dec2.filter(pl.col("action") == "conflict")
     assert conflicts.select("entry_id", "reason").rows() == [("e0002", "hash_mismatch")]
     # decided afresh: the changed result is still cleared, by a new decision
