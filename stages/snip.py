@@ -262,14 +262,16 @@ def with_epoch(decisions: pl.LazyFrame, epochs: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def tombstone_params_from(ctx: StageContext) -> Any:
-    """The tombstone params snip dry-runs with: ctx.extra["tombstone"] (params, dict or None = no
-    tombstone stage in the pipeline); absent: the documented defaults."""
+    """The tombstone params snip dry-runs with: ctx.extra["tombstone"] (params, a dict, or None /
+    false = no tombstone stage in the pipeline); absent: the documented defaults."""
     from stages.tombstone import Tombstone
 
     if "tombstone" not in ctx.extra:
         return Tombstone()
     value = ctx.extra["tombstone"]
-    if value is None or isinstance(value, Tombstone):
+    if value is None or value is False:
+        return None
+    if isinstance(value, Tombstone):
         return value
     return Tombstone(**dict(value))
 
