@@ -16,9 +16,9 @@ import polars as pl
 from pipeline.registry import StageContext, StageResult, stage
 from stages.sanitize import (
     MSG,
+    Insert,
     alive,
     finish,
-    Insert,
     mark_drop,
     mark_replace,
     start_marks,

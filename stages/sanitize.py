@@ -93,7 +93,7 @@ def target_family(target: str) -> str:
     t = (target or "").lower()
     if t.startswith(("anthropic", "bedrock", "claude")):
         return "anthropic"
-    if t.startswith("openai_responses") or t.startswith("openai-responses"):
+    if t.startswith(("openai_responses", "openai-responses")):
         return "openai_responses"
     if t.startswith("openai"):
         return "openai_chat"
@@ -213,15 +213,16 @@ def next_message_first_call(cond: str) -> pl.Expr:
 
 def text_row(text: str | pl.Expr, *, origin: str) -> dict[str, pl.Expr]:
     """Column values that turn a template row into a plain text block."""
-    null = lambda t: pl.lit(None, t)  # noqa: E731
-    return dict(
-        part_pos=pl.lit(0, pl.Int32), block_type=pl.lit("text"), part_type=null(pl.String),
-        text=text if isinstance(text, pl.Expr) else pl.lit(text),
-        signature=null(pl.String), tool_use_id=null(pl.String), tool_name=null(pl.String),
-        tool_input=null(pl.String), is_error=null(pl.Boolean), image_media_type=null(pl.String),
-        image_bytes=null(pl.Int64), image_width=null(pl.Int32), image_height=null(pl.Int32),
-        image_data=null(pl.String), extra_json=null(pl.String), origin=pl.lit(origin),
-    )
+    values: dict[str, pl.Expr] = {
+        "part_pos": pl.lit(0, pl.Int32), "block_type": pl.lit("text"),
+        "text": text if isinstance(text, pl.Expr) else pl.lit(text), "origin": pl.lit(origin),
+    }
+    for col, dtype in (("part_type", pl.String), ("signature", pl.String), ("tool_use_id", pl.String),
+                       ("tool_name", pl.String), ("tool_input", pl.String), ("is_error", pl.Boolean),
+                       ("image_media_type", pl.String), ("image_bytes", pl.Int64), ("image_width", pl.Int32),
+                       ("image_height", pl.Int32), ("image_data", pl.String), ("extra_json", pl.String)):
+        values[col] = pl.lit(None, dtype)
+    return values
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from hypothesis import strategies as st
@@ -26,7 +26,7 @@ PROVIDERS = [
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def image_pool() -> dict[str, tuple[str | None, str | None]]:
     """Named image payloads (base64 data, declared media type)."""
     from PIL import Image

@@ -228,7 +228,7 @@ def _turns(n: int, per_turn: int = 1) -> list[dict[str, Any]]:
 
 def test_too_many_images_replaces_those_outside_the_recent_turns_from_that_call() -> None:
     blocks, dec = _run(_turns(6), {"max_images_per_request": 3, "keep_recent_image_turns": 1})
-    images_at = lambda call: visible(blocks, call).filter(pl.col("block_type") == "image")["entry_id"].to_list()  # noqa: E731
+    images_at = lambda call: visible(blocks, call).filter(pl.col("block_type") == "image")["entry_id"].to_list()
     assert images_at(2) == ["e0000", "e0002", "e0004"]          # 3 images: nothing to do
     assert images_at(3) == ["e0004", "e0006"]                   # 4 > 3: turns before the last completed one go
     assert visible(blocks, 3).filter(pl.col("entry_id") == "e0000")["text"].to_list()[1] == STALE

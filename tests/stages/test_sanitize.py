@@ -197,7 +197,7 @@ def test_drop_all_drops_native_thinking() -> None:
 
 def test_drop_all_but_latest_drops_from_the_call_that_sees_a_newer_assistant_row() -> None:
     blocks, dec = _run(_thinking_session(), {"thinking_policy": "drop_all_but_latest"})
-    think = lambda call: [t for _, bt, t in _texts(blocks, call) if bt == "thinking"]  # noqa: E731
+    think = lambda call: [t for _, bt, t in _texts(blocks, call) if bt == "thinking"]
     assert think(1) == ["plan A"]  # row 1 is the latest assistant row of call 1's request
     assert think(2) == ["plan B"]  # row 3 is seen from call 2: plan A is dropped from there
     assert think(3) == []          # row 5 is seen by the pending call 3: plan B is dropped there
@@ -206,7 +206,7 @@ def test_drop_all_but_latest_drops_from_the_call_that_sees_a_newer_assistant_row
 
 def test_drop_all_but_current_tool_turn_drops_from_the_next_real_user_row() -> None:
     blocks, dec = _run(_thinking_session(), {"thinking_policy": "drop_all_but_current_tool_turn"})
-    think = lambda call: [t for _, bt, t in _texts(blocks, call) if bt == "thinking"]  # noqa: E731
+    think = lambda call: [t for _, bt, t in _texts(blocks, call) if bt == "thinking"]
     assert think(1) == ["plan A"]  # call 1 is inside q1's tool loop
     assert think(2) == []          # call 2's request ends with q2: a new turn, no thinking kept
     assert sorted((r["entry_id"], r["from_call"]) for r in dec.iter_rows(named=True)) == [("e0001", 2), ("e0003", 2)]
@@ -279,9 +279,9 @@ def test_invalid_tool_calls_are_dropped(bad: dict[str, Any]) -> None:
 
 
 def test_allowed_tools_is_case_insensitive_and_a_row_left_empty_disappears() -> None:
-    blocks, dec = _run(_calls(GOOD, {**GOOD, "tool_use_id": "toolu_2", "tool_name": "Write"}), {"allowed_tools": ["bash"]})
+    blocks, _ = _run(_calls(GOOD, {**GOOD, "tool_use_id": "toolu_2", "tool_name": "Write"}), {"allowed_tools": ["bash"]})
     assert blocks.filter(pl.col("block_type") == "tool_use")["tool_name"].to_list() == ["Bash"]
-    blocks, dec = _run(_calls({**GOOD, "tool_name": "Write"}), {"allowed_tools": ["bash"]})
+    blocks, _ = _run(_calls({**GOOD, "tool_name": "Write"}), {"allowed_tools": ["bash"]})
     assert _texts(blocks) == [("e0000", "text", "q")]
 
 
