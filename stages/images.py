@@ -44,7 +44,7 @@ import polars as pl
 from PIL import Image, ImageOps
 
 from pipeline.registry import StageContext, StageResult, stage
-from stages.sanitize import MSG, THREAD, alive, cover_end, finish, mark_replace, start_marks
+from stages.sanitize import MSG_NO, THREAD_NO, alive, cover_end, finish, mark_replace, start_marks
 
 OMITTED = "[image omitted: {reason}]"
 STALE = "[image data removed - already processed by model]"
@@ -435,9 +435,9 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
     still_image = pl.col("_is_image") & (pl.col("_status") != "omit")
     w = w.with_columns(
         _real_user_start=pl.col("_is_first_row") & (pl.col("role") == "user")
-        & ~(pl.col("block_type") == "tool_result").any().over(MSG),
+        & ~(pl.col("block_type") == "tool_result").any().over(MSG_NO),
     ).with_columns(
-        _turn=pl.col("_real_user_start").cast(pl.Int32).cum_sum().over(THREAD),
+        _turn=pl.col("_real_user_start").cast(pl.Int32).cum_sum().over(THREAD_NO),
     )
     stale = pl.struct(
         session_id=pl.col("session_id"), thread_id=pl.col("thread_id"), is_image=still_image,

@@ -15,7 +15,7 @@ import polars as pl
 
 from pipeline.registry import StageContext, StageResult, stage
 from stages.sanitize import (
-    MSG,
+    MSG_NO,
     Insert,
     alive,
     finish,
@@ -106,17 +106,17 @@ def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFra
         _env=pl.concat_str([pl.col("_hdr"), pl.lit(_envelope_tail(params.prefix_version))]),
         _hdr_line=pl.concat_str([pl.col("_hdr"), pl.lit("\n")]),
     ).with_columns(
-        _first_text_pos=pl.when("_is_text").then(pl.col("block_pos")).otherwise(None).min().over(MSG),
+        _first_text_pos=pl.when("_is_text").then(pl.col("block_pos")).otherwise(None).min().over(MSG_NO),
     ).with_columns(
         _is_first_text=pl.col("_is_text") & (pl.col("block_pos") == pl.col("_first_text_pos")),
     ).with_columns(
         _at_top=pl.col("_is_first_text") & pl.col("text").str.starts_with(pl.col("_env")),
         _has_hdr=pl.col("_is_text") & pl.col("text").str.contains(pl.col("_hdr_line"), literal=True),
     ).with_columns(
-        _msg_at_top=(pl.col("_at_top") | ~pl.col("_is_first_text")).all().over(MSG)
-        & pl.col("_is_first_text").any().over(MSG),
-        _msg_elsewhere=(pl.col("_has_hdr") & ~pl.col("_at_top")).any().over(MSG),
-        _msg_has_text=pl.col("_is_text").any().over(MSG),
+        _msg_at_top=(pl.col("_at_top") | ~pl.col("_is_first_text")).all().over(MSG_NO)
+        & pl.col("_is_first_text").any().over(MSG_NO),
+        _msg_elsewhere=(pl.col("_has_hdr") & ~pl.col("_at_top")).any().over(MSG_NO),
+        _msg_has_text=pl.col("_is_text").any().over(MSG_NO),
     )
     todo = pl.col("_target") & pl.col("_msg_has_text") & ~pl.col("_msg_at_top")
     move = todo & pl.col("_msg_elsewhere")

@@ -130,7 +130,7 @@ def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple
     # the assistant row each result answers: the latest assistant message before it
     msgs = blocks.group_by([*THREAD, "msg_key"]).agg(_order=pl.col("order_key").min(), _role=pl.col("role").first()) \
         .sort([*THREAD, "_order"]).with_columns(
-            _asst=pl.when(pl.col("_role") == "assistant").then(pl.col("msg_key")).forward_fill().over(THREAD))
+            _asst=pl.when(pl.col("_role") == "assistant").then(pl.col("msg_key")).forward_fill().over(THREAD, order_by="_order"))
     results = parts.group_by(BLOCK_KEY).agg(
         _size=pl.col("_len").sum(), _c0=pl.col("_c0").first(), msg_key=pl.col("msg_key").first(),
         _err=pl.col("is_error").fill_null(False).any(), _decided=pl.col("_decided").any(),
@@ -159,7 +159,7 @@ def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple
                 _rank=pl.when("_cand").then(pl.col("_after")).otherwise(None)
                 .rank("ordinal", descending=True).over(group),
             ).sort([*group, "_rank"]).with_columns(
-                _saved=pl.when("_cand").then(pl.col("_after") - spilled_size).otherwise(0).cum_sum().over(group),
+                _saved=pl.when("_cand").then(pl.col("_after") - spilled_size).otherwise(0).cum_sum().over(group, order_by="_rank"),
             ).with_columns(
                 _need=pl.col("_total") > A,
             ).with_columns(
@@ -182,8 +182,8 @@ def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple
         results = results.with_columns(
             _x=pl.when("_red").then(pl.col("_after")),
         ).sort([*group, "_x"], nulls_last=True).with_columns(
-            _r=pl.when("_red").then(pl.col("_x").cum_count().over(group)),
-            _P=pl.when("_red").then(pl.col("_x").cum_sum().over(group)),
+            _r=pl.when("_red").then(pl.col("_x").cum_count().over(group, order_by="_x")),
+            _P=pl.when("_red").then(pl.col("_x").cum_sum().over(group, order_by="_x")),
         ).with_columns(
             _ok=pl.when("_red").then(pl.col("_P") + (pl.col("_m") - pl.col("_r")) * pl.col("_x") <= pl.col("_room")),
         ).with_columns(

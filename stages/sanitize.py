@@ -62,6 +62,7 @@ NON_MODEL_RESULT_KEYS = ("details", "toolUseResult", "display", "ui", "uiMetadat
 
 MSG = ["session_id", "thread_id", "msg_key"]
 THREAD = ["session_id", "thread_id"]
+MSG_NO, THREAD_NO = "_msg_no", "_thread_no"  # integer stand-ins in the working frame (start_marks)
 OPEN = 2**31 - 1  # stands for a null (open) last_call in comparisons
 
 RowFilter = Literal["assistant_display_only", "display_only", "meta", "sidechain"]
@@ -149,8 +150,16 @@ SORT = ["session_id", "thread_id", "order_key", "msg_key", "block_pos", "part_po
 
 
 def start_marks(blocks: pl.LazyFrame) -> pl.LazyFrame:
-    """The working frame: blocks sorted by message and block, with empty marks and message helpers."""
+    """The working frame: blocks sorted by message and block, with empty marks and message helpers.
+
+    Sorted, a message's rows are contiguous, so integer message and thread numbers (`MSG_NO`,
+    `THREAD_NO`) stand in for the string keys in every window function."""
+    new_thread = (pl.col("session_id") != pl.col("session_id").shift()) | (pl.col("thread_id") != pl.col("thread_id").shift())
+    new_msg = new_thread | (pl.col("order_key") != pl.col("order_key").shift()) | (pl.col("msg_key") != pl.col("msg_key").shift())
     return blocks.sort(SORT).with_columns(
+        _thread_no=new_thread.fill_null(True).cum_sum(),
+        _msg_no=new_msg.fill_null(True).cum_sum(),
+    ).with_columns(
         _orig_sha=pl.col("content_sha256"),
         _orig_len=content_len_expr(),
         _orig_extra=pl.col("extra_json"),
@@ -158,9 +167,9 @@ def start_marks(blocks: pl.LazyFrame) -> pl.LazyFrame:
         _drop_reason=pl.lit(None, pl.String),
         _rep_reason=pl.lit(None, pl.String),
         _end=pl.col("last_call").fill_null(OPEN),
-        _is_first_row=pl.int_range(pl.len()).over(MSG) == 0,
-        _msg_first=pl.col("first_call").min().over(MSG),
-        _min_pos=pl.col("block_pos").min().over(MSG),
+        _is_first_row=pl.int_range(pl.len()).over(MSG_NO) == 0,
+        _msg_first=pl.col("first_call").min().over(MSG_NO),
+        _min_pos=pl.col("block_pos").min().over(MSG_NO),
     )
 
 
@@ -207,7 +216,7 @@ def next_message_first_call(cond: str) -> pl.Expr:
     so the next non-null value after any row of a message belongs to a later message."""
     return (
         pl.when(pl.col("_is_first_row") & pl.col(cond)).then(pl.col("_msg_first")).otherwise(None)
-        .shift(-1).backward_fill().over(THREAD)
+        .shift(-1).backward_fill().over(THREAD_NO)
     )
 
 
@@ -429,7 +438,7 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     )
     # 3. row filter
     filt = _row_filter_expr(params.drop_rows_where)
-    w = w.with_columns(_filtered=filt.fill_null(False).any().over(MSG) if filt is not None else pl.lit(False))
+    w = w.with_columns(_filtered=filt.fill_null(False).any().over(MSG_NO) if filt is not None else pl.lit(False))
     w = mark_drop(w, pl.col("_filtered"), "row_filter")
     # 4. failed empty assistant turns
     w, failed_insert = _failed_turns(w)
@@ -467,10 +476,10 @@ def _failed_turns(w: pl.LazyFrame) -> tuple[pl.LazyFrame, Insert]:
     (a trailing failed turn is dropped), so the decision for call k depends only on rows seen at k."""
     usage = [pl.col(c) for c in ("usage_input", "usage_output", "usage_cache_read", "usage_cache_write")]
     w = w.with_columns(
-        _n_content=(alive() & (pl.col("block_type") != EMPTY_PLACEHOLDER)).sum().over(MSG),
-        _stop=pl.col("stop_reason").max().over(MSG),
-        _usage_max=pl.max_horizontal([u.fill_null(0) for u in usage]).max().over(MSG),
-        _usage_known=pl.any_horizontal([u.is_not_null() for u in usage]).any().over(MSG),
+        _n_content=(alive() & (pl.col("block_type") != EMPTY_PLACEHOLDER)).sum().over(MSG_NO),
+        _stop=pl.col("stop_reason").max().over(MSG_NO),
+        _usage_max=pl.max_horizontal([u.fill_null(0) for u in usage]).max().over(MSG_NO),
+        _usage_known=pl.any_horizontal([u.is_not_null() for u in usage]).any().over(MSG_NO),
     ).with_columns(
         _failed=(
             (pl.col("role") == "assistant") & (pl.col("_n_content") == 0) & ~pl.col("_filtered")
@@ -500,7 +509,7 @@ def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFr
         _native=(row_family_expr() == family).fill_null(False),
         _signed=signed_expr(),
         _is_assistant=pl.col("role") == "assistant",
-        _is_real_user=((pl.col("role") == "user") & ~(pl.col("block_type") == "tool_result").any().over(MSG)),
+        _is_real_user=((pl.col("role") == "user") & ~(pl.col("block_type") == "tool_result").any().over(MSG_NO)),
         _cover_before=cover_end(),
     ).with_columns(
         _next_assistant=next_message_first_call("_is_assistant"),
@@ -532,10 +541,10 @@ def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFr
     visible_before = pl.col("_cover_before") > pl.col("first_call")
     after = cover_end()
     w = w.with_columns(
-        _tail_before=pl.when(visible_before).then(pl.col("_cover_before")).otherwise(None).max().over(MSG),
-        _first_before=pl.when(visible_before).then(pl.col("first_call")).otherwise(None).min().over(MSG),
-        _tail_after=pl.when(after > pl.col("first_call")).then(after).otherwise(None).max().over(MSG),
-        _lost=(is_thinking & visible_before & (after < pl.col("_cover_before"))).any().over(MSG),
+        _tail_before=pl.when(visible_before).then(pl.col("_cover_before")).otherwise(None).max().over(MSG_NO),
+        _first_before=pl.when(visible_before).then(pl.col("first_call")).otherwise(None).min().over(MSG_NO),
+        _tail_after=pl.when(after > pl.col("first_call")).then(after).otherwise(None).max().over(MSG_NO),
+        _lost=(is_thinking & visible_before & (after < pl.col("_cover_before"))).any().over(MSG_NO),
     ).with_columns(
         _omit_from=pl.coalesce(pl.col("_tail_after"), pl.col("_first_before")),
     )
@@ -565,8 +574,8 @@ def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
         _invalid=(is_call & alive() & (missing | bad_name)).fill_null(False),
         _missing=(is_call & missing).fill_null(False),
     ).with_columns(
-        _row_invalid=pl.col("_invalid").any().over(MSG),
-        _row_signed=(pl.col("block_type").is_in(list(THINKING_TYPES)) & alive() & signed_expr()).any().over(MSG),
+        _row_invalid=pl.col("_invalid").any().over(MSG_NO),
+        _row_signed=(pl.col("block_type").is_in(list(THINKING_TYPES)) & alive() & signed_expr()).any().over(MSG_NO),
     )
     w = mark_drop(w, pl.col("_row_invalid") & pl.col("_row_signed"), "invalid_tool_call_in_signed_row")
     if params.unknown_tool_policy == "mark":

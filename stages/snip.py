@@ -110,6 +110,18 @@ def text_tokens(texts: list[str], ctx: StageContext) -> list[int]:
     return [int(x) for x in ctx.count_tokens(pl.Series(texts, dtype=pl.String)).to_list()]
 
 
+def firing_epoch(k: int, ep: list[int], last_epoch: int) -> int:
+    """The cache epoch of a firing at call k: k + 1, or more when an earlier call already holds a
+    higher epoch, and above this stage's previous firing.
+
+    Tying the epoch to the call keeps epochs ordered like the calls across layers: snip cannot see
+    the epochs tombstone will use later, yet each prefix break at call k must carry an epoch above
+    every epoch of call k-1, whichever layer made it.
+    """
+    before = int(ep[k - 1]) if k > 0 else 0
+    return max(k + 1, before + 1, last_epoch + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # messages, turns and per-call series
 
@@ -134,7 +146,7 @@ def messages(blocks: pl.LazyFrame) -> pl.LazyFrame:
         is_real_user=(pl.col("role") == "user") & ~pl.col("has_result") & (pl.col("origin") != "snip"),
     )
     return m.sort([*THREAD, "order", "msg_key"]).with_columns(
-        turn=pl.col("is_real_user").cast(pl.Int32).cum_sum().over(THREAD),
+        turn=pl.col("is_real_user").cast(pl.Int32).cum_sum().over(THREAD, order_by=["order", "msg_key"]),
     )
 
 
@@ -157,7 +169,7 @@ def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: s
     return (
         grid.join(deltas, on=[*THREAD, "call"], how="left")
         .sort([*THREAD, "call"])
-        .with_columns(pl.col("_d").fill_null(0).cum_sum().over(THREAD).alias(value))
+        .with_columns(pl.col("_d").fill_null(0).cum_sum().over(THREAD, order_by="call").alias(value))
         .drop("_d")
     )
 
@@ -179,7 +191,7 @@ def forward_by_call(events: pl.LazyFrame, grid: pl.LazyFrame, cols: list[str]) -
     return (
         grid.join(events, on=[*THREAD, "call"], how="left")
         .sort([*THREAD, "call"])
-        .with_columns([pl.col(c).forward_fill().over(THREAD) for c in cols])
+        .with_columns([pl.col(c).forward_fill().over(THREAD, order_by="call") for c in cols])
     )
 
 
@@ -383,7 +395,7 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
             delta[k] = 0
             removed -= add
             n_tot, t_tot = n_tot + n_add, t_tot + t_add
-            epoch = max(int(ep[k]), last_epoch) + 1
+            epoch = firing_epoch(k, ep, last_epoch)
             for key, v in zip(_FIRING_SCHEMA, (sid, tid, k, new_frontier, n_tot, t_tot, epoch)):
                 out[key].append(v)
             have_marker, frontier, last_epoch = True, new_frontier, epoch
@@ -416,8 +428,8 @@ def _marker_rows(anchors: pl.LazyFrame, versions: pl.LazyFrame) -> pl.LazyFrame:
 def _marker_decisions(rows: pl.LazyFrame, prior: pl.LazyFrame | None = None) -> pl.LazyFrame:
     """One decision per marker version: `insert` for the first, `replace` for each extension."""
     r = rows.sort([*THREAD, "first_call"]).with_columns(
-        _prev=pl.col("content_sha256").shift(1).over(THREAD),
-        _prev_len=content_len_expr().shift(1).over(THREAD),
+        _prev=pl.col("content_sha256").shift(1).over(THREAD, order_by="first_call"),
+        _prev_len=content_len_expr().shift(1).over(THREAD, order_by="first_call"),
     )
     if prior is not None:  # the open version of a marker already in the input precedes these
         r = r.join(prior, on=THREAD, how="left").with_columns(
@@ -447,9 +459,10 @@ def _frozen_state(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> tuple[
     cut = _snippable(blocks, msgs, head).join(calls, on=THREAD, how="inner").filter(
         (pl.col("last_call") == pl.col("_mcall")) & (pl.col("order_key") > pl.col("_morder"))
     ).group_by(THREAD).agg(frontier=(pl.col("turn").max() + 1).cast(pl.Int64))
-    latest = markers.sort("first_call").group_by(THREAD).agg(
-        call=pl.col("first_call").last(), text=pl.col("text").last(), epoch=pl.col("cache_epoch").last(),
-        _prior_sha=pl.col("content_sha256").last(), _prior_len=pl.col("text").last().str.len_bytes().cast(pl.Int64),
+    by_call = lambda c: pl.col(c).sort_by("first_call").last()
+    latest = markers.group_by(THREAD).agg(
+        call=by_call("first_call"), text=by_call("text"), epoch=by_call("cache_epoch"),
+        _prior_sha=by_call("content_sha256"), _prior_len=by_call("text").str.len_bytes().cast(pl.Int64),
     )
     parsed = latest.with_columns(
         n=pl.col("text").str.extract(SNIP_RE.pattern, 1).cast(pl.Int64),
@@ -483,9 +496,9 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
     per_call = forward_by_call(cur_turn, grid, ["cur_turn"]).join(
         comp, on=[*THREAD, "call"], how="left").join(ep, on=[*THREAD, "call"], how="left").sort([*THREAD, "call"])
     per_call = per_call.with_columns(
-        pl.col("comp_turn").forward_fill().over(THREAD),
-        pl.col("ep").fill_null(0).cum_max().over(THREAD),
-        pl.col("cur_turn").cum_max().over(THREAD),
+        pl.col("comp_turn").forward_fill().over(THREAD, order_by="call"),
+        pl.col("ep").fill_null(0).cum_max().over(THREAD, order_by="call"),
+        pl.col("cur_turn").cum_max().over(THREAD, order_by="call"),
     ).join(tokens, on=[*THREAD, "call"], how="left")
 
     tok_rows = _snippable(dry, msgs, head).select(
@@ -505,7 +518,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
         schema=_FIRING_SCHEMA)
     firings = materialize(firings)
     firings = firings.sort([*THREAD, "call"]).with_columns(
-        lo=pl.col("frontier").shift(1).over(THREAD)).join(
+        lo=pl.col("frontier").shift(1).over(THREAD, order_by="call")).join(
         state.select(*THREAD, _f0="frontier"), on=THREAD, how="left").with_columns(
         lo=pl.coalesce("lo", "_f0", pl.lit(head + 1, pl.Int64))).drop("_f0")
 
@@ -525,11 +538,11 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
     dropped = with_epoch(dropped, epochs)
 
     # the marker: one row, a new version per firing; closes the open version of an existing marker
-    first_hit = hit.join(blocks.select(*VERSION_KEY, "order_key"), on=VERSION_KEY).sort("order_key") \
-        .group_by(THREAD).agg(pl.col("first_call").first(), pl.col("entry_id").first(), pl.col("block_pos").first(),
-                              pl.col("part_pos").first())
-    existing = blocks.filter(pl.col("origin") == "snip").sort("first_call").group_by(THREAD).agg(
-        pl.all().last())
+    first_hit = hit.join(blocks.select(*VERSION_KEY, "order_key"), on=VERSION_KEY).group_by(THREAD).agg(
+        pl.col(c).sort_by("order_key", "entry_id", "block_pos", "part_pos").first()
+        for c in ("first_call", "entry_id", "block_pos", "part_pos"))
+    existing = blocks.filter(pl.col("origin") == "snip").group_by(THREAD).agg(
+        pl.all().sort_by("first_call").last())
     anchors_new = blocks.join(first_hit, on=[*THREAD, "entry_id", "block_pos", "part_pos", "first_call"], how="semi")
     anchors_new = anchors_new.join(existing.select(THREAD), on=THREAD, how="anti").with_columns(
         pl.col("order_key"))
@@ -539,7 +552,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
         .group_by(THREAD).agg(_end=pl.when(pl.col("last_call").is_null().any()).then(None)
                               .otherwise(pl.col("last_call").max()))
     versions = firings.with_columns(
-        last_call=pl.col("call").shift(-1).over(THREAD),
+        last_call=pl.col("call").shift(-1).over(THREAD, order_by="call"),
         text=pl.format("[Earlier conversation snipped: {} messages (~{} tokens) removed to fit the context budget]",
                        "n", "t"),
     ).join(removed_end, on=THREAD, how="left").with_columns(
@@ -565,14 +578,15 @@ def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFr
     targets = before.join(snips, on=PART_KEY, how="inner").filter(
         (pl.col("first_call") <= pl.col("from_call"))
         & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("from_call"))))
-    anchors = targets.sort("order_key").group_by(THREAD).agg(pl.all().first()).select(BLOCK_SCHEMA.names())
+    anchors = targets.group_by(THREAD).agg(pl.all().sort_by("order_key", "entry_id", "block_pos", "part_pos").first()) \
+        .select(BLOCK_SCHEMA.names())
     anchors = anchors.join(before.filter(pl.col("origin") == "snip").select(THREAD).unique(), on=THREAD, how="anti")
     end = targets.group_by(THREAD).agg(_end=pl.when(pl.col("last_call").is_null().any()).then(None)
                                        .otherwise(pl.col("last_call").max()))
     versions = led.sort("from_call").select(
         *THREAD, first_call="from_call", cache_epoch="cache_epoch",
         text=pl.col("replacement").str.json_decode(pl.Struct({"text": pl.String})).struct.field("text"),
-    ).with_columns(last_call=pl.col("first_call").shift(-1).over(THREAD)).join(end, on=THREAD, how="left") \
+    ).with_columns(last_call=pl.col("first_call").shift(-1).over(THREAD, order_by="first_call")).join(end, on=THREAD, how="left") \
         .with_columns(last_call=pl.coalesce("last_call", pl.when(pl.col("_end") > pl.col("first_call"))
                                             .then(pl.col("_end"))).cast(pl.Int32)).drop("_end")
     rows = _marker_rows(anchors, versions)

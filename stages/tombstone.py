@@ -27,6 +27,7 @@ from stages.snip import (
     PART_KEY,
     THREAD,
     call_grid,
+    firing_epoch,
     forward_by_call,
     is_image_expr,
     materialize,
@@ -200,7 +201,7 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
                 nf, reason = min(max(bisect_left(S, S[b] + need), f + 1), e), "token"
             if cnt[nf] == cnt[f]:
                 continue
-            epoch = max(int(ep[k]), last_epoch) + 1
+            epoch = firing_epoch(k, ep, last_epoch)
             fire_k.append(k), fire_f.append(nf), fire_e.append(epoch), fire_r.append(reason)
             f, last_epoch = nf, epoch
             if keep_n is not None:
@@ -245,9 +246,10 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
         .with_columns(_tok=row_tokens_expr(ctx),
                       _after=tokens_expr(pl.concat_str([pl.col("tool_name"), pl.lit("{}")], separator=" ",
                                                        ignore_nulls=True), ctx)) \
-        .sort("first_call").group_by(BLOCK_KEY).agg(
-            pl.col("tool_use_id").first(), _use_order=pl.col("order_key").min(),
-            _in_saved=(pl.col("_tok").first() - pl.col("_after").first()).clip(lower_bound=0))
+        .group_by(BLOCK_KEY).agg(
+            pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
+            _in_saved=(pl.col("_tok").sort_by("first_call").first() - pl.col("_after").sort_by("first_call").first())
+            .clip(lower_bound=0))
     return results.sort("order_key").join_asof(
         calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", _use_entry="entry_id", _use_pos="block_pos")
         .sort("_use_order"),
@@ -279,9 +281,9 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
                                grid, ["u_order", "cur_turn", "t_req", "t_asst"])
     per_call = per_call.join(ep, on=[*THREAD, "call"], how="left").join(tokens, on=[*THREAD, "call"], how="left") \
         .sort([*THREAD, "call"]).with_columns(
-            pl.col("ep").fill_null(0).cum_max().over(THREAD),
-            pl.col("u_order").cum_max().over(THREAD),
-            pl.col("cur_turn").cum_max().over(THREAD),
+            pl.col("ep").fill_null(0).cum_max().over(THREAD, order_by="call"),
+            pl.col("u_order").cum_max().over(THREAD, order_by="call"),
+            pl.col("cur_turn").cum_max().over(THREAD, order_by="call"),
             idle=((pl.col("t_req") - pl.col("t_asst")).dt.total_seconds() >= max(params.trigger_idle_seconds, 1))
             & (params.trigger_idle_seconds > 0),
         )
@@ -294,8 +296,8 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
               .otherwise(pl.col("text").str.len_chars().fill_null(0))).sum(),
         tok=pl.col("_tok").sum(),
     )
-    placeholder = rows.filter((pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).sort("first_call") \
-        .group_by(BLOCK_KEY).agg(done_call=pl.col("first_call").first(), done_epoch=pl.col("cache_epoch").first())
+    placeholder = rows.filter((pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).group_by(BLOCK_KEY).agg(
+        done_call=pl.col("first_call").min(), done_epoch=pl.col("cache_epoch").sort_by("first_call").first())
     res = rows.group_by(BLOCK_KEY).agg(
         order=pl.col("order_key").min(),
         a=pl.col("first_call").min(),

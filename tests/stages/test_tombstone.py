@@ -93,7 +93,7 @@ def test_token_trigger_clears_oldest_first_only_as_much_as_needed() -> None:
     # results until at least max(500, excess) is freed
     first = dec.filter(pl.col("from_call") == dec["from_call"].min())
     assert cleared(first) == ["toolu_0", "toolu_1"]
-    assert dec["cache_epoch"].min() == 1
+    assert dec["cache_epoch"].min() == int(first["from_call"][0]) + 1  # the firing's call + 1
 
 
 def test_token_trigger_does_nothing_when_the_batch_frees_too_little() -> None:
@@ -105,7 +105,9 @@ def test_each_firing_takes_a_new_cache_epoch_and_the_frontier_only_moves_forward
     blocks, dec = run(session(12, size=2_000), TOKEN)
     firings = dec.group_by("from_call").agg(pl.col("cache_epoch").unique(), pl.col("tool_use_id").max()).sort("from_call")
     assert firings.height >= 2
-    assert [e for (e,) in firings["cache_epoch"].to_list()] == list(range(1, firings.height + 1))
+    epochs = [e for (e,) in firings["cache_epoch"].to_list()]
+    assert epochs == sorted(set(epochs))  # one epoch per firing, growing
+    assert all(e > k for e, k in zip(epochs, firings["from_call"].to_list()))  # above every earlier call's
     assert firings["tool_use_id"].to_list() == sorted(firings["tool_use_id"].to_list())
     # once cleared, a result stays cleared in every later request
     last = int(blocks["first_call"].max())
