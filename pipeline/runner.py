@@ -79,12 +79,16 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
     new_tables: list[pa.Table] = []
     stats: dict[str, Any] = {}
     seq = ledger.next_seq(spec.sha256) if ledger else 0
+    seen: Counter[str] = Counter()
     for i, rs in enumerate(spec.stages, start=1):
         st = rs.stage
-        where = f"after stage '{st.name}' (#{i})"
+        seen[st.name] += 1
+        # a stage used twice (pairing runs before and after snip) keeps its decisions apart
+        name = st.name if seen[st.name] == 1 else f"{st.name}#{seen[st.name]}"
+        where = f"after stage '{name}' (#{i})"
         if progress:
-            progress(f"stage {i}/{len(spec.stages)}: {st.name}")
-        earlier = ledger.earlier(spec.sha256, st.name, sessions) if ledger else \
+            progress(f"stage {i}/{len(spec.stages)}: {name}")
+        earlier = ledger.earlier(spec.sha256, name, sessions) if ledger else \
             pl.LazyFrame(schema=pl.from_arrow(STAGE_DECISION.empty_table()).schema)
         t0 = time.perf_counter()
         res = st.fn(blocks.lazy(), rs.params, earlier, ctx)
@@ -109,14 +113,14 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
             tagged = new.with_columns(
                 spec_sha256=pl.lit(spec.sha256),
                 seq=pl.int_range(seq, seq + new.height, dtype=pl.Int64),
-                stage=pl.lit(st.name),
+                stage=pl.lit(name),
                 stage_version=pl.lit(st.version, pl.Int32),
                 config_digest=pl.lit(rs.config_digest),
             )
             seq += new.height
-            new_tables.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{st.name}'"))
+            new_tables.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{name}'"))
         by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
-        stats[st.name] = {
+        stats[name] = {
             "decisions": decisions.height,
             "new_decisions": new.height,
             "reused_decisions": decisions.height - (new.height - conflicts.height),

@@ -83,7 +83,7 @@ class TokenCounter:
     def __init__(self, name: str = TIKTOKEN_COUNTER, cache: Any = None) -> None:
         self.name = name
         self.cache = cache  # pipeline.ledger.Ledger or None
-        self.memo: dict[str, int] = {}
+        self.by_text: dict[str, int] = {}
         self.counted = 0  # texts tokenized in this process
         self.cache_hits = 0
 
@@ -93,37 +93,34 @@ class TokenCounter:
         return tiktoken_counts(texts)
 
     def count_many(self, texts: Iterable[str]) -> dict[str, int]:
-        """sha256 → tokens for these texts (counted once each, cached)."""
-        by_sha: dict[str, str] = {}
-        for t in texts:
-            if t is None:
-                continue
-            s = text_sha(t)
-            if s not in self.memo and s not in by_sha:
-                by_sha[s] = t
-        if by_sha and self.cache is not None:
+        """text → tokens for these texts (each counted once per process, and once ever with a cache)."""
+        memo = self.by_text
+        todo = {t for t in texts if t is not None and t not in memo}
+        if not todo:
+            return memo
+        by_sha = {text_sha(t): t for t in todo}
+        if self.cache is not None:
             found = self.cache.cached_tokens(self.name, list(by_sha))
             self.cache_hits += len(found)
-            self.memo.update(found)
-            for s in found:
-                by_sha.pop(s, None)
+            for sha, n in found.items():
+                memo[by_sha.pop(sha)] = n
         if by_sha:
             shas = list(by_sha)
             counts = self._count([by_sha[s] for s in shas])
             self.counted += len(shas)
-            new = dict(zip(shas, counts))
-            self.memo.update(new)
+            for sha, n in zip(shas, counts):
+                memo[by_sha[sha]] = n
             if self.cache is not None:
-                self.cache.store_tokens(self.name, new)
-        return self.memo
+                self.cache.store_tokens(self.name, dict(zip(shas, counts)))
+        return memo
 
     def series_counter(self) -> Callable[[pl.Series], pl.Series]:
         """For StageContext.count_tokens: a Series of texts → a Series of counts (null → 0)."""
 
         def count(s: pl.Series) -> pl.Series:
             vals = s.to_list()
-            memo = self.count_many(v for v in vals if v is not None)
-            return pl.Series(s.name, [memo[text_sha(v)] if v is not None else 0 for v in vals], dtype=pl.Int64)
+            memo = self.count_many(vals)
+            return pl.Series(s.name, [memo[v] if v is not None else 0 for v in vals], dtype=pl.Int64)
 
         return count
 
@@ -150,9 +147,9 @@ def row_tokens(blocks: pl.DataFrame, counter: TokenCounter) -> list[int]:
     for i in range(len(texts)):
         n = 0
         if texts[i]:
-            n += memo[text_sha(texts[i])]
+            n += memo[texts[i]]
         if inputs[i]:
-            n += memo[text_sha(inputs[i])]
+            n += memo[inputs[i]]
         if names[i] and types[i] == "tool_use":
             n += 1
         if (types[i] == "image" or parts[i] == "image") and datas[i]:
