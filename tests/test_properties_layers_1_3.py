@@ -121,3 +121,28 @@ def test_the_three_layers_in_order_keep_their_properties(msgs: list[dict[str, An
         assert dec2.height == 0, (name, dec2.select("entry_id", "block_pos", "action", "reason").rows())
         assert again.equals(out)
         blocks = out
+
+
+VISIBLE = ["entry_id", "block_pos", "part_pos", "first_call", "block_type", "part_type", "text", "signature",
+           "tool_use_id", "tool_name", "tool_input", "is_error", "image_media_type", "image_data", "extra_json"]
+
+
+def _visible(blocks: pl.DataFrame, call: int) -> list[tuple]:
+    seen = blocks.filter((pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call)))
+    return seen.select(VISIBLE).sort(["entry_id", "block_pos", "part_pos"]).rows()
+
+
+@FEW
+@given(msgs=messages(min_size=2), layer=LAYER_PARAMS, cut=st.floats(0.2, 0.9))
+def test_a_prefix_of_the_session_gives_the_same_calls(msgs: list[dict[str, Any]], layer: tuple[str, dict[str, Any]],
+                                                      cut: float) -> None:
+    """Causality: what a layer decides for call k depends only on rows visible at k, so the calls
+    of a prefix of the session come out the same as those calls of the whole session."""
+    name, params = layer
+    n = max(1, int(len(msgs) * cut))
+    full, _ = _run(name, make_blocks(msgs).collect(), params)
+    pre_in = make_blocks(msgs[:n]).collect()
+    pre, _ = _run(name, pre_in, params)
+    calls = pre_in.filter(pl.col("is_call")).select("msg_key").n_unique()
+    for k in range(calls):  # the prefix's own pending call may differ: later rows are not in it yet
+        assert _visible(full, k) == _visible(pre, k), f"call {k} differs between prefix and full session"
