@@ -1,7 +1,11 @@
 """Anthropic Messages: {"messages": [...], "model": ..., "system": [text blocks]}.
 
-Adjacent messages that map to the same wire role are merged (user content concatenated in order;
-in a user message tool_result blocks come first, other blocks after) — layer-semantics §10.
+Provider shaping (layer-semantics §10): adjacent messages that map to the same wire role are merged
+(user content concatenated in order; in a user message tool_result blocks come first, other blocks
+after); a message with no wire content (an empty or aborted assistant turn) is left out, so its
+neighbours merge; a trailing assistant message is left out unless `allow_prefill` (models that
+reject prefill answer a request ending with an assistant turn with a 400); a tool input that is not
+a JSON object (a freeform tool's raw text) becomes `{"input": <value>}`.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ def _input(r: dict[str, Any]) -> Any:
     if t is None:
         return {}
     try:
-        return orjson.loads(t)
+        v = orjson.loads(t)
     except orjson.JSONDecodeError:
-        return t
+        v = t
+    # the Messages API takes an object; a freeform tool's raw input is wrapped
+    return v if isinstance(v, dict) else {"input": v}
 
 
 def _image(r: dict[str, Any]) -> dict[str, Any]:
@@ -101,20 +107,35 @@ class Anthropic:
     def splits_system(self) -> bool:
         return True
 
+    allow_prefill = False  # a request may end with an assistant message (a prefill)
+
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
         out: list[tuple[int, dict[str, Any]]] = []
-        i, n = start, len(msgs)
+        i, n = int(start), len(msgs)
         while i < n:
-            role = WIRE_ROLE.get(msgs[i].role, "user")
-            j = i + 1
-            while j < n and WIRE_ROLE.get(msgs[j].role, "user") == role:
+            # one wire message: a run of messages of one wire role; messages without wire content
+            # belong to the run they sit in (or start the next one)
+            role: str | None = None
+            content: list[dict[str, Any]] = []
+            j = i
+            while j < n:
+                c = message_content([msgs[j]])
+                if c:
+                    r = WIRE_ROLE.get(msgs[j].role, "user")
+                    if role is None:
+                        role = r
+                    elif r != role:
+                        break
+                    content.extend(c)
                 j += 1
-            content = message_content(msgs[i:j])
+            if role is None:
+                break
             if role == "user":
                 # tool results first, then the other blocks (stable)
                 content = [b for b in content if b.get("type") == "tool_result"] + \
                           [b for b in content if b.get("type") != "tool_result"]
-            out.append((i, {"role": role, "content": content}))
+            if not (role == "assistant" and j >= n and not self.allow_prefill):
+                out.append((i, {"role": role, "content": content}))
             i = j
         return out
 
@@ -125,7 +146,7 @@ class Anthropic:
     def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
         from pipeline.validate import validate_anthropic
 
-        return validate_anthropic(request, thread_key=thread_key, call=call)
+        return validate_anthropic(request, thread_key=thread_key, call=call, allow_prefill=self.allow_prefill)
 
 
 register(Anthropic())

@@ -1,7 +1,10 @@
 """OpenAI Chat Completions: {"messages": [...], "model": ...}; system messages stay in the list.
 
 Each tool result is its own `tool` message; assistant tool calls become `tool_calls` with the
-arguments as a JSON string; thinking is not part of this wire shape and is left out.
+arguments as a JSON string; thinking is not part of this wire shape and is left out. In a run of
+tool-result messages the `tool` messages come first and the run's other blocks (text, images) follow
+as one user message, so no `tool` message is cut off from its call (layer-semantics §10). A message
+with no wire content (an empty or aborted assistant turn, an empty user row) is left out.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets._wire import label, split
 
 
 def _text(parts: list[dict[str, Any]]) -> str:
@@ -35,6 +39,10 @@ def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": "text", "text": r.get("text") or ""}
 
 
+def _has_results(m: LogicalMessage) -> bool:
+    return any(r["block_type"] == "tool_result" for r in m.rows)
+
+
 class OpenAIChat:
     name = "openai-chat"
     list_key = "messages"
@@ -44,35 +52,56 @@ class OpenAIChat:
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
         out: list[tuple[int, dict[str, Any]]] = []
-        for i in range(start, len(msgs)):
+        i, skip = split(start)
+        i0, n = i, len(msgs)
+        pending: int | None = None  # first of the messages just left out (no wire content)
+        while i < n:
             m = msgs[i]
-            groups = group_blocks(m.rows)
+            items: list[dict[str, Any]] = []
+            j = i + 1
             if m.role == "system":
-                out.append((i, {"role": "system", "content": "\n".join(
-                    g[0].get("text") or "" for g in groups if g[0]["block_type"] == "text")}))
+                groups = group_blocks(m.rows)
+                items.append({"role": "system", "content": "\n".join(
+                    g[0].get("text") or "" for g in groups if g[0]["block_type"] == "text")})
             elif m.role == "assistant":
+                groups = group_blocks(m.rows)
                 text = "".join(g[0].get("text") or "" for g in groups if g[0]["block_type"] == "text")
                 calls = [{"id": g[0].get("tool_use_id"), "type": "function",
                           "function": {"name": g[0].get("tool_name"), "arguments": g[0].get("tool_input") or "{}"}}
                          for g in groups if g[0]["block_type"] == "tool_use"]
-                msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-                if calls:
-                    msg["tool_calls"] = calls
-                out.append((i, msg))
-            else:
+                if text or calls:
+                    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+                    if calls:
+                        msg["tool_calls"] = calls
+                    items.append(msg)
+            elif _has_results(m):
+                # a run of tool-result messages: tool messages first, the rest after them
                 others: list[dict[str, Any]] = []
-                for g in groups:
-                    if g[0]["block_type"] == "tool_result":
-                        if others:
-                            out.append((i, {"role": "user", "content": others}))
-                            others = []
-                        out.append((i, {"role": "tool", "tool_call_id": g[0].get("tool_use_id"), "content": _text(g)}))
-                    else:
-                        p = _user_part(g[0])
-                        if p is not None:
-                            others.append(p)
-                if others or not groups or all(g[0]["block_type"] == "empty" for g in groups):
-                    out.append((i, {"role": "user", "content": others}))
+                j = i
+                while j < n and msgs[j].role not in ("system", "assistant") and _has_results(msgs[j]):
+                    for g in group_blocks(msgs[j].rows):
+                        if g[0]["block_type"] == "tool_result":
+                            items.append({"role": "tool", "tool_call_id": g[0].get("tool_use_id"), "content": _text(g)})
+                        else:
+                            p = _user_part(g[0])
+                            if p is not None:
+                                others.append(p)
+                    j += 1
+                if others:
+                    items.append({"role": "user", "content": others})
+            else:
+                parts = [p for g in group_blocks(m.rows) if (p := _user_part(g[0])) is not None]
+                if parts:
+                    items.append({"role": "user", "content": parts})
+            if not items and pending is None:
+                pending = i
+            for k, item in enumerate(items):
+                if not (i == i0 and k < skip):
+                    # messages left out before this one belong to it: its label is theirs
+                    out.append((pending if k == 0 and pending is not None else label(i, k), item))
+            if items:
+                pending = None
+            i = j
         return out
 
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:

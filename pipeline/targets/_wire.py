@@ -1,0 +1,29 @@
+"""Labels for wire messages, shared by the targets (not a target itself: the name starts with `_`).
+
+The replay keeps, with every wire message, the index of the first logical message it holds, and
+re-shapes a changed tail from the wire message whose label is the latest one <= the logical index
+before the change (`bisect_right(labels, a) - 1`). A target that turns ONE logical message into
+SEVERAL wire messages (OpenAI chat: one `tool` message per result; OpenAI Responses: one item per
+block; Gemini: the bootstrap turn before a leading model turn) must not give them all the same
+label, or the replay would keep the first ones and re-emit them again. Such a target labels the
+k-th extra wire message of logical message i with `i + k / 2**20` and, asked to shape from such a
+fractional start, resumes with the k-th wire message of message i. Whole-number labels keep their
+plain meaning; the replay only compares labels and hands them back to `shape`.
+"""
+
+from __future__ import annotations
+
+import math
+
+SUB = float(1 << 20)
+
+
+def label(index: int, sub: int) -> float | int:
+    """The label of the `sub`-th wire message (0-based) made from logical message `index`."""
+    return index if sub == 0 else index + sub / SUB
+
+
+def split(start: float | int) -> tuple[int, int]:
+    """(logical index, wire messages of it to skip) for a label handed back by the replay."""
+    i = math.floor(start)
+    return i, round((start - i) * SUB)

@@ -1,0 +1,146 @@
+"""Gemini generateContent: {"contents": [...], "model": ..., "systemInstruction": {"parts": [...]}}.
+
+Provider shaping (layer-semantics §10): assistant → role `model`, user and tool results → role
+`user`; adjacent turns of one role are merged (in a user turn the function responses come first);
+the first turn must be a user turn, so a leading model turn gets a user turn `(session bootstrap)`
+before it; text → `{"text"}`, images → `{"inlineData"}`, a tool call → `{"functionCall": {id, name,
+args}}` (args an object; a freeform tool's raw input becomes `{"input": ...}`), a tool result →
+`{"functionResponse": {id, name, response: {"output"|"error": text}}}` (the name from the result,
+else from its call, else `unknown`). Thinking is not replayed (Gemini's thought signatures are not
+kept in the blocks). Ids are made strict by the pairing layer (`tool_id_mode = auto`). A message
+with no wire content is left out. The model name is kept in the body, like the other targets,
+though Gemini takes it from the URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets._wire import label, split
+
+BOOTSTRAP = "(session bootstrap)"
+
+
+def _args(r: dict[str, Any]) -> dict[str, Any]:
+    t = r.get("tool_input")
+    if t is None:
+        return {}
+    try:
+        v = orjson.loads(t)
+    except orjson.JSONDecodeError:
+        v = t
+    return v if isinstance(v, dict) else {"input": v}
+
+
+def _result_text(parts: list[dict[str, Any]]) -> str:
+    out = []
+    for p in parts:
+        if p.get("part_type") == "image":
+            out.append("[image]")
+        elif p.get("part_type") == "tool_reference":
+            out.append(f"[tool reference: {p.get('tool_name')}]")
+        elif p.get("text") is not None:
+            out.append(p["text"])
+    return "\n".join(out)
+
+
+def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:
+    """The name of the call `call_id` answered at message i: search back to the nearest assistant
+    message holding it (pairing puts it right before the result)."""
+    for k in range(i - 1, -1, -1):
+        m = msgs[k]
+        if m.role != "assistant":
+            continue
+        for r in m.rows:
+            if r["block_type"] == "tool_use" and r.get("tool_use_id") == call_id:
+                return r.get("tool_name")
+        if any(r["block_type"] == "tool_use" for r in m.rows):
+            return None
+    return None
+
+
+def _parts(msgs: list[LogicalMessage], i: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(function responses, other parts) of message i."""
+    m = msgs[i]
+    responses: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for g in group_blocks(m.rows):
+        r = g[0]
+        t = r["block_type"]
+        if t == "text":
+            parts.append({"text": r.get("text") or ""})
+        elif t == "image":
+            parts.append({"inlineData": {"mimeType": r.get("image_media_type"), "data": r.get("image_data") or ""}})
+        elif t == "tool_use" and m.role == "assistant":
+            fc: dict[str, Any] = {"name": r.get("tool_name"), "args": _args(r)}
+            if r.get("tool_use_id"):
+                fc["id"] = r.get("tool_use_id")
+            parts.append({"functionCall": fc})
+        elif t == "tool_result":
+            name = next((p.get("tool_name") for p in g if p.get("part_type") != "tool_reference"), None)
+            name = (name or "").strip() or _call_name(msgs, i, r.get("tool_use_id")) or "unknown"
+            key = "error" if r.get("is_error") else "output"
+            fr: dict[str, Any] = {"name": name, "response": {key: _result_text(g)}}
+            if r.get("tool_use_id"):
+                fr["id"] = r.get("tool_use_id")
+            responses.append({"functionResponse": fr})
+    return responses, parts
+
+
+class Gemini:
+    name = "gemini"
+    list_key = "contents"
+
+    def splits_system(self) -> bool:
+        return True
+
+    def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
+        out: list[tuple[int, dict[str, Any]]] = []
+        i, skip = split(start)
+        i0, n = i, len(msgs)
+        while i < n:
+            role: str | None = None
+            responses: list[dict[str, Any]] = []
+            parts: list[dict[str, Any]] = []
+            j = i
+            while j < n:
+                fr, ps = _parts(msgs, j)
+                if fr or ps:
+                    r = "model" if msgs[j].role == "assistant" else "user"
+                    if role is None:
+                        role = r
+                    elif r != role:
+                        break
+                    responses.extend(fr)
+                    parts.extend(ps)
+                j += 1
+            if role is None:
+                break
+            items = [{"role": role, "parts": responses + parts}]
+            if i == 0 and role != "user":
+                items.insert(0, {"role": "user", "parts": [{"text": BOOTSTRAP}]})
+            for k, item in enumerate(items):
+                if i == i0 and k < skip:
+                    continue
+                out.append((label(i, k), item))  # type: ignore[arg-type]
+            i = j
+        return out
+
+    def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
+        env: dict[str, Any] = {"model": model}
+        texts = [{"text": r.get("text") or ""} for m in system for r in m.rows
+                 if r["block_type"] == "text" and (r.get("text") or "").strip()]
+        if texts:
+            env["systemInstruction"] = {"parts": texts}
+        return env
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+        from pipeline.validate import validate_gemini
+
+        return validate_gemini(request, thread_key=thread_key, call=call)
+
+
+register(Gemini())

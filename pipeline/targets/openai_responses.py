@@ -1,0 +1,115 @@
+"""OpenAI Responses: {"input": [items], "instructions": ..., "model": ...}.
+
+Each block becomes one input item (layer-semantics §10): user text and images → one `message`
+item (`input_text` / `input_image`); assistant text → a `message` item with `output_text`; a tool
+call → a `function_call` item (`call_id`, `name`, `arguments` as a JSON string); a tool result → a
+`function_call_output` item (`output` as text, images as `[image]`). System messages go to
+`instructions`. Reasoning is not replayed: a reasoning item's encrypted content belongs to the
+response and model that produced it (it must be followed by an item of that same response, and is
+dropped on a model switch), and the blocks keep neither its item id nor its response, so leaving it
+out is the only shape the API is sure to accept. A message with no wire content is left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets._wire import label, split
+
+
+def _result_text(parts: list[dict[str, Any]]) -> str:
+    out = []
+    for p in parts:
+        if p.get("part_type") == "image":
+            out.append("[image]")
+        elif p.get("part_type") == "tool_reference":
+            out.append(f"[tool reference: {p.get('tool_name')}]")
+        elif p.get("text") is not None:
+            out.append(p["text"])
+    return "\n".join(out)
+
+
+def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
+    t = r["block_type"]
+    if t == "image":
+        return {"type": "input_image",
+                "image_url": f"data:{r.get('image_media_type')};base64,{r.get('image_data') or ''}"}
+    if t in ("empty", "thinking", "redacted_thinking", "tool_use", "tool_result"):
+        return None
+    return {"type": "input_text", "text": r.get("text") or ""}
+
+
+def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
+    """The input items of one logical message, in block order."""
+    items: list[dict[str, Any]] = []
+    groups = group_blocks(m.rows)
+    if m.role == "assistant":
+        text: list[str] = []
+
+        def flush() -> None:
+            if text:
+                items.append({"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": "".join(text)}]})
+                text.clear()
+
+        for g in groups:
+            r = g[0]
+            if r["block_type"] == "text":
+                text.append(r.get("text") or "")
+            elif r["block_type"] == "tool_use":
+                flush()
+                items.append({"type": "function_call", "call_id": r.get("tool_use_id"), "name": r.get("tool_name"),
+                              "arguments": r.get("tool_input") or "{}"})
+        flush()
+        return items
+    parts: list[dict[str, Any]] = []
+    for g in groups:
+        if g[0]["block_type"] == "tool_result":
+            items.append({"type": "function_call_output", "call_id": g[0].get("tool_use_id"),
+                          "output": _result_text(g)})
+        elif (p := _input_part(g[0])) is not None:
+            parts.append(p)
+    if parts:
+        role = "developer" if m.role == "system" else "user"
+        items.append({"type": "message", "role": role, "content": parts})
+    return items
+
+
+class OpenAIResponses:
+    name = "openai-responses"
+    list_key = "input"
+
+    def splits_system(self) -> bool:
+        return True
+
+    def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
+        out: list[tuple[int, dict[str, Any]]] = []
+        i0, skip = split(start)
+        pending: int | None = None  # first of the messages just left out (no wire content)
+        for i in range(i0, len(msgs)):
+            items = message_items(msgs[i])
+            if not items and pending is None:
+                pending = i
+            for k, item in enumerate(items):
+                if not (i == i0 and k < skip):
+                    # messages left out before this one belong to it: its label is theirs
+                    out.append((pending if k == 0 and pending is not None else label(i, k), item))  # type: ignore[arg-type]
+            if items:
+                pending = None
+        return out
+
+    def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
+        env: dict[str, Any] = {"model": model}
+        text = "\n\n".join(r.get("text") or "" for m in system for r in m.rows if r["block_type"] == "text")
+        if text:
+            env["instructions"] = text
+        return env
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+        from pipeline.validate import validate_openai_responses
+
+        return validate_openai_responses(request, thread_key=thread_key, call=call)
+
+
+register(OpenAIResponses())
