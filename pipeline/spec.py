@@ -40,8 +40,14 @@ class ResolvedStage:
 
     @property
     def config_digest(self) -> str:
+        """sha256 of what decides the stage's output: name, version, params, and the version of any
+        encoder it depends on (a module's ENCODER_VERSION, e.g. Pillow for images), so an upgrade
+        is an explicit new namespace, never a silent re-decision."""
+        import sys
+
+        encoder = getattr(sys.modules.get(self.stage.module), "ENCODER_VERSION", None)
         return sha256_hex(canonical_json({"stage": self.stage.name, "version": self.stage.version,
-                                          "params": self.params_dict}))
+                                          "params": self.params_dict, "encoder": encoder}))
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,20 @@ class PipelineSpec:
         """The resolved spec, defaults filled in (what the hash covers)."""
         return {
             "pipeline": {"name": self.name, **self.settings},
-            "stage": [{"use": s.stage.name, "version": s.stage.version, **s.params_dict} for s in self.stages],
+            "stage": [{"use": s.stage.name, "version": s.stage.version, **s.params_dict, **_encoder(s)}
+                      for s in self.stages],
         }
 
     @property
     def sha256(self) -> str:
         return sha256_hex(canonical_json(self.resolved()))
+
+
+def _encoder(rs: ResolvedStage) -> dict[str, Any]:
+    import sys
+
+    enc = getattr(sys.modules.get(rs.stage.module), "ENCODER_VERSION", None)
+    return {"encoder_version": enc} if enc else {}
 
 
 def _jsonable(v: Any) -> Any:
