@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -326,13 +327,15 @@ _FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.In
                   "n": pl.Int64, "t": pl.Int64, "epoch": pl.Int32}
 
 
-def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: float, marker_tok: int) -> pl.DataFrame:
+def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: float,
+               marker_cost: Callable[[str], int]) -> pl.DataFrame:
     """Walk the calls of each thread forward; one output row per firing: the call, the new
     frontier (first turn not snipped), cumulative messages / tokens removed, and the cache epoch.
 
     Input rows, by `kind`: `call` (call, tokens after the tombstone dry run, cur_turn, comp_turn,
     ep), `row` (a snippable block or message overhead: turn, first, last, tok, is_msg) and at most
-    one `state` (the frozen snip already in the input: call, frontier, n, t, epoch).
+    one `state` (the frozen snip already in the input: call, frontier, n, t, epoch, text).
+    `marker_cost(text)`: tokens of a marker message with that text (the request counts it).
     Cost: O(calls) plus, per firing, the rows of the turns it looks at (bounded by the window).
     """
     out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
@@ -353,11 +356,12 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
         r_last = rows["last"].fill_null(NO_CALL).to_list()
         r_tok = rows["tok"].to_list()
         r_msg = rows["is_msg"].to_list()
-        frontier, n_tot, t_tot, start, have_marker, last_epoch = first_turn, 0, 0, 0, False, 0
+        frontier, n_tot, t_tot, start, last_epoch, cur_cost = first_turn, 0, 0, 0, 0, 0
         if st.height:  # a snip already in the input (re-run or re-applied ledger): continue after it
             frontier = max(first_turn, int(st["frontier"][0]))
             n_tot, t_tot = int(st["n"][0]), int(st["t"][0])
-            start, have_marker, last_epoch = int(st["call"][0]) + 1, True, int(st["epoch"][0])
+            start, last_epoch = int(st["call"][0]) + 1, int(st["epoch"][0])
+            cur_cost = marker_cost(str(st["text"][0]))  # already counted in the request tokens
         delta = [0] * (n_calls + 1)  # changes of the removed tokens, per call (forward only)
         removed = 0
         for k in range(n_calls):
@@ -377,9 +381,9 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
                     per_turn[r_turn[x] - frontier] += r_tok[x]
             if not any(per_turn):
                 continue
-            add = 0 if have_marker else marker_tok
+            guess = marker_cost(SNIP_TEMPLATE.format(n=n_tot + 99, t=t_tot + 99_999)) - cur_cost
             cum = list(accumulate(per_turn))
-            j = min(bisect_left(cum, total + add - lo), len(cum) - 1)
+            j = min(bisect_left(cum, total + guess - lo), len(cum) - 1)
             new_frontier = frontier + j + 1
             c = bisect_left(r_turn, new_frontier, a, b)
             t_add = n_add = 0
@@ -393,12 +397,14 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
                     n_add += int(r_msg[x])
             removed += delta[k]
             delta[k] = 0
-            removed -= add
             n_tot, t_tot = n_tot + n_add, t_tot + t_add
+            new_cost = marker_cost(SNIP_TEMPLATE.format(n=n_tot, t=t_tot))
+            removed -= new_cost - cur_cost  # the marker (or its new version) is in the request from k on
+            cur_cost = new_cost
             epoch = firing_epoch(k, ep, last_epoch)
             for key, v in zip(_FIRING_SCHEMA, (sid, tid, k, new_frontier, n_tot, t_tot, epoch)):
                 out[key].append(v)
-            have_marker, frontier, last_epoch = True, new_frontier, epoch
+            frontier, last_epoch = new_frontier, epoch
     return pl.DataFrame(out, schema=_FIRING_SCHEMA)
 
 
@@ -471,7 +477,7 @@ def _frozen_state(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> tuple[
     state = parsed.join(cut, on=THREAD, how="left").select(
         *THREAD, kind=pl.lit("state"), call=pl.col("call").cast(pl.Int32),
         frontier=pl.col("frontier").fill_null(head + 1), n=pl.col("n").fill_null(0), t=pl.col("t").fill_null(0),
-        epoch=pl.col("epoch").cast(pl.Int32))
+        epoch=pl.col("epoch").cast(pl.Int32), text="text")
     return state, parsed.select(*THREAD, "_prior_sha", "_prior_len")
 
 
@@ -506,7 +512,9 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
     msg_rows = msgs.filter((pl.col("role") != "system") & (pl.col("origin") != "snip") & (pl.col("turn") > head)) \
         .select(*THREAD, "turn", "first", "last", tok=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64), is_msg=pl.lit(True))
     state, prior = _frozen_state(blocks, msgs, head)
-    marker_tok = text_tokens([SNIP_TEMPLATE.format(n=100, t=100_000)], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
+    def marker_cost(text: str) -> int:
+        return text_tokens([text], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
+
     scan_in = pl.concat([
         per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", cur_turn="cur_turn",
                         comp_turn="comp_turn", ep="ep"),
@@ -514,7 +522,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
         state,
     ], how="diagonal_relaxed")
     firings = scan_in.map_batches(
-        lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=hi, lo=lo, marker_tok=marker_tok),
+        lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=hi, lo=lo, marker_cost=marker_cost),
         schema=_FIRING_SCHEMA)
     firings = materialize(firings)
     firings = firings.sort([*THREAD, "call"]).with_columns(
@@ -562,9 +570,11 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
     new_markers = _marker_rows(anchors, versions)
     marker_dec = _marker_decisions(new_markers, prior)
     first_new = versions.group_by(THREAD).agg(_close=pl.col("first_call").min())
+    # the marker version in force when the range grows again ends there
+    closing = (pl.col("origin") == "snip") & pl.col("_close").is_not_null() & (pl.col("first_call") < pl.col("_close")) \
+        & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_close")))
     out = out.join(first_new, on=THREAD, how="left").with_columns(
-        last_call=pl.when((pl.col("origin") == "snip") & pl.col("last_call").is_null() & pl.col("_close").is_not_null())
-        .then(pl.col("_close")).otherwise(pl.col("last_call"))).drop("_close")
+        last_call=pl.when(closing).then(pl.col("_close")).otherwise(pl.col("last_call"))).drop("_close")
     cols = list(BLOCK_SCHEMA.names())
     out = pl.concat([out.select(cols), new_markers.select(cols)])
     return materialize(out), materialize(pl.concat([dropped, marker_dec]))

@@ -121,6 +121,49 @@ _ASSIGN_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "kind": pl.St
                   "block_pos": pl.Int32, "clear_call": pl.Int32, "epoch": pl.Int32, "reason": pl.String}
 
 
+class _Fenwick:
+    """Prefix sums with point updates (non-negative values), O(log n) each."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tree = [0] * (n + 1)
+
+    def add(self, i: int, v: int) -> None:
+        i += 1
+        while i <= self.n:
+            self.tree[i] += v
+            i += i & -i
+
+    def prefix(self, i: int) -> int:
+        """Sum of items 0..i-1."""
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+    def lower_bound(self, target: int) -> int:
+        """The smallest i with prefix(i) >= target (n + 1 when there is none)."""
+        if target <= 0:
+            return 0
+        pos, rem, step = 0, target, 1 << self.n.bit_length()
+        while step:
+            nxt = pos + step
+            if nxt <= self.n and self.tree[nxt] < rem:
+                pos, rem = nxt, rem - self.tree[nxt]
+            step >>= 1
+        return pos + 1
+
+
+def _free_from(delta: list[int], k: int, v: int, end: int) -> int:
+    """Count v tokens freed from call k (now) until call `end`; returns what applies at k."""
+    if end <= k:
+        return 0
+    if end < len(delta) - 1:
+        delta[end] -= v
+    return v
+
+
 def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     """Walk the calls of each thread; return the call, epoch and reason at which each result (and,
     with `clear_thinking_keep`, each thinking block) is cleared.
@@ -128,7 +171,10 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     Input rows by `kind`: `call` (tokens, u_order, cur_turn, ep, idle), `result` (order, a = first
     call, z = end, s = tokens freed, done / native / done_call / done_epoch) and `think` (order, a,
     z, turn, s, last). Results below the frontier and thinking below its own frontier are cleared;
-    both frontiers only move forward. O((calls + results) log results).
+    both frontiers only move forward. The tokens already freed are tracked exactly per call (a row
+    can leave the request in the middle, by a snip or a compaction), and a Fenwick tree over the
+    visible, not yet cleared results answers "how much would clearing up to i free".
+    O((calls + results) log results).
     """
     out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
     keep_n = None if p.clear_thinking_keep == "all" else int(p.clear_thinking_keep)
@@ -140,8 +186,8 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
         if "turn" not in th.columns:  # no thinking rows were passed (clear_thinking_keep = "all")
             th = pl.DataFrame(schema={"entry_id": pl.String, "block_pos": pl.Int32, "order": pl.Int64, "a": pl.Int32,
                                       "turn": pl.Int32, "z": pl.Int32, "last": pl.Int32, "s": pl.Int64})
-        n = calls.height
-        if n == 0 or res.height == 0:
+        n, m = calls.height, res.height
+        if n == 0 or m == 0:
             continue
         tok = calls["tokens"].fill_null(0).to_list()
         u = calls["u_order"].fill_null(-(2**62)).to_list()
@@ -153,9 +199,9 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
         z = res["z"].fill_null(NO_CALL).to_list()
         done = res["done"].to_list()
         native = res["native"].to_list()
-        S = [0, *accumulate(0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done))]
+        s = [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)]
         cnt = [0, *accumulate(0 if dn else 1 for dn in done)]
-        a_sorted, z_sorted = sorted(a), sorted(z)
+        a_sorted = sorted(a)
 
         f, hf, start, last_epoch = 0, 0, 0, 0
         frozen = [i for i, (dn, nat) in enumerate(zip(done, native)) if dn and not nat]
@@ -170,50 +216,85 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
         th_order, th_a, th_turn = th["order"].to_list(), th["a"].to_list(), th["turn"].to_list()
         th_z = th["z"].fill_null(NO_CALL).to_list()
         th_done = [lst is not None and int(lst) in frozen_calls for lst in th["last"].to_list()]
-        TS = [0, *accumulate(0 if dn else int(x or 0) for x, dn in zip(th["s"].to_list(), th_done))]
-        th_z_sorted, th_a_sorted, th_turn_sorted = sorted(th_z), sorted(th_a), sorted(th_turn)
+        th_s = [0 if dn else int(x or 0) for x, dn in zip(th["s"].to_list(), th_done)]
+        th_a_sorted, th_turn_sorted = sorted(th_a), sorted(th_turn)
         if any(th_done):
             hf = max(i for i, dn in enumerate(th_done) if dn) + 1
+
+        fen = _Fenwick(m)  # savings of the results visible now and not cleared
+        appear = sorted((a[i], i) for i in range(m) if not done[i])
+        leave = sorted((z[i], i) for i in range(m) if not done[i] and z[i] < NO_CALL)
+        in_fen = [False] * m
+        cleared = [False] * m
+        waiting: list[int] = []  # below the frontier but not yet in any request
+        delta = [0] * (n + 1)  # changes of the tokens freed so far, per call
+        saved = ai = li = 0
 
         fire_k: list[int] = []
         fire_f: list[int] = []
         fire_e: list[int] = []
         fire_r: list[str] = []
-        for k in range(start, n):
+        for k in range(n):
+            saved += delta[k]
+            while ai < len(appear) and appear[ai][0] <= k:
+                i = appear[ai][1]
+                ai += 1
+                if z[i] > k and not cleared[i]:
+                    fen.add(i, s[i])
+                    in_fen[i] = True
+            while li < len(leave) and leave[li][0] <= k:
+                i = leave[li][1]
+                li += 1
+                if in_fen[i]:
+                    fen.add(i, -s[i])
+                    in_fen[i] = False
+            if k < start:
+                continue
             seen = bisect_right(a_sorted, k)
             e = max(0, min(seen - p.keep_recent, bisect_left(order, u[k])))
-            if e <= f or cnt[e] == cnt[f]:
+            ready = [i for i in waiting if a[i] <= k]
+            if (e <= f or cnt[e] == cnt[f]) and not ready:
                 continue
-            g = bisect_right(z_sorted, k)  # results compacted away by call k (a prefix)
-            b = max(f, g)
-            if p.trigger_idle_seconds > 0 and idle[k]:
-                nf, reason = e, "idle"
-            else:
-                if p.trigger_tokens <= 0:
-                    continue
-                gt = bisect_right(th_z_sorted, k)
-                total = tok[k] - (S[b] - S[g]) - (TS[max(hf, gt)] - TS[gt])
-                if total <= p.trigger_tokens or b >= e:
-                    continue
-                if S[e] - S[b] < p.clear_at_least_tokens:
-                    continue  # the batch would free too little: do nothing
-                need = max(p.clear_at_least_tokens, total - p.trigger_tokens)
-                nf, reason = min(max(bisect_left(S, S[b] + need), f + 1), e), "token"
-            if cnt[nf] == cnt[f]:
+            nf = f
+            if e > f and cnt[e] > cnt[f]:
+                if p.trigger_idle_seconds > 0 and idle[k]:
+                    nf, reason = e, "idle"
+                elif p.trigger_tokens > 0 and tok[k] - saved > p.trigger_tokens:
+                    total = tok[k] - saved
+                    base = fen.prefix(f)
+                    if fen.prefix(e) - base >= p.clear_at_least_tokens:
+                        need = max(p.clear_at_least_tokens, total - p.trigger_tokens)
+                        nf, reason = min(max(fen.lower_bound(base + need), f + 1), e), "token"
+            if nf == f or cnt[nf] == cnt[f]:
                 continue
             epoch = firing_epoch(k, ep, last_epoch)
             fire_k.append(k), fire_f.append(nf), fire_e.append(epoch), fire_r.append(reason)
-            f, last_epoch = nf, epoch
+            for i in [*range(f, nf), *ready]:
+                if done[i] or cleared[i]:
+                    continue
+                if a[i] > k:
+                    waiting.append(i)
+                    continue
+                cleared[i] = True
+                if in_fen[i]:
+                    fen.add(i, -s[i])
+                    in_fen[i] = False
+                saved += _free_from(delta, k, s[i], min(z[i], n))
+            waiting = [i for i in waiting if not cleared[i]]
             if keep_n is not None:
-                hf = max(hf, min(bisect_right(th_turn_sorted, cur_turn[k] - keep_n), bisect_left(th_order, u[k]),
-                                 bisect_right(th_a_sorted, k)))
+                new_hf = max(hf, min(bisect_right(th_turn_sorted, cur_turn[k] - keep_n), bisect_left(th_order, u[k]),
+                                     bisect_right(th_a_sorted, k)))
+                for x in range(hf, new_hf):
+                    if not th_done[x] and th_a[x] <= k:
+                        saved += _free_from(delta, k, th_s[x], min(th_z[x], n))
+                hf = new_hf
+            f, last_epoch = nf, epoch
         if not fire_k:
             continue
-
         # each result: the first firing at or after its first appearance whose frontier passes it
         found: list[tuple[str, Any, Any, int, str]] = []
         eids, bpos = res["entry_id"].to_list(), res["block_pos"].to_list()
-        for i in range(res.height):
+        for i in range(m):
             if done[i]:
                 continue
             j = max(bisect_left(fire_k, a[i]), bisect_right(fire_f, i))

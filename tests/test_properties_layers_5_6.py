@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -227,7 +228,7 @@ def _runner(case: str) -> Runner:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(seed=st.integers(0, 10_000), cut_at=st.floats(0.2, 0.9))
 def test_stage_properties(case: str, seed: int, cut_at: float) -> None:
     msgs = gen_messages(seed)
@@ -235,7 +236,7 @@ def test_stage_properties(case: str, seed: int, cut_at: float) -> None:
     check_all(_runner(case), msgs, cuts[int(cut_at * (len(cuts) - 1))])
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(seed=st.integers(0, 10_000), cut_at=st.floats(0.2, 0.9))
 def test_chain_properties(seed: int, cut_at: float) -> None:
     msgs = gen_messages(seed, turns=10)
@@ -302,7 +303,10 @@ trigger_idle_seconds = 600
 clear_tool_inputs = true
 clear_thinking_keep = 2
 """
-PRESETS = ["claude-code", "openclaw", "context-editing", "minimal", "stress"]
+# the stress spec makes all three layers fire on the corpus and runs by default; the shipped
+# presets fire rarely on it and take ~7 s each: `pytest -m slow` runs them
+PRESETS = [pytest.param(p, marks=pytest.mark.slow) for p in ("claude-code", "openclaw", "context-editing", "minimal")]
+PRESETS.append(pytest.param("stress"))
 
 
 def _transcripts(corpus: Path) -> list[Path]:
@@ -310,19 +314,49 @@ def _transcripts(corpus: Path) -> list[Path]:
         f.name.endswith(".jsonl") or ".jsonl.deleted." in f.name or ".jsonl.reset." in f.name)]
 
 
+def _is_model_line(obj: Any) -> bool:
+    """A transcript line that holds (part of) a model answer, in any of the corpus formats."""
+    if not isinstance(obj, dict):
+        return False
+    msg = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+    payload = obj.get("payload") if isinstance(obj.get("payload"), dict) else {}
+    return (obj.get("type") == "assistant" or msg.get("role") == "assistant" or obj.get("role") == "assistant"
+            or payload.get("role") == "assistant"
+            or payload.get("type") in ("reasoning", "function_call", "custom_tool_call"))
+
+
 def _halves(corpus: Path, dst: Path) -> Path:
-    """The first half (non-blank lines) of every transcript, in the same layout."""
+    """Every transcript cut right before the first model answer in its second half, in the same
+    layout: the session as it stood while waiting for the model, so the pending request is the
+    one the whole transcript sends next. (Cut mid-turn, the pending request is still growing, and
+    what a layer decides for it is provisional: see the report on runner policy.)"""
+    import json
+
     for src in _transcripts(corpus):
         out = dst / src.relative_to(corpus)
         out.parent.mkdir(parents=True, exist_ok=True)
         lines = src.read_bytes().split(b"\n")
         n = len([x for x in lines if x.strip()])
-        keep, seen = [], 0
+        keep: list[bytes] = []
+        seen, prev_model, last_id = 0, False, None
         for x in lines:
             if x.strip():
                 seen += 1
-                if seen > n // 2:
+                try:
+                    obj = json.loads(x)
+                except ValueError:
+                    obj = None
+                model = _is_model_line(obj)
+                msg = obj.get("message") if isinstance(obj, dict) and isinstance(obj.get("message"), dict) else {}
+                mid = msg.get("id")
+                # a new model answer: not the continuation of the previous one (Claude Code writes
+                # one answer's blocks, and the results of its parallel calls, as separate lines)
+                starts = model and not prev_model and (mid is None or mid != last_id)
+                if seen > n // 2 and starts:
                     break
+                prev_model = model
+                if model and mid is not None:
+                    last_id = mid
             keep.append(x)
         out.write_bytes(b"\n".join(keep) + b"\n")
     return dst
