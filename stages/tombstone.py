@@ -319,8 +319,8 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
 
 
 def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
-    """For each tool result: its tool call block (the latest earlier call with that id) and the
-    tokens that clearing the call's input would free."""
+    """For each tool result: its tool call block (the latest earlier call with that id), the call's
+    tool name (results often carry none) and the tokens that clearing the call's input would free."""
     results = blocks.filter((pl.col("block_type") == "tool_result") & pl.col("tool_use_id").is_not_null()) \
         .group_by(BLOCK_KEY).agg(pl.col("tool_use_id").first(), order_key=pl.col("order_key").min())
     calls = blocks.filter(pl.col("block_type").is_in(TOOL_CALL_TYPES) & pl.col("tool_use_id").is_not_null()) \
@@ -329,14 +329,16 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
                                                        ignore_nulls=True), ctx)) \
         .group_by(BLOCK_KEY).agg(
             pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
+            _use_name=pl.col("tool_name").sort_by("first_call").first(),
             _in_saved=(pl.col("_tok").sort_by("first_call").first() - pl.col("_after").sort_by("first_call").first())
             .clip(lower_bound=0))
     return results.sort("order_key").join_asof(
-        calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", _use_entry="entry_id", _use_pos="block_pos")
+        calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", "_use_name", _use_entry="entry_id",
+                     _use_pos="block_pos")
         .sort("_use_order"),
         left_on="order_key", right_on="_use_order", by=[*THREAD, "tool_use_id"], strategy="backward",
         check_sortedness=False,
-    ).filter(pl.col("_use_entry").is_not_null()).select(*BLOCK_KEY, "_use_entry", "_use_pos", "_in_saved")
+    ).filter(pl.col("_use_entry").is_not_null()).select(*BLOCK_KEY, "_use_entry", "_use_pos", "_in_saved", "_use_name")
 
 
 def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
@@ -388,11 +390,10 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     ).join(size, on=BLOCK_KEY, how="left").join(placeholder, on=BLOCK_KEY, how="left").with_columns(
         done=pl.col("done_call").is_not_null(),
     )
-    owners = materialize(_call_owners(blocks, ctx)) if params.clear_tool_inputs else None
-    in_saved = pl.lit(0, pl.Int64)
-    if owners is not None:
-        res = res.join(owners.select(*BLOCK_KEY, "_in_saved"), on=BLOCK_KEY, how="left")
-        in_saved = pl.col("_in_saved").fill_null(0)
+    owners = materialize(_call_owners(blocks, ctx))
+    res = res.join(owners.select(*BLOCK_KEY, "_in_saved", "_use_name"), on=BLOCK_KEY, how="left").with_columns(
+        tool_name=pl.coalesce(pl.col("tool_name").replace("", None), "_use_name"))
+    in_saved = pl.col("_in_saved").fill_null(0) if params.clear_tool_inputs else pl.lit(0, pl.Int64)
     res = res.with_columns(
         native=pl.col("done") & (pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0),
         s=pl.when(pl.col("done")).then(0).otherwise((pl.col("tok") - cleared_tok).clip(lower_bound=0) + in_saved),
@@ -419,7 +420,7 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     if forced is not None:
         forced = forced.select(list(_ASSIGN_SCHEMA)).cast(_ASSIGN_SCHEMA)  # type: ignore[arg-type]
         assign = materialize(pl.concat([assign.join(forced, on=BLOCK_KEY, how="anti"), forced]))
-    return _apply(blocks, assign, params, owners)
+    return _apply(blocks, assign, params, owners if params.clear_tool_inputs else None)
 
 
 def _thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame) -> pl.LazyFrame:

@@ -236,3 +236,16 @@ def test_params_are_validated() -> None:
         resolve_params(st, {"clear_thinking_keep": "some"}, where="t")
     p = resolve_params(st, {"tools": {"deny": ["Bash"]}, "clear_thinking_keep": 3}, where="t")
     assert p.allow == ("*",) and p.deny == ("Bash",)
+
+
+def test_tool_globs_use_the_call_name_when_the_result_has_none() -> None:
+    # Claude Code results carry only tool_use_id; the name is on the call
+    msgs = session(6, idle_before=5, size=300)
+    for m in msgs:
+        for b in m.get("blocks", []):
+            if b["type"] == "tool_result":
+                b.pop("tool_name")
+    _, dec = run(msgs, {**IDLE, "tools": {"allow": ["read"]}})
+    assert cleared(dec) == ["toolu_0", "toolu_1", "toolu_2"]
+    _, dec = run(msgs, {**IDLE, "tools": {"deny": ["Read"]}})
+    assert dec.height == 0
