@@ -1,0 +1,162 @@
+"""Real-world tool-call failures that got agents stuck on a provider 400, as small transcripts
+written from scratch (tests/fixtures/failures/<name>.jsonl, Claude Code or OpenClaw format). Each
+replays, under a spec with the pairing stage (and the other layers, in the order of
+layer-semantics §2), to a pending request and calls that pass the target's validator; each test
+also checks the repair that made it so."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+
+from pipeline.runner import RunOptions, RunResult, run
+from pipeline.spec import parse_spec
+from pipeline.tokens import CHARS4_COUNTER
+
+FIXTURES = Path(__file__).parent / "fixtures" / "failures"
+TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
+
+SPEC = """
+[pipeline]
+name = "failures"
+
+[[stage]]
+use = "sanitize"
+
+[[stage]]
+use = "inter_session"
+
+[[stage]]
+use = "images"
+
+[[stage]]
+use = "pairing"
+
+[[stage]]
+use = "result_budget"
+
+[[stage]]
+use = "snip"
+
+[[stage]]
+use = "pairing"
+
+[[stage]]
+use = "tombstone"
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
+    """One run of every fixture per target (all calls materialised and validated)."""
+    spec = parse_spec(SPEC, source="failures")
+    out = {}
+    for target in TARGETS:
+        tmp = tmp_path_factory.mktemp(target)
+        out[target] = run([FIXTURES], spec, RunOptions(out_dir=tmp / "o", target=target, all_calls=True,
+                                                       token_counter=CHARS4_COUNTER))
+    return out
+
+
+def outcome(res: RunResult, name: str) -> tuple[list[Any], Counter[str], pl.DataFrame]:
+    """(violations, pairing decisions by action:reason, calls) of the fixture `name`."""
+    sessions = res.blocks.filter(pl.col("source_file").str.ends_with(f"/{name}.jsonl"))["session_id"].unique().to_list()
+    assert len(sessions) == 1, f"{name}: {sessions}"
+    calls = res.calls.filter(pl.col("session_id") == sessions[0])
+    keys = set(calls["thread_key"].to_list())
+    violations = [v for v in res.violations if v.thread_key in keys]
+    from pipeline.ledger import Ledger
+
+    led = Ledger(Path(res.summary["ledger"]), read_only=True)
+    try:
+        d = led.decisions()
+    finally:
+        led.close()
+    d = d.filter((pl.col("session_id") == sessions[0]) & pl.col("stage").str.starts_with("pairing"))
+    return violations, Counter(f"{a}:{r}" for a, r in d.select("action", "reason").iter_rows()), calls
+
+
+def passes(runs: dict[str, RunResult], name: str, targets: list[str] = TARGETS) -> Counter[str]:
+    """Assert every call of the fixture passes each target's validator; the pairing decisions."""
+    repaired: Counter[str] = Counter()
+    for t in targets:
+        violations, decisions, calls = outcome(runs[t], name)
+        assert calls.filter(pl.col("is_pending")).height == 1
+        assert not violations, f"{name} under {t}: " + "; ".join(map(str, violations[:5]))
+        repaired = decisions
+    return repaired
+
+
+def test_every_fixture_is_loaded_without_quarantine(runs: dict[str, RunResult]) -> None:
+    s = runs["anthropic"].summary
+    assert s["files"] == len(list(FIXTURES.glob("*.jsonl"))) == 11
+    assert s["quarantined_lines"] == 0
+
+
+def test_dangling_tool_use_after_crash_then_resume(runs: dict[str, RunResult]) -> None:
+    assert passes(runs, "dangling_tool_use_after_crash_then_resume")["insert:missing"] == 1
+
+
+def test_aborted_assistant_with_partial_tool_call(runs: dict[str, RunResult]) -> None:
+    # no synthetic result: the frame is dropped (text block and partial call)
+    d = passes(runs, "aborted_assistant_partial_tool_call")
+    assert d["drop:failed_frame"] == 2 and d["insert:missing"] == 0
+
+
+def test_synthetic_result_for_aborted_call_creates_orphan(runs: dict[str, RunResult]) -> None:
+    # the aborted call and the synthetic result written for it go together
+    assert passes(runs, "synthetic_result_for_aborted_call_orphan")["drop:failed_frame"] == 2
+
+
+def test_tool_use_without_input(runs: dict[str, RunResult]) -> None:
+    # sanitize drops the invalid call; its result is then an orphan
+    assert passes(runs, "tool_use_without_input")["drop:orphan"] == 1
+
+
+def test_orphan_tool_result(runs: dict[str, RunResult]) -> None:
+    assert passes(runs, "orphan_tool_result")["drop:orphan"] == 1
+
+
+def test_results_out_of_order_with_user_message_between(runs: dict[str, RunResult]) -> None:
+    d = passes(runs, "results_out_of_order_user_between")
+    assert d["move:displaced"] + d["replace:tool_id+displaced"] == 2
+
+
+def test_same_tool_id_in_two_turns(runs: dict[str, RunResult]) -> None:
+    d = passes(runs, "same_tool_id_two_turns")
+    assert d["drop:duplicate"] == 0 and d["replace:tool_id"] >= 2
+
+
+def test_result_without_id_next_to_single_call(runs: dict[str, RunResult]) -> None:
+    assert passes(runs, "result_without_id_single_call")["replace:reattached"] == 1
+
+
+def test_history_starting_with_assistant_function_call_gemini(runs: dict[str, RunResult]) -> None:
+    # the (session bootstrap) user turn comes first from the first call that sees the model turn;
+    # call 0 has nothing recorded before it, so its request is empty (see the next test)
+    violations, _, calls = outcome(runs["gemini"], "history_starts_with_assistant_call")
+    assert [(v.call, v.rule) for v in violations] == [(0, "contents_empty")]
+    req = (Path(runs["gemini"].summary["out_dir"]) / "requests" / f"{calls['thread_key'][0]}.json").read_text()
+    assert '"(session bootstrap)"' in req
+
+
+@pytest.mark.xfail(strict=True, reason="needs sanitize's leading-user fix (architecture.md, layer 1): a thread that "
+                   "starts with an assistant row gets no user row before it, so Anthropic sees "
+                   "first_not_user and call 0 an empty request")
+def test_history_starting_with_assistant_function_call_anthropic(runs: dict[str, RunResult]) -> None:
+    passes(runs, "history_starts_with_assistant_call", ["anthropic"])
+
+
+def test_openai_function_call_without_output(runs: dict[str, RunResult]) -> None:
+    # "No tool output found for function call": OpenAI targets get the synthetic output `aborted`
+    assert passes(runs, "function_call_without_output")["insert:missing"] == 1
+    out = Path(runs["openai-responses"].summary["out_dir"]) / "requests"
+    assert any('"output":"aborted"' in p.read_text().replace(" ", "") for p in out.glob("*.json"))
+
+
+def test_output_without_call(runs: dict[str, RunResult]) -> None:
+    assert passes(runs, "output_without_call")["drop:orphan"] == 1
