@@ -356,16 +356,33 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
         r_last = rows["last"].fill_null(NO_CALL).to_list()
         r_tok = rows["tok"].to_list()
         r_msg = rows["is_msg"].to_list()
-        frontier, n_tot, t_tot, start, last_epoch, cur_cost = first_turn, 0, 0, 0, 0, 0
-        if st.height:  # a snip already in the input (re-run or re-applied ledger): continue after it
-            frontier = max(first_turn, int(st["frontier"][0]))
-            n_tot, t_tot = int(st["n"][0]), int(st["t"][0])
-            start, last_epoch = int(st["call"][0]) + 1, int(st["epoch"][0])
-            cur_cost = marker_cost(str(st["text"][0]))  # already counted in the request tokens
+        frontier, n_tot, t_tot, last_epoch, cur_cost = first_turn, 0, 0, 0, 0
+        # a snip already in the input (re-run or re-applied ledger): its versions are replayed as
+        # they were made, then the walk goes on after the last one
+        frozen = st.sort("call").select("call", "frontier", "n", "t", "epoch", "text").rows() if st.height else []
+        start = int(frozen[-1][0]) + 1 if frozen else 0
+        si = 0
         delta = [0] * (n_calls + 1)  # changes of the removed tokens, per call (forward only)
         removed = 0
         for k in range(n_calls):
             removed += delta[k]
+            if si < len(frozen) and int(frozen[si][0]) == k:
+                _, fr_front, fr_n, fr_t, fr_epoch, fr_text = frozen[si]
+                si += 1
+                new_frontier = max(frontier, int(fr_front))
+                a, c = bisect_left(r_turn, frontier), bisect_left(r_turn, new_frontier)
+                for x in range(a, c):
+                    f0, l0 = max(r_first[x], k), min(r_last[x], n_calls)
+                    if f0 < l0:
+                        delta[f0] += r_tok[x]
+                        delta[l0] -= r_tok[x]
+                removed += delta[k]
+                delta[k] = 0
+                new_cost = marker_cost(str(fr_text))
+                removed -= new_cost - cur_cost
+                cur_cost, frontier = new_cost, new_frontier
+                n_tot, t_tot, last_epoch = int(fr_n), int(fr_t), int(fr_epoch)
+                continue
             if k < start:
                 continue
             total = d[k] - removed
@@ -454,31 +471,41 @@ def _snippable(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> pl.LazyFr
     )
 
 
-def _frozen_state(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """The snip already present in the input (its marker versions and the rows they cut).
+def _frozen_state(blocks: pl.LazyFrame, msgs: pl.LazyFrame, head: int) -> tuple[pl.LazyFrame, pl.LazyFrame,
+                                                                                pl.LazyFrame]:
+    """The snip already in the input (a re-run, or the ledger's snips re-applied).
 
-    Returns (state per thread: call, frontier, n, t, epoch of the latest marker version;
-    prior per thread: the open marker version's sha and length).
+    Returns (state: one row per marker version: call, frontier = first turn not snipped from that
+    call on, n, t, epoch, text; prior: the latest version's sha and length; cut: the version key
+    of each row a marker version cut, with the call it was cut at).
     """
     markers = blocks.filter(pl.col("origin") == "snip")
     calls = markers.select(*THREAD, _mcall="first_call", _morder="order_key").unique()
     cut = _snippable(blocks, msgs, head).join(calls, on=THREAD, how="inner").filter(
-        (pl.col("last_call") == pl.col("_mcall")) & (pl.col("order_key") > pl.col("_morder"))
-    ).group_by(THREAD).agg(frontier=(pl.col("turn").max() + 1).cast(pl.Int64))
+        (pl.col("last_call") == pl.col("_mcall")) & (pl.col("order_key") > pl.col("_morder")))
+    reach = cut.group_by([*THREAD, "_mcall"]).agg(_top=(pl.col("turn").max() + 1).cast(pl.Int64))
+    versions = markers.select(*THREAD, call="first_call", text="text", epoch="cache_epoch").join(
+        reach, left_on=[*THREAD, "call"], right_on=[*THREAD, "_mcall"], how="left",
+    ).with_columns(
+        frontier=pl.col("_top").fill_null(head + 1).cum_max().over(THREAD, order_by="call"),
+        n=pl.col("text").str.extract(SNIP_RE.pattern, 1).cast(pl.Int64).fill_null(0),
+        t=pl.col("text").str.extract(SNIP_RE.pattern, 2).cast(pl.Int64).fill_null(0),
+    ).select(*THREAD, kind=pl.lit("state"), call=pl.col("call").cast(pl.Int32), frontier="frontier", n="n", t="t",
+             epoch=pl.col("epoch").cast(pl.Int32), text="text")
     by_call = lambda c: pl.col(c).sort_by("first_call").last()
-    latest = markers.group_by(THREAD).agg(
-        call=by_call("first_call"), text=by_call("text"), epoch=by_call("cache_epoch"),
-        _prior_sha=by_call("content_sha256"), _prior_len=by_call("text").str.len_bytes().cast(pl.Int64),
-    )
-    parsed = latest.with_columns(
-        n=pl.col("text").str.extract(SNIP_RE.pattern, 1).cast(pl.Int64),
-        t=pl.col("text").str.extract(SNIP_RE.pattern, 2).cast(pl.Int64),
-    )
-    state = parsed.join(cut, on=THREAD, how="left").select(
-        *THREAD, kind=pl.lit("state"), call=pl.col("call").cast(pl.Int32),
-        frontier=pl.col("frontier").fill_null(head + 1), n=pl.col("n").fill_null(0), t=pl.col("t").fill_null(0),
-        epoch=pl.col("epoch").cast(pl.Int32), text="text")
-    return state, parsed.select(*THREAD, "_prior_sha", "_prior_len")
+    prior = markers.group_by(THREAD).agg(
+        _prior_sha=by_call("content_sha256"), _prior_len=by_call("text").str.len_bytes().cast(pl.Int64))
+    return versions, prior, cut.select(*VERSION_KEY).unique()
+
+
+def _unsnipped(blocks: pl.LazyFrame, cut: pl.LazyFrame) -> pl.LazyFrame:
+    """The blocks as they were before any snip: no marker, the rows it cut visible again. The
+    tombstone dry run and the token walk see this view, so a run that finds snips already made
+    (a resumed or repeated run) measures exactly what a fresh run measured."""
+    restored = blocks.join(cut.with_columns(_cut=pl.lit(True)), on=VERSION_KEY, how="left", nulls_equal=True)
+    return restored.filter(pl.col("origin") != "snip").with_columns(
+        last_call=pl.when(pl.col("_cut").fill_null(False)).then(pl.lit(None, pl.Int32)).otherwise(pl.col("last_call"))
+    ).drop("_cut")
 
 
 def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
@@ -489,16 +516,19 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
     hi, lo = params.high_watermark * budget, params.low_watermark * budget
     head = params.keep_head_turns
     tparams = tombstone_params_from(ctx)
-    dry = materialize(tombstone_plan(blocks, tparams, ctx)[0]) if tparams is not None else blocks
     grid = call_grid(blocks)
-    msgs = messages(blocks)
+    msgs = materialize(messages(blocks))
+    state, prior, cut = _frozen_state(blocks, msgs, head)
+    base = materialize(_unsnipped(blocks, materialize(cut)))
+    base_msgs = messages(base)
+    dry = materialize(tombstone_plan(base, tparams, ctx)[0]) if tparams is not None else base
     tokens = request_tokens(dry, ctx, grid, messages(dry))
 
     real = msgs.filter("is_real_user")
     cur_turn = real.group_by([*THREAD, pl.col("first").alias("call")]).agg(cur_turn=pl.col("turn").max())
     comp = msgs.filter("is_compact_summary").group_by([*THREAD, pl.col("first").alias("call")]).agg(
         comp_turn=pl.col("turn").max())
-    ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
+    ep = base.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
     per_call = forward_by_call(cur_turn, grid, ["cur_turn"]).join(
         comp, on=[*THREAD, "call"], how="left").join(ep, on=[*THREAD, "call"], how="left").sort([*THREAD, "call"])
     per_call = per_call.with_columns(
@@ -509,9 +539,9 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
 
     tok_rows = _snippable(dry, msgs, head).select(
         *THREAD, "turn", first="first_call", last="last_call", tok=row_tokens_expr(ctx), is_msg=pl.lit(False))
-    msg_rows = msgs.filter((pl.col("role") != "system") & (pl.col("origin") != "snip") & (pl.col("turn") > head)) \
+    msg_rows = base_msgs.join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], suffix="_b") \
+        .filter((pl.col("role") != "system") & (pl.col("turn") > head)) \
         .select(*THREAD, "turn", "first", "last", tok=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64), is_msg=pl.lit(True))
-    state, prior = _frozen_state(blocks, msgs, head)
     def marker_cost(text: str) -> int:
         return text_tokens([text], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
 
@@ -525,9 +555,10 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
         lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=hi, lo=lo, marker_cost=marker_cost),
         schema=_FIRING_SCHEMA)
     firings = materialize(firings)
+    last_state = state.group_by(THREAD).agg(_f0=pl.col("frontier").max())
     firings = firings.sort([*THREAD, "call"]).with_columns(
         lo=pl.col("frontier").shift(1).over(THREAD, order_by="call")).join(
-        state.select(*THREAD, _f0="frontier"), on=THREAD, how="left").with_columns(
+        last_state, on=THREAD, how="left").with_columns(
         lo=pl.coalesce("lo", "_f0", pl.lit(head + 1, pl.Int64))).drop("_f0")
 
     # the rows each firing removes: turns lo..frontier-1, from the firing's call on
