@@ -88,7 +88,7 @@ def resolve_id_mode(mode: str, target: str) -> str:
     if mode != "auto":
         return mode
     t = normal_target(target)
-    if t.startswith("gemini") or t.startswith("google"):
+    if t.startswith(("gemini", "google")):
         return "strict"
     if t.startswith("mistral"):
         return "strict9"

@@ -18,12 +18,12 @@ import math
 SUB = float(1 << 20)
 
 
-def label(index: int, sub: int) -> float | int:
+def label(index: int, sub: int) -> float:
     """The label of the `sub`-th wire message (0-based) made from logical message `index`."""
     return index if sub == 0 else index + sub / SUB
 
 
-def split(start: float | int) -> tuple[int, int]:
+def split(start: float) -> tuple[int, int]:
     """(logical index, wire messages of it to skip) for a label handed back by the replay."""
     i = math.floor(start)
     return i, round((start - i) * SUB)

@@ -356,7 +356,7 @@ def check_paired(blocks: pl.DataFrame, n_calls: int) -> None:
             i += 1
 
 
-@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", 40)))
+@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", "40")))
 @given(transcripts())
 def test_property_every_call_answered_once_right_after_it(msgs: list[dict[str, Any]]) -> None:
     res = run_stage("pairing", make_blocks(msgs), {}, ctx=OPENAI)
@@ -367,7 +367,7 @@ def test_property_every_call_answered_once_right_after_it(msgs: list[dict[str, A
     assert len(ids) == len(set(ids)), "call ids are unique after pairing"
 
 
-@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", 25)))
+@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", "25")))
 @given(transcripts(), st.sampled_from(["anthropic", "openai-chat", "gemini", "mistral"]))
 def test_property_idempotent(msgs: list[dict[str, Any]], target: str) -> None:
     ctx = StageContext(target=target)
@@ -378,7 +378,7 @@ def test_property_idempotent(msgs: list[dict[str, Any]], target: str) -> None:
     assert again.blocks.collect().sort(cols).equals(first.blocks.collect().sort(cols))
 
 
-@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", 20)))
+@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", "20")))
 @given(transcripts(), st.data())
 def test_property_causal_prefix(msgs: list[dict[str, Any]], data: st.DataObject) -> None:
     j = data.draw(st.integers(1, len(msgs)))
@@ -389,7 +389,7 @@ def test_property_causal_prefix(msgs: list[dict[str, Any]], data: st.DataObject)
         assert seq(part, k) == seq(full, k), k
 
 
-@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", 25)))
+@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", "25")))
 @given(transcripts())
 def test_property_one_decision_per_changed_block(msgs: list[dict[str, Any]]) -> None:
     res = run_stage("pairing", make_blocks(msgs), {}, ctx=ANTHROPIC)
