@@ -116,7 +116,7 @@ def _human(s: dict[str, Any]) -> str:
     else:
         lines.append("  decisions: none (no context layers in this pipeline)")
     if s["violations"]:
-        lines.append(f"  {s['violations']} request(s) violate the {s['target']} rules: "
+        lines.append(f"  {s['violations']} violation(s) of the {s['target']} rules (recorded in the ledger): "
                      + ", ".join(f"{k} {v}" for k, v in s["violations_by_rule"].items()))
     if s["quarantined_lines"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in s["quarantine_reasons"].items())

@@ -174,11 +174,19 @@ def replay_thread(
         model = info.model if info else (calls[-1].model if calls else None)
         system = _system_messages(rows, system_rows) if split_system else []
         env = target.envelope(model, system)
-        h = states[-1].copy()
+        stand_in: list[dict[str, Any]] = []
+        if not wire and hasattr(target, "empty_messages"):
+            # nothing recorded before this call (a history that starts with the assistant): the
+            # target's stand-in turn keeps the request valid
+            stand_in = target.empty_messages()
+            h = states[0].copy()
+            h.update(b",".join(canonical_json(m) for m in stand_in))
+        else:
+            h = states[-1].copy()
         h.update(_envelope_bytes(env, list_key))
         request = None
         if materialize(k, k == n_calls):
-            request = {list_key: [w[2] for w in wire], **env}
+            request = {list_key: [w[2] for w in wire] or stand_in, **env}
             full = hashlib.sha256(canonical_json(request)).hexdigest()
             if full != h.hexdigest():  # the incremental hash must equal the full one
                 raise AssertionError(f"incremental request hash mismatch at call {k}")
@@ -186,8 +194,8 @@ def replay_thread(
             call=k,
             is_pending=k == n_calls,
             request_sha256=h.hexdigest(),
-            n_messages=len(wire),
-            prompt_tokens=tok_sum + MESSAGE_OVERHEAD_TOKENS * len(wire) + REQUEST_OVERHEAD_TOKENS,
+            n_messages=len(wire) or len(stand_in),
+            prompt_tokens=tok_sum + MESSAGE_OVERHEAD_TOKENS * (len(wire) or len(stand_in)) + REQUEST_OVERHEAD_TOKENS,
             prefix_break_message=prefix_break,
             timestamp=last_ts,
             model=model,

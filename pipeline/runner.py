@@ -233,6 +233,8 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         _write_parquet(opts.out_dir / "quarantine.parquet", quarantine)
         for t in new_decisions:
             ledger.stage(t)
+        if violations:
+            ledger.stage(_violation_rows(violations, calls_df, spec, target.name, ledger))
         conflicts = sum(s["conflicts"] for s in stage_stats.values())
         summary = _summary(loaded, spec, opts, calls_df, stage_stats, violations, conflicts, ledger_path,
                            timings={"load": t_load - t_start, "stages": t_stages - t_load,
@@ -251,6 +253,26 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         return RunResult(summary, calls_df, pl.from_arrow(final), violations)  # type: ignore[arg-type]
     finally:
         ledger.close()
+
+
+def _violation_rows(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
+                    ledger: Ledger) -> pa.Table:
+    """`violation` ledger rows (stage `validate:<target>`), only those not recorded by an earlier run."""
+    from pipeline.validate import violation_decisions
+    from schemas.check import conform
+
+    keys = {r["thread_key"]: (r["session_id"], r["thread_id"])
+            for r in calls.select("thread_key", "session_id", "thread_id").unique().iter_rows(named=True)}
+    rows = pl.from_arrow(pa.Table.from_pylist(violation_decisions(violations, keys), schema=STAGE_DECISION))
+    stage = f"validate:{target}"
+    earlier = ledger.earlier(spec.sha256, stage, sorted(set(rows.get_column("session_id").to_list()))).collect()
+    new = rows.unique(DECISION_KEY, keep="first", maintain_order=True).join(
+        earlier.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True).sort(DECISION_KEY)
+    seq = ledger.next_seq(spec.sha256) + sum(t.num_rows for t in ledger._pending)
+    tagged = conform(new, STAGE_DECISION).with_columns(
+        spec_sha256=pl.lit(spec.sha256), seq=pl.int_range(seq, seq + new.height, dtype=pl.Int64),
+        stage=pl.lit(stage), stage_version=pl.lit(1, pl.Int32), config_digest=pl.lit(spec.sha256))
+    return to_arrow(tagged, DECISIONS, where="ledger rows of validation")
 
 
 def _write_parquet(path: Path, table: pa.Table) -> None:

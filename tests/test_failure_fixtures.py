@@ -144,9 +144,6 @@ def test_history_starting_with_assistant_function_call_gemini(runs: dict[str, Ru
     assert '"(session bootstrap)"' in req
 
 
-@pytest.mark.xfail(strict=True, reason="needs sanitize's leading-user fix (architecture.md, layer 1): a thread that "
-                   "starts with an assistant row gets no user row before it, so Anthropic sees "
-                   "first_not_user and call 0 an empty request")
 def test_history_starting_with_assistant_function_call_anthropic(runs: dict[str, RunResult]) -> None:
     passes(runs, "history_starts_with_assistant_call", ["anthropic"])
 

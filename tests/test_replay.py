@@ -31,7 +31,10 @@ def _naive(rows: list[dict], k: int, target_name: str, model: str | None) -> dic
         else:
             logical.append(LogicalMessage(r["role"], [r], r["msg_key"]))
     system = [LogicalMessage("system", [r], r["msg_key"]) for r in sysm]
-    return {target.list_key: [m for _, m in target.shape(logical, 0)], **target.envelope(model, system)}
+    msgs = [m for _, m in target.shape(logical, 0)]
+    if not msgs and hasattr(target, "empty_messages"):
+        msgs = target.empty_messages()
+    return {target.list_key: msgs, **target.envelope(model, system)}
 
 
 def _check_against_naive(blocks: pl.DataFrame, target: str) -> None:

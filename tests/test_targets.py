@@ -41,7 +41,10 @@ def _logical(rows: list[dict], k: int, split_system: bool) -> tuple[list[Logical
 def _naive(rows: list[dict], k: int, target_name: str) -> dict:
     target = get_target(target_name)
     logical, system = _logical(rows, k, target.splits_system())
-    return {target.list_key: [m for _, m in target.shape(logical, 0)], **target.envelope("m", system)}
+    msgs = [m for _, m in target.shape(logical, 0)]
+    if not msgs and hasattr(target, "empty_messages"):
+        msgs = target.empty_messages()
+    return {target.list_key: msgs, **target.envelope("m", system)}
 
 
 def _replay(blocks: pl.DataFrame, target: str) -> list:
@@ -141,6 +144,7 @@ def test_anthropic_merges_results_first_and_drops_empty_and_trailing_assistant()
     reqs = _replay(make_blocks(LEADING_ASSISTANT).collect(), "anthropic")
     # call 2 sees hello, hi, the empty turn, again: the empty turn is left out, hi and again merge
     assert reqs[2].request["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "(session bootstrap)"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "hello, I am here"}]},
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "again"}]},
     ]

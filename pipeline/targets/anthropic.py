@@ -5,7 +5,8 @@ Provider shaping (layer-semantics §10): adjacent messages that map to the same 
 after); a message with no wire content (an empty or aborted assistant turn) is left out, so its
 neighbours merge; a trailing assistant message is left out unless `allow_prefill` (models that
 reject prefill answer a request ending with an assistant turn with a 400); a tool input that is not
-a JSON object (a freeform tool's raw text) becomes `{"input": <value>}`.
+a JSON object (a freeform tool's raw text) becomes `{"input": <value>}`; a history that starts with
+an assistant turn gets a `(session bootstrap)` user turn before it (the API wants a user turn first).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 import orjson
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets._wire import label, split
+
+BOOTSTRAP = "(session bootstrap)"
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 
@@ -111,7 +115,8 @@ class Anthropic:
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
         out: list[tuple[int, dict[str, Any]]] = []
-        i, n = int(start), len(msgs)
+        i, skip = split(start)
+        i0, n = i, len(msgs)
         while i < n:
             # one wire message: a run of messages of one wire role; messages without wire content
             # belong to the run they sit in (or start the next one)
@@ -134,10 +139,23 @@ class Anthropic:
                 # tool results first, then the other blocks (stable)
                 content = [b for b in content if b.get("type") == "tool_result"] + \
                           [b for b in content if b.get("type") != "tool_result"]
+            items: list[dict[str, Any]] = []
+            if role == "assistant" and not out and not any(message_content([msgs[x]]) for x in range(i)):
+                # the Messages API wants a user turn first: a history that starts with the assistant
+                # (a resumed or truncated session) gets the bootstrap turn before it
+                items.append({"role": "user", "content": [{"type": "text", "text": BOOTSTRAP}]})
             if not (role == "assistant" and j >= n and not self.allow_prefill):
-                out.append((i, {"role": role, "content": content}))
+                items.append({"role": role, "content": content})
+            for k, item in enumerate(items):
+                if i == i0 and k < skip:
+                    continue
+                out.append((label(i, k), item))  # type: ignore[arg-type]
             i = j
         return out
+
+    def empty_messages(self) -> list[dict[str, Any]]:
+        """The stand-in for a request with no recorded message (the API needs one user turn)."""
+        return [{"role": "user", "content": [{"type": "text", "text": BOOTSTRAP}]}]
 
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         sys_blocks = [b for b in message_content(system) if b.get("type") == "text"]

@@ -104,6 +104,10 @@ class OpenAIChat:
             i = j
         return out
 
+    def empty_messages(self) -> list[dict[str, Any]]:
+        """The stand-in for a request with no recorded message."""
+        return [{"role": "user", "content": "(session bootstrap)"}]
+
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         return {"model": model}
 
