@@ -1,12 +1,12 @@
 """L6 tombstone: clear the content of old tool results, keep ids, names and positions (layer-semantics §9).
 
-Per thread, a forward walk over the calls (inside `map_batches`; linear in calls, with binary
-searches over prefix sums of the results' token savings) decides when tombstoning fires:
-on the token trigger (estimated request tokens over `trigger_tokens`, and only when the batch
-frees at least `clear_at_least_tokens`) or the idle trigger (the request comes
-`trigger_idle_seconds` or more after the last assistant row, by transcript timestamps). A firing
-at call k moves a monotone frontier over the eligible results (oldest first) and takes a new
-cache epoch; every result below the frontier is cleared from call k on.
+Per thread, a forward walk over the calls (inside `map_batches`; O((calls + results) log results):
+per-call deltas for the tokens already freed, a Fenwick tree over the visible, not yet cleared
+results) decides when tombstoning fires: on the token trigger (estimated request tokens over
+`trigger_tokens`, and only when the batch frees at least `clear_at_least_tokens`) or the idle
+trigger (the request comes `trigger_idle_seconds` or more after the last assistant row, by
+transcript timestamps). A firing at call k moves a monotone frontier over the eligible results
+(oldest first) and takes a new cache epoch; every result below the frontier is cleared from call k on.
 """
 
 from __future__ import annotations
