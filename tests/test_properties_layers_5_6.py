@@ -305,7 +305,8 @@ clear_thinking_keep = 2
 """
 # the stress spec makes all three layers fire on the corpus and runs by default; the shipped
 # presets fire rarely on it and take ~7 s each: `pytest -m slow` runs them
-PRESETS = [pytest.param(p, marks=pytest.mark.slow) for p in ("claude-code", "openclaw", "context-editing", "minimal")]
+PRESETS = [pytest.param(p, marks=pytest.mark.slow)
+           for p in ("default", "claude-code", "openclaw", "context-editing", "minimal")]
 PRESETS.append(pytest.param("stress"))
 
 
