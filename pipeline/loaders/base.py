@@ -221,6 +221,24 @@ def json_text(obj: Any) -> str:
     return canonical_json(obj).decode()
 
 
+def content_items(content: Any) -> list[dict[str, Any] | Block]:
+    """A message's content as a list: block objects as they are, anything else already a text Block.
+
+    Every format stores content as a string on some lines and a list of blocks on others (and,
+    rarely, a bare object or scalar); loaders map the dicts and keep the rest as text.
+    """
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Block("text", text=content)]
+    if isinstance(content, dict):
+        return [content]
+    if not isinstance(content, list):
+        return [Block("text", text=json_text(content))]
+    return [c if isinstance(c, dict) else Block("text", text=c if isinstance(c, str) else json_text(c))
+            for c in content]
+
+
 def b64_decoded_len(data: str | None) -> int | None:
     if not data:
         return 0 if data == "" else None

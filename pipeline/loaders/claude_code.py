@@ -29,6 +29,7 @@ from pipeline.loaders.base import (
     Message,
     QuarantineRow,
     Thread,
+    content_items,
     iter_json_lines,
     json_text,
     parse_ts,
@@ -127,19 +128,12 @@ def _image_block(b: dict[str, Any], **kw: Any) -> Block:
     return Block("image", image_media_type=src.get("media_type"), image_data=src.get("data"), extra=extra, **kw)
 
 
-def _content_blocks(content: Any, role: str) -> list[Block]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Block("text", text=content)]
-    if isinstance(content, dict):
-        content = [content]
-    if not isinstance(content, list):
-        return [Block("text", text=json_text(content))]
+def anthropic_content_blocks(content: Any) -> list[Block]:
+    """Anthropic Messages content (string or blocks) → blocks; tool_result content flattened into parts."""
     out: list[Block] = []
-    for b in content:
-        if not isinstance(b, dict):
-            out.append(Block("text", text=b if isinstance(b, str) else json_text(b)))
+    for b in content_items(content):
+        if isinstance(b, Block):
+            out.append(b)
             continue
         t = b.get("type")
         rest = {k: v for k, v in b.items() if k not in ("type", "text", "thinking", "signature", "id", "name",
@@ -192,7 +186,7 @@ def _message(node: Node, path: str) -> Message:
     o = node.obj
     m = o["message"]
     role = m.get("role") or o.get("type")
-    blocks = _content_blocks(m.get("content"), role)
+    blocks = anthropic_content_blocks(m.get("content"))
     if role == "user" and blocks and all(b.block_type == "tool_result" for b in blocks):
         role = "tool"
     return Message(

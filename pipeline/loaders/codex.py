@@ -41,6 +41,7 @@ from pipeline.loaders.base import (
     Message,
     QuarantineRow,
     Thread,
+    content_items,
     iter_json_lines,
     json_text,
     parse_ts,
@@ -79,18 +80,10 @@ def _image_from_url(url: Any, **kw: Any) -> Block:
 
 
 def _message_blocks(content: Any) -> list[Block]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Block("text", text=content)]
-    if isinstance(content, dict):
-        content = [content]
-    if not isinstance(content, list):
-        return [Block("text", text=json_text(content))]
     out: list[Block] = []
-    for c in content:
-        if not isinstance(c, dict):
-            out.append(Block("text", text=c if isinstance(c, str) else json_text(c)))
+    for c in content_items(content):
+        if isinstance(c, Block):
+            out.append(c)
             continue
         t = c.get("type")
         rest = {k: v for k, v in c.items() if k not in ("type", "text", "image_url")} or None

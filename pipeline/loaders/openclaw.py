@@ -41,6 +41,7 @@ from pipeline.loaders.base import (
     Message,
     QuarantineRow,
     Thread,
+    content_items,
     iter_json_lines,
     json_text,
     parse_ts,
@@ -116,18 +117,10 @@ def _rest(b: dict[str, Any], used: Iterable[str]) -> dict[str, Any] | None:
 
 def content_blocks(content: Any) -> list[Block]:
     """pi message content (string, or text / thinking / toolCall / image blocks) → blocks."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Block("text", text=content)]
-    if isinstance(content, dict):
-        content = [content]
-    if not isinstance(content, list):
-        return [Block("text", text=json_text(content))]
     out: list[Block] = []
-    for b in content:
-        if not isinstance(b, dict):
-            out.append(Block("text", text=b if isinstance(b, str) else json_text(b)))
+    for b in content_items(content):
+        if isinstance(b, Block):
+            out.append(b)
             continue
         t = b.get("type")
         if t == "text":

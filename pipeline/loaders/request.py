@@ -28,7 +28,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.loaders.base import Block, FileLoad, Message, QuarantineRow, Thread, json_text
+from pipeline.loaders.base import Block, FileLoad, Message, QuarantineRow, Thread, content_items, json_text
+from pipeline.loaders.claude_code import anthropic_content_blocks
 from pipeline.loaders.openclaw import session_id_from_name
 
 FORMAT = "anthropic_request"
@@ -180,59 +181,15 @@ def _anthropic_tool_result(b: dict[str, Any]) -> list[Block]:
 
 
 def _anthropic_blocks(content: Any) -> list[Block]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Block("text", text=content)]
-    if isinstance(content, dict):
-        content = [content]
-    if not isinstance(content, list):
-        return [Block("text", text=json_text(content))]
-    out: list[Block] = []
-    for b in content:
-        if not isinstance(b, dict):
-            out.append(Block("text", text=b if isinstance(b, str) else json_text(b)))
-            continue
-        t = b.get("type")
-        if t == "text":
-            out.append(Block("text", text=b.get("text"), extra=_rest(b, ("text",))))
-        elif t == "thinking":
-            out.append(Block("thinking", text=b.get("thinking"), signature=b.get("signature"),
-                             extra=_rest(b, ("thinking", "signature"))))
-        elif t == "redacted_thinking":
-            out.append(Block("redacted_thinking", text=b.get("data"), extra=_rest(b, ("data",))))
-        elif t in ("tool_use", "server_tool_use"):
-            out.append(Block(t, tool_use_id=b.get("id"), tool_name=b.get("name"),
-                             tool_input=json_text(b.get("input")) if "input" in b else None,
-                             extra=_rest(b, ("id", "name", "input"))))
-        elif t == "tool_result":
-            out.extend(_anthropic_tool_result(b))
-        elif t == "image":
-            src = b.get("source") if isinstance(b.get("source"), dict) else {}
-            extra = _rest(b, ("source",)) or {}
-            if src.get("type") not in (None, "base64"):
-                extra["source"] = src
-            out.append(Block("image", image_media_type=src.get("media_type"),
-                             image_data=src.get("data") if src.get("type") in (None, "base64") else None,
-                             extra=extra or None))
-        else:
-            out.append(Block(str(t), text=b.get("text") if isinstance(b.get("text"), str) else None, extra=b))
-    return out
+    """Anthropic Messages content: the same block shapes Claude Code records."""
+    return anthropic_content_blocks(content)
 
 
 def _openai_parts(content: Any) -> list[Block]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [Block("text", text=content)]
-    if isinstance(content, dict):
-        content = [content]
-    if not isinstance(content, list):
-        return [Block("text", text=json_text(content))]
     out: list[Block] = []
-    for p in content:
-        if not isinstance(p, dict):
-            out.append(Block("text", text=p if isinstance(p, str) else json_text(p)))
+    for p in content_items(content):
+        if isinstance(p, Block):
+            out.append(p)
             continue
         t = p.get("type")
         if t == "text":
