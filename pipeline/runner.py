@@ -73,8 +73,14 @@ def _now() -> str:
 
 
 def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, ctx: StageContext,
-               progress: Progress | None = None) -> tuple[pl.DataFrame, list[pa.Table], dict[str, Any]]:
-    """Run every stage in order; returns final blocks, new DECISIONS tables, and per-stage counts."""
+               progress: Progress | None = None, pending: pl.DataFrame | None = None,
+               spill_dir: Path | None = None) -> tuple[pl.DataFrame, list[pa.Table], dict[str, Any]]:
+    """Run every stage in order; returns final blocks, new DECISIONS tables, and per-stage counts.
+
+    `pending` (session_id, thread_id, pending_call) marks each thread's pending call: decisions
+    that apply only from it on are provisional (the transcript may still grow before that request
+    is sent), so they are applied in this run but not frozen in the ledger.
+    """
     sessions = sorted(blocks.get_column("session_id").unique().to_list())
     new_tables: list[pa.Table] = []
     stats: dict[str, Any] = {}
@@ -91,6 +97,7 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
         earlier = ledger.earlier(spec.sha256, name, sessions) if ledger else \
             pl.LazyFrame(schema=pl.from_arrow(STAGE_DECISION.empty_table()).schema)
         t0 = time.perf_counter()
+        blocks_before = blocks
         res = st.fn(blocks.lazy(), rs.params, earlier, ctx)
         check_frame(res.blocks, BLOCKS, where=where)
         check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{st.name}' (#{i})")
@@ -101,9 +108,17 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
             raise CheckFailed(f"stage '{st.name}' made {dupes.height} duplicate decisions for the same block and "
                               f"call (first: {dupes.row(0, named=True)}); this is a bug in the stage")
         earlier_df = earlier.collect()
-        new = decisions.join(earlier_df.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True)
+        if spill_dir is not None and st.name == "result_budget":
+            _write_spills(st.module, blocks_before, decisions, spill_dir)
+        frozen = decisions
+        if pending is not None and decisions.height:
+            frozen = decisions.join(pending, on=["session_id", "thread_id"], how="left").filter(
+                pl.col("pending_call").is_null() | (pl.col("from_call") < pl.col("pending_call"))
+            ).drop("pending_call")
+        provisional = decisions.height - frozen.height
+        new = frozen.join(earlier_df.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True)
         # the same decision key with another outcome than the ledger holds is a conflict
-        clash = decisions.join(earlier_df.select(*DECISION_KEY, pl.col("after_sha256").alias("_was")),
+        clash = frozen.join(earlier_df.select(*DECISION_KEY, pl.col("after_sha256").alias("_was")),
                                on=DECISION_KEY, how="inner", nulls_equal=True).filter(
             pl.col("after_sha256").ne_missing(pl.col("_was")))
         conflicts = clash.drop("_was").with_columns(action=pl.lit("conflict"),
@@ -123,7 +138,8 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
         stats[name] = {
             "decisions": decisions.height,
             "new_decisions": new.height,
-            "reused_decisions": decisions.height - (new.height - conflicts.height),
+            "reused_decisions": frozen.height - (new.height - conflicts.height),
+            "provisional_decisions": provisional,
             "conflicts": conflicts.height,
             "by_reason": dict(sorted(by_reason.items())),
             "seconds": round(time.perf_counter() - t0, 3),
@@ -210,9 +226,14 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
     ledger = Ledger(ledger_path)
     try:
         counter = TokenCounter(opts.token_counter, cache=ledger)
+        # snip dry-runs tombstone with the spec's own tombstone params (none: no dry run)
+        tomb = next((s.params for s in spec.stages if s.stage.name == "tombstone"), None)
         ctx = StageContext(target=target.name, window_tokens=int(spec.settings.get("window_tokens", 200_000)),
-                           count_tokens=counter.series_counter(), token_counter_version=counter.name)
-        blocks, new_decisions, stage_stats = run_stages(blocks, spec, ledger, ctx, say)
+                           count_tokens=counter.series_counter(), token_counter_version=counter.name,
+                           extra={"tombstone": tomb})
+        pending = skeleton.group_by("session_id", "thread_id").agg(pending_call=pl.len().cast(pl.Int32))
+        blocks, new_decisions, stage_stats = run_stages(blocks, spec, ledger, ctx, say, pending=pending,
+                                                        spill_dir=opts.out_dir / "spill")
         t_stages = time.perf_counter()
         final = to_arrow(blocks, BLOCKS, where="on write (blocks)")
         say("replaying calls")
@@ -253,6 +274,20 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         return RunResult(summary, calls_df, pl.from_arrow(final), violations)  # type: ignore[arg-type]
     finally:
         ledger.close()
+
+
+def _write_spills(module: str, blocks_before: pl.DataFrame, decisions: pl.DataFrame, spill_dir: Path) -> None:
+    """Write the texts result_budget spilled to the content-addressed store OUT/spill/<sha256>."""
+    import importlib
+
+    spilled = getattr(importlib.import_module(module), "spilled_texts", None)
+    if spilled is None or not decisions.filter(pl.col("action") == "spill").height:
+        return
+    spill_dir.mkdir(parents=True, exist_ok=True)
+    for r in spilled(blocks_before.lazy(), decisions.lazy()).collect().iter_rows(named=True):
+        path = spill_dir / r["sha256"]
+        if not path.exists():
+            path.write_text(r["text"], encoding="utf-8", errors="surrogatepass")
 
 
 def _violation_rows(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,

@@ -97,7 +97,8 @@ def _half(src: Path, dst_dir: Path) -> Path:
     return dst
 
 
-def test_prefix_causality_and_resume_every_file(corpus: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", ["identity", pytest.param("default", marks=pytest.mark.slow)])
+def test_prefix_causality_and_resume_every_file(corpus: Path, tmp_path: Path, preset: str) -> None:
     """First half of each file: same hashes for its recorded calls as the full file; and a run on the
     half with a ledger followed by the full file with the same ledger equals a fresh full run."""
     for i, f in enumerate(_files(corpus)):
@@ -105,11 +106,13 @@ def test_prefix_causality_and_resume_every_file(corpus: Path, tmp_path: Path) ->
         full_dir.mkdir()
         shutil.copy(f, full_dir / f.name)
         half = _half(f, tmp_path / f"half{i}")
-        full_calls = _run([full_dir], tmp_path / f"of{i}").calls
-        full, part = _by_request(full_calls), _by_request(_run([half], tmp_path / f"oh{i}").calls)
+        full_calls = _run([full_dir], tmp_path / f"of{i}", preset).calls
+        full, part = _by_request(full_calls), _by_request(_run([half], tmp_path / f"oh{i}", preset).calls)
         missing = {k: v for k, v in part.items() if full.get(k) != v}
         assert not missing, f"{f.name}: {len(missing)} of {len(part)} calls differ from the full replay"
         ledger = tmp_path / f"l{i}.duckdb"
-        _run([half], tmp_path / f"r1_{i}", ledger=ledger)
-        resumed = _hashes(_run([full_dir], tmp_path / f"r2_{i}", ledger=ledger).calls)
+        _run([half], tmp_path / f"r1_{i}", preset, ledger=ledger)
+        resumed_run = _run([full_dir], tmp_path / f"r2_{i}", preset, ledger=ledger)
+        assert resumed_run.summary["conflicts"] == 0, f.name
+        resumed = _hashes(resumed_run.calls)
         assert resumed == _hashes(full_calls), f.name
