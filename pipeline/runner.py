@@ -62,6 +62,9 @@ class RunResult:
     calls: pl.DataFrame
     blocks: pl.DataFrame
     violations: list[Violation] = field(default_factory=list)
+    # every decision this run applied (reused ones too), with `stage` and `is_provisional`
+    # (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet
+    decisions: pl.DataFrame | None = None
 
     @property
     def found_problems(self) -> bool:
@@ -69,7 +72,7 @@ class RunResult:
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, ctx: StageContext,
@@ -83,6 +86,7 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
     """
     sessions = sorted(blocks.get_column("session_id").unique().to_list())
     new_tables: list[pa.Table] = []
+    applied: list[pl.DataFrame] = []
     stats: dict[str, Any] = {}
     seq = ledger.next_seq(spec.sha256) if ledger else 0
     seen: Counter[str] = Counter()
@@ -110,12 +114,15 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
         earlier_df = earlier.collect()
         if spill_dir is not None and st.name == "result_budget":
             _write_spills(st.module, blocks_before, decisions, spill_dir)
-        frozen = decisions
-        if pending is not None and decisions.height:
-            frozen = decisions.join(pending, on=["session_id", "thread_id"], how="left").filter(
-                pl.col("pending_call").is_null() | (pl.col("from_call") < pl.col("pending_call"))
+        if pending is not None:
+            marked = decisions.join(pending, on=["session_id", "thread_id"], how="left").with_columns(
+                is_provisional=pl.col("pending_call").is_not_null() & (pl.col("from_call") >= pl.col("pending_call"))
             ).drop("pending_call")
+        else:
+            marked = decisions.with_columns(is_provisional=pl.lit(False))
+        frozen = marked.filter(~pl.col("is_provisional")).drop("is_provisional")
         provisional = decisions.height - frozen.height
+        applied.append(marked.with_columns(stage=pl.lit(name), stage_version=pl.lit(st.version, pl.Int32)))
         new = frozen.join(earlier_df.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True)
         # the same decision key with another outcome than the ledger holds is a conflict
         clash = frozen.join(earlier_df.select(*DECISION_KEY, pl.col("after_sha256").alias("_was")),
@@ -144,6 +151,9 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
             "by_reason": dict(sorted(by_reason.items())),
             "seconds": round(time.perf_counter() - t0, 3),
         }
+    stats["_applied"] = pl.concat(applied) if applied else pl.DataFrame(
+        schema={**pl.from_arrow(STAGE_DECISION.empty_table()).schema, "stage": pl.String,
+                "stage_version": pl.Int32, "is_provisional": pl.Boolean})
     return blocks, new_tables, stats
 
 
@@ -234,6 +244,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         pending = skeleton.group_by("session_id", "thread_id").agg(pending_call=pl.len().cast(pl.Int32))
         blocks, new_decisions, stage_stats = run_stages(blocks, spec, ledger, ctx, say, pending=pending,
                                                         spill_dir=opts.out_dir / "spill")
+        applied = stage_stats.pop("_applied")
         t_stages = time.perf_counter()
         final = to_arrow(blocks, BLOCKS, where="on write (blocks)")
         say("replaying calls")
@@ -252,6 +263,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         _write_parquet(opts.out_dir / "calls.parquet", calls_t)
         _write_parquet(opts.out_dir / "blocks.parquet", final)
         _write_parquet(opts.out_dir / "quarantine.parquet", quarantine)
+        _write_parquet(opts.out_dir / "decisions.parquet", applied.to_arrow())
         for t in new_decisions:
             ledger.stage(t)
         if violations:
@@ -271,7 +283,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         }, spec.resolved())
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         _write_json(opts.out_dir / "summary.json", summary)
-        return RunResult(summary, calls_df, pl.from_arrow(final), violations)  # type: ignore[arg-type]
+        return RunResult(summary, calls_df, pl.from_arrow(final), violations, applied)  # type: ignore[arg-type]
     finally:
         ledger.close()
 
@@ -425,5 +437,13 @@ def call_skeleton_from_calls(out_dir: Path, key: str) -> pl.DataFrame:
     )
 
 
-__all__ = ["RunOptions", "RunResult", "run", "run_stages", "replay_all", "assemble_call", "SchemaMismatch",
-           "CHARS4_COUNTER"]
+__all__ = [
+    "CHARS4_COUNTER",
+    "RunOptions",
+    "RunResult",
+    "SchemaMismatch",
+    "assemble_call",
+    "replay_all",
+    "run",
+    "run_stages",
+]
