@@ -64,6 +64,15 @@ BLOCKS = pa.schema(
         pa.field("usage_cache_write", pa.int64()),
         pa.field("usage_cache_write_5m", pa.int64()),
         pa.field("usage_cache_write_1h", pa.int64()),
+        # normalised usage (sanitize §3.8; null until a pipeline normalises it): missing = 0, the
+        # largest copy of a split message, u_total = their sum; usage_stale: an assistant row
+        # before the latest compaction summary (its usage describes a context that is gone)
+        pa.field("u_input", pa.int64()),
+        pa.field("u_output", pa.int64()),
+        pa.field("u_cache_read", pa.int64()),
+        pa.field("u_cache_write", pa.int64()),
+        pa.field("u_total", pa.int64()),
+        pa.field("usage_stale", pa.bool_()),
         pa.field("is_sidechain", pa.bool_(), nullable=False),
         pa.field("is_meta", pa.bool_(), nullable=False),
         pa.field("is_compact_summary", pa.bool_(), nullable=False),

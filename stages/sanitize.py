@@ -13,7 +13,8 @@ Nine sub-steps, in the documented order, each a set of column expressions over t
 6. invalid tool calls (missing id or input, bad or disallowed name): dropped or marked; a row with
    signed thinking and an invalid call is dropped whole;
 7. non-model fields of tool results (`details`, UI metadata in `extra_json`) are stripped;
-8. normalised usage (`normalized_usage`, no decisions: raw usage is never changed);
+8. normalised usage columns u_* and usage_stale (`normalized_usage`, no decisions: raw usage is
+   never changed);
 9. magic-string scrub in user text and tool-result text, never inside thinking.
 
 Messages are the blocks sharing `msg_key`. Decisions that depend on what follows a row (the
@@ -417,7 +418,7 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
 
     Drops, replacements and inserted placeholder rows each get one decision whose reason names the
     sub-step; kept signed thinking is byte-identical; raw columns never change. Normalised usage
-    (sub-step 8) is `normalized_usage`, a view that changes no block.
+    (sub-step 8) fills the u_* and usage_stale columns; it changes no block content.
     """
     family = target_family(ctx.target)
     w = start_marks(blocks)
@@ -448,7 +449,9 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     w = _tool_calls(w, params)
     # 7 + 9. non-model result fields and magic strings (a block changed by both: one decision)
     w = _strip_and_scrub(w, params, family)
-    return finish(w, [failed_insert, omitted_insert])
+    res = finish(w, [failed_insert, omitted_insert])
+    # 8. normalised usage columns (derived metadata: no block content changes, no decision)
+    return StageResult(normalized_usage(res.blocks).select(BLOCK_SCHEMA.names()), res.decisions)
 
 
 def _row_filter_expr(names: Sequence[str]) -> pl.Expr | None:

@@ -434,6 +434,7 @@ def _marker_rows(anchors: pl.LazyFrame, versions: pl.LazyFrame) -> pl.LazyFrame:
              "tool_input", "is_error", "image_media_type", "image_bytes", "image_width", "image_height",
              "image_data", "extra_json", "model", "provider", "api", "stop_reason", "usage_input", "usage_output",
              "usage_cache_read", "usage_cache_write", "usage_cache_write_5m", "usage_cache_write_1h",
+             "u_input", "u_output", "u_cache_read", "u_cache_write", "u_total", "usage_stale",
              "provenance_kind", "provenance_source_session", "provenance_channel", "provenance_tool"]
     marker_id = pl.struct("session_id", "thread_id").map_batches(
         lambda s: pl.Series([_marker_entry_id(r["session_id"], r["thread_id"]) for r in s.to_list()],

@@ -123,3 +123,18 @@ def test_ledger_command_lists_quarantine_and_runs(tmp_path: Path) -> None:
     assert q.exit_code == 0 and json.loads(q.stdout) == []
     missing = _run("ledger", tmp_path / "nothing")
     assert missing.exit_code == 2 and "no ledger here" in missing.stderr
+
+
+def test_default_pipeline_normalises_usage_without_touching_raw_usage(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    assert _run("run", CC_SAMPLE, "--out", out, "-q", "--fast-tokens").exit_code == 0
+    b = pl.read_parquet(out / "blocks.parquet").filter(pl.col("thread_id") == "main")
+    first = b.filter(pl.col("msg_key") == "msg_demo_01|req_demo_01")
+    # the largest copy counts: 3 in + 61 out + 5200 cache write; raw columns as recorded
+    assert first.select("u_input", "u_output", "u_cache_read", "u_cache_write", "u_total").unique().rows() == [
+        (3, 61, 0, 5200, 5264)]
+    assert first["usage_output"].unique().to_list() == [61]
+    stale = b.filter(pl.col("role") == "assistant").group_by("msg_key").agg(pl.col("usage_stale").first())
+    assert dict(stale.rows()) == {"msg_demo_01|req_demo_01": True, "msg_demo_02|req_demo_02": True,
+                                  "msg_demo_03|req_demo_03": True, "msg_demo_05|req_demo_05": False,
+                                  "msg_demo_06|req_demo_06": False}
