@@ -7,7 +7,7 @@ what matters; `run_stage` runs one registered stage with params given as a dict.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import polars as pl
@@ -16,11 +16,11 @@ from pipeline.blockops import empty_decisions
 from pipeline.loaders.base import Block, Compaction, Message, Thread, json_text, threads_to_blocks
 from pipeline.registry import StageContext, StageResult, get_stage
 from pipeline.spec import resolve_params
-from schemas.check import check_frame
 from schemas.blocks import BLOCKS
+from schemas.check import check_frame
 from schemas.decisions import STAGE_DECISION
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 # Columns shown in golden files and in compact test comparisons.
 VIEW = [
@@ -83,3 +83,69 @@ def visible(blocks: pl.LazyFrame | pl.DataFrame, call: int) -> pl.DataFrame:
     """The block versions that call `call` sees, in order."""
     df = blocks.collect() if isinstance(blocks, pl.LazyFrame) else blocks
     return view(df.filter((pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call))))
+
+
+# ------------------------------------------------------------------ replay against a naive assembly
+
+
+def replay_rows(blocks: pl.DataFrame) -> list[dict[str, Any]]:
+    """One thread's rows in replay order."""
+    from pipeline.replay import ROW_COLUMNS
+
+    return blocks.sort(["order_key", "block_pos", "part_pos", "first_call", "entry_id"]).select(ROW_COLUMNS).to_dicts()
+
+
+def naive_request(rows: list[dict[str, Any]], k: int, target_name: str, model: str | None = "m") -> dict[str, Any]:
+    """Call k's request built from scratch: the rows visible at k, grouped, shaped from the start."""
+    from pipeline.targets import LogicalMessage, get_target
+
+    target = get_target(target_name)
+    split = target.splits_system()
+    vis = [r for r in rows if r["first_call"] <= k and (r["last_call"] is None or r["last_call"] > k)]
+    system = [LogicalMessage("system", [r], r["msg_key"]) for r in vis if split and r["role"] == "system"]
+    logical: list[LogicalMessage] = []
+    for r in vis:
+        if split and r["role"] == "system":
+            continue
+        if logical and logical[-1].msg_key == r["msg_key"]:
+            logical[-1].rows.append(r)
+        else:
+            logical.append(LogicalMessage(r["role"], [r], r["msg_key"]))
+    msgs = [m for _, m in target.shape(logical, 0)]
+    if not msgs and hasattr(target, "empty_messages"):
+        msgs = target.empty_messages()
+    return {target.list_key: msgs, **target.envelope(model, system)}
+
+
+def replay_all_calls(blocks: pl.DataFrame, target_name: str) -> list[Any]:
+    """Every call of one thread, each request materialised (model "m")."""
+    from pipeline.replay import CallInfo, replay_thread
+    from pipeline.targets import get_target
+
+    rows = replay_rows(blocks)
+    n = blocks.filter(pl.col("is_call"))["msg_key"].n_unique()
+    calls = [CallInfo(k, model="m") for k in range(n)]
+    return list(replay_thread(rows, [1] * len(rows), calls, get_target(target_name), materialize=lambda k, p: True))
+
+
+def check_replay_against_naive(blocks: pl.DataFrame, target_name: str) -> None:
+    """The incremental replay equals the naive assembly at every call: same request, same sha256,
+    and its prefix_break_message is no later than the first message that really changed."""
+    import hashlib
+
+    from pipeline.blockops import canonical_json
+    from pipeline.targets import get_target
+
+    rows = replay_rows(blocks)
+    key = get_target(target_name).list_key
+    prev = None
+    for r in replay_all_calls(blocks, target_name):
+        naive = naive_request(rows, r.call, target_name)
+        assert r.request == naive, f"call {r.call}"
+        assert r.request_sha256 == hashlib.sha256(canonical_json(naive)).hexdigest()
+        if prev is not None and r.prefix_break_message is not None:
+            old, new = prev[key], naive[key]
+            first_diff = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b),
+                              None if len(new) >= len(old) else len(new))
+            assert first_diff is not None and r.prefix_break_message <= first_diff, f"call {r.call}"
+        prev = naive

@@ -13,39 +13,10 @@ import polars as pl
 import pytest
 
 from pipeline.runner import RunOptions, RunResult, run
-from pipeline.spec import parse_spec
+from pipeline.spec import load_spec
 from pipeline.tokens import CHARS4_COUNTER
 
 pytestmark = pytest.mark.corpus
-
-LAYERED = """
-[pipeline]
-name = "corpus-validation"
-
-[[stage]]
-use = "sanitize"
-
-[[stage]]
-use = "inter_session"
-
-[[stage]]
-use = "images"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "result_budget"
-
-[[stage]]
-use = "snip"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "tombstone"
-"""
 
 ORPHANS = "e3063350-9fbd-46dd-99f7-0559c3d78207"  # two "Tool grep not found" results without a call
 AUTO_REPAIR = "c1050d61-2f26-4939-b759-c49791308fc3"  # call_auto_1 repair result; last call unanswered
@@ -53,7 +24,7 @@ AUTO_REPAIR = "c1050d61-2f26-4939-b759-c49791308fc3"  # call_auto_1 repair resul
 
 @pytest.fixture(scope="module")
 def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
-    spec = parse_spec(LAYERED, source="corpus-validation")
+    spec = load_spec(preset="default")  # every layer, in the §2 order
     out = {}
     for target in ("anthropic", "openai-chat"):
         tmp = tmp_path_factory.mktemp(target)

@@ -14,46 +14,16 @@ import polars as pl
 import pytest
 
 from pipeline.runner import RunOptions, RunResult, run
-from pipeline.spec import parse_spec
+from pipeline.spec import load_spec
 from pipeline.tokens import CHARS4_COUNTER
 
 FIXTURES = Path(__file__).parent / "fixtures" / "failures"
 TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
 
-SPEC = """
-[pipeline]
-name = "failures"
-
-[[stage]]
-use = "sanitize"
-
-[[stage]]
-use = "inter_session"
-
-[[stage]]
-use = "images"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "result_budget"
-
-[[stage]]
-use = "snip"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "tombstone"
-"""
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     """One run of every fixture per target (all calls materialised and validated)."""
-    spec = parse_spec(SPEC, source="failures")
+    spec = load_spec(preset="default")  # every layer, in the §2 order
     out = {}
     for target in TARGETS:
         tmp = tmp_path_factory.mktemp(target)

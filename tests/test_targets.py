@@ -4,62 +4,25 @@ trailing messages, wire labels); every target shapes a paired conversation its v
 
 from __future__ import annotations
 
-import hashlib
-
 import polars as pl
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.blockops import canonical_json, drop_where, replace_where
-from pipeline.replay import ROW_COLUMNS, CallInfo, replay_thread
-from pipeline.targets import LogicalMessage, get_target, target_names
+from pipeline.blockops import drop_where, replace_where
+from pipeline.targets import get_target, target_names
 from pipeline.targets._wire import label, split
-from pipeline.testkit import make_blocks
+from pipeline.testkit import check_replay_against_naive, make_blocks, replay_all_calls
 
 TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
 
 
-def _rows(blocks: pl.DataFrame) -> list[dict]:
-    return blocks.sort(["order_key", "block_pos", "part_pos", "first_call", "entry_id"]).select(ROW_COLUMNS).to_dicts()
-
-
-def _logical(rows: list[dict], k: int, split_system: bool) -> tuple[list[LogicalMessage], list[LogicalMessage]]:
-    vis = [r for r in rows if r["first_call"] <= k and (r["last_call"] is None or r["last_call"] > k)]
-    system = [LogicalMessage("system", [r], r["msg_key"]) for r in vis if split_system and r["role"] == "system"]
-    logical: list[LogicalMessage] = []
-    for r in vis:
-        if split_system and r["role"] == "system":
-            continue
-        if logical and logical[-1].msg_key == r["msg_key"]:
-            logical[-1].rows.append(r)
-        else:
-            logical.append(LogicalMessage(r["role"], [r], r["msg_key"]))
-    return logical, system
-
-
-def _naive(rows: list[dict], k: int, target_name: str) -> dict:
-    target = get_target(target_name)
-    logical, system = _logical(rows, k, target.splits_system())
-    msgs = [m for _, m in target.shape(logical, 0)]
-    if not msgs and hasattr(target, "empty_messages"):
-        msgs = target.empty_messages()
-    return {target.list_key: msgs, **target.envelope("m", system)}
-
-
 def _replay(blocks: pl.DataFrame, target: str) -> list:
-    rows = _rows(blocks)
-    n = blocks.filter(pl.col("is_call"))["msg_key"].n_unique()
-    calls = [CallInfo(k, model="m") for k in range(n)]
-    return list(replay_thread(rows, [1] * len(rows), calls, get_target(target), materialize=lambda k, p: True))
+    return replay_all_calls(blocks, target)
 
 
 def _check_against_naive(blocks: pl.DataFrame, target: str) -> None:
-    rows = _rows(blocks)
-    for r in _replay(blocks, target):
-        naive = _naive(rows, r.call, target)
-        assert r.request == naive, f"call {r.call}"
-        assert r.request_sha256 == hashlib.sha256(canonical_json(naive)).hexdigest()
+    check_replay_against_naive(blocks, target)
 
 
 CONVERSATION = [

@@ -14,6 +14,9 @@ plain meaning; the replay only compares labels and hands them back to `shape`.
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import orjson
 
 SUB = float(1 << 20)
 
@@ -27,3 +30,29 @@ def split(start: float) -> tuple[int, int]:
     """(logical index, wire messages of it to skip) for a label handed back by the replay."""
     i = math.floor(start)
     return i, round((start - i) * SUB)
+
+
+def result_text(parts: list[dict[str, Any]]) -> str:
+    """A tool result's parts as one text, for wire shapes whose results are plain strings."""
+    out = []
+    for p in parts:
+        if p.get("part_type") == "image":
+            out.append("[image]")
+        elif p.get("part_type") == "tool_reference":
+            out.append(f"[tool reference: {p.get('tool_name')}]")
+        elif p.get("text") is not None:
+            out.append(p["text"])
+    return "\n".join(out)
+
+
+def tool_input_object(r: dict[str, Any]) -> Any:
+    """A row's tool input as the object providers take; a freeform tool's raw input is wrapped as
+    `{"input": <value>}`."""
+    t = r.get("tool_input")
+    if t is None:
+        return {}
+    try:
+        v = orjson.loads(t)
+    except orjson.JSONDecodeError:
+        v = t
+    return v if isinstance(v, dict) else {"input": v}

@@ -16,23 +16,13 @@ from typing import Any
 import orjson
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, split
+from pipeline.targets._wire import label, split, tool_input_object
 
 BOOTSTRAP = "(session bootstrap)"
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 
 
-def _input(r: dict[str, Any]) -> Any:
-    t = r.get("tool_input")
-    if t is None:
-        return {}
-    try:
-        v = orjson.loads(t)
-    except orjson.JSONDecodeError:
-        v = t
-    # the Messages API takes an object; a freeform tool's raw input is wrapped
-    return v if isinstance(v, dict) else {"input": v}
 
 
 def _image(r: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +51,7 @@ def wire_block(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
     if t == "redacted_thinking":
         return {"type": "redacted_thinking", "data": r.get("text") or ""}
     if t in ("tool_use", "server_tool_use"):
-        return {"type": t, "id": r.get("tool_use_id"), "name": r.get("tool_name"), "input": _input(r)}
+        return {"type": t, "id": r.get("tool_use_id"), "name": r.get("tool_name"), "input": tool_input_object(r)}
     if t == "image":
         return _image(r)
     if t == "empty":

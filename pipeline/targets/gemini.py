@@ -16,35 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, split
+from pipeline.targets._wire import label, result_text, split, tool_input_object
 
 BOOTSTRAP = "(session bootstrap)"
 
 
-def _args(r: dict[str, Any]) -> dict[str, Any]:
-    t = r.get("tool_input")
-    if t is None:
-        return {}
-    try:
-        v = orjson.loads(t)
-    except orjson.JSONDecodeError:
-        v = t
-    return v if isinstance(v, dict) else {"input": v}
 
 
-def _result_text(parts: list[dict[str, Any]]) -> str:
-    out = []
-    for p in parts:
-        if p.get("part_type") == "image":
-            out.append("[image]")
-        elif p.get("part_type") == "tool_reference":
-            out.append(f"[tool reference: {p.get('tool_name')}]")
-        elif p.get("text") is not None:
-            out.append(p["text"])
-    return "\n".join(out)
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:
@@ -75,7 +54,7 @@ def _parts(msgs: list[LogicalMessage], i: int) -> tuple[list[dict[str, Any]], li
         elif t == "image":
             parts.append({"inlineData": {"mimeType": r.get("image_media_type"), "data": r.get("image_data") or ""}})
         elif t == "tool_use" and m.role == "assistant":
-            fc: dict[str, Any] = {"name": r.get("tool_name"), "args": _args(r)}
+            fc: dict[str, Any] = {"name": r.get("tool_name"), "args": tool_input_object(r)}
             if r.get("tool_use_id"):
                 fc["id"] = r.get("tool_use_id")
             parts.append({"functionCall": fc})
@@ -83,7 +62,7 @@ def _parts(msgs: list[LogicalMessage], i: int) -> tuple[list[dict[str, Any]], li
             name = next((p.get("tool_name") for p in g if p.get("part_type") != "tool_reference"), None)
             name = (name or "").strip() or _call_name(msgs, i, r.get("tool_use_id")) or "unknown"
             key = "error" if r.get("is_error") else "output"
-            fr: dict[str, Any] = {"name": name, "response": {key: _result_text(g)}}
+            fr: dict[str, Any] = {"name": name, "response": {key: result_text(g)}}
             if r.get("tool_use_id"):
                 fr["id"] = r.get("tool_use_id")
             responses.append({"functionResponse": fr})

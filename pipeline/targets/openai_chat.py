@@ -12,19 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, split
-
-
-def _text(parts: list[dict[str, Any]]) -> str:
-    out = []
-    for p in parts:
-        if p.get("part_type") == "image":
-            out.append("[image]")
-        elif p.get("part_type") == "tool_reference":
-            out.append(f"[tool reference: {p.get('tool_name')}]")
-        elif p.get("text") is not None:
-            out.append(p["text"])
-    return "\n".join(out)
+from pipeline.targets._wire import label, result_text, split
 
 
 def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -81,7 +69,7 @@ class OpenAIChat:
                 while j < n and msgs[j].role not in ("system", "assistant") and _has_results(msgs[j]):
                     for g in group_blocks(msgs[j].rows):
                         if g[0]["block_type"] == "tool_result":
-                            items.append({"role": "tool", "tool_call_id": g[0].get("tool_use_id"), "content": _text(g)})
+                            items.append({"role": "tool", "tool_call_id": g[0].get("tool_use_id"), "content": result_text(g)})
                         else:
                             p = _user_part(g[0])
                             if p is not None:

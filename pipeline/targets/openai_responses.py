@@ -15,19 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, split
-
-
-def _result_text(parts: list[dict[str, Any]]) -> str:
-    out = []
-    for p in parts:
-        if p.get("part_type") == "image":
-            out.append("[image]")
-        elif p.get("part_type") == "tool_reference":
-            out.append(f"[tool reference: {p.get('tool_name')}]")
-        elif p.get("text") is not None:
-            out.append(p["text"])
-    return "\n".join(out)
+from pipeline.targets._wire import label, result_text, split
 
 
 def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -67,7 +55,7 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
     for g in groups:
         if g[0]["block_type"] == "tool_result":
             items.append({"type": "function_call_output", "call_id": g[0].get("tool_use_id"),
-                          "output": _result_text(g)})
+                          "output": result_text(g)})
         elif (p := _input_part(g[0])) is not None:
             parts.append(p)
     if parts:
