@@ -338,29 +338,43 @@ def _stale_batch(max_images: int, keep_turns: int):
         counts = images.group_by("session_id", "thread_id").len().filter(pl.col("len") > max_images)
         if counts.is_empty():
             return pl.Series(out, dtype=pl.Int32)
-        for sid, tid in counts.select("session_id", "thread_id").iter_rows():
-            thread = df.filter((pl.col("session_id") == sid) & (pl.col("thread_id") == tid))
+        over = df.join(counts.select("session_id", "thread_id"), on=["session_id", "thread_id"], how="semi")
+        for thread in over.partition_by("session_id", "thread_id"):
             # current turn at call k: the highest turn index among rows visible by then
             turn_steps = thread.group_by("first_call").agg(pl.col("turn").max()).sort("first_call")
             step_calls = turn_steps["first_call"].to_list()
             step_turns = turn_steps["turn"].cum_max().to_list()
             imgs = thread.filter(pl.col("is_image")).sort("order_key", "block_pos", "part_pos", "first_call")
-            rows = imgs.select("_row", "first_call", "end", "turn").rows()
-            replaced: dict[int, int] = {}
-            for k in sorted({r[1] for r in rows}):
-                active = [r for r in rows if r[1] <= k < r[2] and r[0] not in replaced]
+            row, first, end, turn = (imgs[c].to_list() for c in ("_row", "first_call", "end", "turn"))
+            never = 1 << 62
+            enter = sorted((f, i) for i, f in enumerate(first))
+            leave = sorted((e if e is not None else never, i) for i, e in enumerate(end))
+            # the state carried from call to call: images visible and not yet replaced (positions in
+            # image order). A replacement holds for every later call, so this is a forward scan over
+            # the calls at which images appear; each step touches only the images entering,
+            # leaving or being replaced there.
+            active: list[int] = []
+            pe = pl_ = 0
+            for k in sorted(set(first)):
+                while pe < len(enter) and enter[pe][0] <= k:
+                    bisect.insort(active, enter[pe][1])
+                    pe += 1
+                while pl_ < len(leave) and leave[pl_][0] <= k:
+                    j = bisect.bisect_left(active, leave[pl_][1])
+                    if j < len(active) and active[j] == leave[pl_][1]:
+                        del active[j]
+                    pl_ += 1
                 if len(active) <= max_images:
                     continue
                 i = bisect.bisect_right(step_calls, k) - 1
-                current_turn = step_turns[i] if i >= 0 else 0
-                old = [r for r in active if r[3] < current_turn - keep_turns]
-                for r in old:
-                    replaced[r[0]] = k
-                rest = [r for r in active if r[0] not in replaced]
-                for r in rest[: max(0, len(rest) - max_images)]:
-                    replaced[r[0]] = k
-            for row, k in replaced.items():
-                out[row] = k
+                oldest_kept = (step_turns[i] if i >= 0 else 0) - keep_turns
+                rest = [x for x in active if turn[x] >= oldest_kept]
+                rest = rest[max(0, len(rest) - max_images):]  # then the oldest until the count fits
+                keep = set(rest)
+                for x in active:
+                    if x not in keep:
+                        out[row[x]] = k
+                active = rest
         return pl.Series(out, dtype=pl.Int32)
 
     return run
