@@ -41,6 +41,13 @@ def thread_key(session_id: str, thread_id: str) -> str:
     return _UNSAFE.sub("_", key)
 
 
+def thread_key_expr() -> pl.Expr:
+    """thread_key as a column expression."""
+    key = pl.when(pl.col("thread_id") == "main").then(pl.col("session_id")) \
+        .otherwise(pl.col("session_id") + "--" + pl.col("thread_id"))
+    return key.str.replace_all(_UNSAFE.pattern, "_")
+
+
 @dataclass
 class CallInfo:
     """What the transcript recorded about call k (its answer)."""

@@ -33,7 +33,7 @@ from pipeline.errors import CheckFailed, CtxReplayError
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult, load_paths
 from pipeline.registry import StageContext
-from pipeline.replay import CallInfo, call_skeleton, replay_thread, thread_calls, thread_key, thread_rows
+from pipeline.replay import CallInfo, call_skeleton, replay_thread, thread_calls, thread_key, thread_key_expr, thread_rows
 from pipeline.spec import PipelineSpec
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
@@ -177,8 +177,7 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
                progress: Progress | None = None) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
     target = get_target(target_name)
     calls_by_thread = thread_calls(skeleton)
-    tokens_all = row_tokens(blocks, counter)
-    blocks = blocks.with_columns(_tok=pl.Series(tokens_all, dtype=pl.Int64))
+    blocks = blocks.with_columns(_tok=row_tokens(blocks, counter))
     req_dir = out_dir / "requests" if out_dir else None
     if req_dir:
         req_dir.mkdir(parents=True, exist_ok=True)
@@ -414,9 +413,7 @@ def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -
     blocks_path = out_dir / "blocks.parquet"
     if not blocks_path.is_file():
         raise CtxReplayError(f"{out_dir}: no blocks.parquet here; run `ctxreplay run ... --out {out_dir}` first")
-    blocks = pl.read_parquet(blocks_path)
-    blocks = blocks.with_columns(_key=pl.struct("session_id", "thread_id").map_elements(
-        lambda s: thread_key(s["session_id"], s["thread_id"]), return_dtype=pl.String))
+    blocks = pl.read_parquet(blocks_path).with_columns(_key=thread_key_expr())
     part = blocks.filter(pl.col("_key") == key)
     if part.height == 0:
         keys = sorted(blocks.get_column("_key").unique().to_list())

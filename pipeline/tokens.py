@@ -118,41 +118,64 @@ class TokenCounter:
         """For StageContext.count_tokens: a Series of texts → a Series of counts (null → 0)."""
 
         def count(s: pl.Series) -> pl.Series:
-            vals = s.to_list()
-            memo = self.count_many(vals)
-            return pl.Series(s.name, [memo[v] if v is not None else 0 for v in vals], dtype=pl.Int64)
+            distinct = s.drop_nulls().unique().to_list()
+            memo = self.count_many(distinct)
+            return s.replace_strict(distinct, [memo[t] for t in distinct], default=0,
+                                    return_dtype=pl.Int64).fill_null(0)
 
         return count
+
+
+IMAGE_MAX_TOKENS = 1600
 
 
 def image_tokens(width: int | None, height: int | None) -> int:
     """min(1600, ceil(w*h/750)); unknown size = 1600 (layer-semantics §1)."""
     if not width or not height:
-        return 1600
-    return min(1600, math.ceil(width * height / 750))
+        return IMAGE_MAX_TOKENS
+    return min(IMAGE_MAX_TOKENS, math.ceil(width * height / 750))
 
 
-def row_tokens(blocks: pl.DataFrame, counter: TokenCounter) -> list[int]:
-    """Token estimate of each block row (text + tool name/input; images by size)."""
-    texts = blocks.get_column("text").to_list()
-    inputs = blocks.get_column("tool_input").to_list()
-    names = blocks.get_column("tool_name").to_list()
-    memo = counter.count_many([t for t in texts if t] + [t for t in inputs if t])
-    types = blocks.get_column("block_type").to_list()
-    parts = blocks.get_column("part_type").to_list()
-    widths = blocks.get_column("image_width").to_list()
-    heights = blocks.get_column("image_height").to_list()
-    datas = blocks.get_column("image_data").to_list()
-    out = []
-    for i in range(len(texts)):
-        n = 0
-        if texts[i]:
-            n += memo[texts[i]]
-        if inputs[i]:
-            n += memo[inputs[i]]
-        if names[i] and types[i] == "tool_use":
-            n += 1
-        if (types[i] == "image" or parts[i] == "image") and datas[i]:
-            n += image_tokens(widths[i], heights[i])
-        out.append(n)
-    return out
+def image_tokens_expr() -> pl.Expr:
+    """min(1600, ceil(w*h/750)); unknown size = 1600 (the columnar form of image_tokens)."""
+    w, h = pl.col("image_width").cast(pl.Int64), pl.col("image_height").cast(pl.Int64)
+    known = w.is_not_null() & h.is_not_null() & (w > 0) & (h > 0)
+    return pl.when(known).then(pl.min_horizontal(pl.lit(IMAGE_MAX_TOKENS, pl.Int64), (w * h + 749) // 750)) \
+        .otherwise(pl.lit(IMAGE_MAX_TOKENS, pl.Int64))
+
+
+def fast_token_estimate(chars: pl.Expr) -> pl.Expr:
+    """The fast estimator of layer-semantics §1: ceil(chars / 4)."""
+    return (chars.cast(pl.Int64) + 3) // 4
+
+
+def token_text_expr() -> pl.Expr:
+    """What a block sends as text: its text, plus name and input for a tool call."""
+    is_call = pl.col("block_type").is_in(["tool_use", "tool_call", "function_call", "server_tool_use"])
+    return pl.concat_str(
+        [pl.col("text"), pl.when(is_call).then(pl.col("tool_name")), pl.col("tool_input")],
+        separator=" ", ignore_nulls=True,
+    ).fill_null("")
+
+
+def tokens_expr(text: pl.Expr, count: Callable[[pl.Series], pl.Series] | None) -> pl.Expr:
+    """Tokens of a text column: the counter when given (StageContext.count_tokens), else ceil(chars/4)."""
+    if count is None:
+        return fast_token_estimate(text.fill_null("").str.len_chars())
+    return text.fill_null("").map_batches(lambda s: count(s).cast(pl.Int64), return_dtype=pl.Int64)
+
+
+def is_image_expr() -> pl.Expr:
+    """An image block, or an image part of a tool result."""
+    return (pl.col("block_type") == "image") | (pl.col("part_type") == "image")
+
+
+def row_tokens_expr(count: Callable[[pl.Series], pl.Series] | None) -> pl.Expr:
+    """Estimated tokens of one block row, the one estimate the replay and the layers share: its
+    text (with a tool call's name and input), or for an image min(1600, ceil(w*h/750))."""
+    return pl.when(is_image_expr()).then(image_tokens_expr()).otherwise(tokens_expr(token_text_expr(), count)).cast(pl.Int64)
+
+
+def row_tokens(blocks: pl.DataFrame, counter: TokenCounter) -> pl.Series:
+    """row_tokens_expr over a frame with this counter (each distinct text tokenized once)."""
+    return blocks.select(row_tokens_expr(counter.series_counter())).to_series().rename("tokens")

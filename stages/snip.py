@@ -21,6 +21,7 @@ from typing import Any
 
 import polars as pl
 
+from pipeline import tokens
 from pipeline.blockops import (
     BLOCK_SCHEMA,
     block_json_expr,
@@ -44,7 +45,6 @@ PART_KEY = [*BLOCK_KEY, "part_pos"]
 VERSION_KEY = [*PART_KEY, "first_call"]
 
 MESSAGE_OVERHEAD_TOKENS = 3
-IMAGE_MAX_TOKENS = 1600
 NO_CALL = 2**31 - 1  # stands for an open last_call in the scans
 
 SNIP_TEMPLATE = "[Earlier conversation snipped: {n} messages (~{t} tokens) removed to fit the context budget]"
@@ -65,43 +65,9 @@ def materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
 # tokens
 
 
-def fast_token_estimate(chars: pl.Expr) -> pl.Expr:
-    """The fast estimator of layer-semantics §1: ceil(chars / 4)."""
-    return (chars.cast(pl.Int64) + 3) // 4
-
-
-def _token_text() -> pl.Expr:
-    """What a block sends as text: its text, plus name and input for a tool call."""
-    is_call = pl.col("block_type").is_in(["tool_use", "tool_call", "function_call", "server_tool_use"])
-    return pl.concat_str(
-        [pl.col("text"), pl.when(is_call).then(pl.col("tool_name")), pl.col("tool_input")],
-        separator=" ", ignore_nulls=True,
-    ).fill_null("")
-
-
-def is_image_expr() -> pl.Expr:
-    return (pl.col("block_type") == "image") | (pl.col("part_type") == "image")
-
-
-def tokens_expr(text: pl.Expr, ctx: StageContext) -> pl.Expr:
-    """Tokens of a text column: the injected counter, else the fast estimate."""
-    if ctx.count_tokens is None:
-        return fast_token_estimate(text.fill_null("").str.len_chars())
-    counter = ctx.count_tokens
-    return text.fill_null("").map_batches(lambda s: counter(s).cast(pl.Int64), return_dtype=pl.Int64)
-
-
 def row_tokens_expr(ctx: StageContext) -> pl.Expr:
-    """Estimated tokens of one block: the injected counter when there is one, else ceil(chars/4);
-    images min(1600, ceil(w*h/750)), unknown size 1600 (layer-semantics §1)."""
-    tok = tokens_expr(_token_text(), ctx)
-    w, h = pl.col("image_width").cast(pl.Int64), pl.col("image_height").cast(pl.Int64)
-    img = (
-        pl.when(w.is_not_null() & h.is_not_null())
-        .then(pl.min_horizontal((w * h + 749) // 750, pl.lit(IMAGE_MAX_TOKENS, pl.Int64)))
-        .otherwise(pl.lit(IMAGE_MAX_TOKENS, pl.Int64))
-    )
-    return pl.when(is_image_expr()).then(img).otherwise(tok).cast(pl.Int64)
+    """Estimated tokens of one block, the estimate the replay uses too (pipeline.tokens)."""
+    return tokens.row_tokens_expr(ctx.count_tokens)
 
 
 def text_tokens(texts: list[str], ctx: StageContext) -> list[int]:

@@ -21,6 +21,7 @@ import polars as pl
 
 from pipeline.blockops import BLOCK_SCHEMA, drop_where, replace_where
 from pipeline.registry import StageContext, StageResult, stage
+from pipeline.tokens import is_image_expr, tokens_expr
 from stages.snip import (
     BLOCK_KEY,
     NO_CALL,
@@ -29,14 +30,12 @@ from stages.snip import (
     call_grid,
     firing_epoch,
     forward_by_call,
-    is_image_expr,
     materialize,
     messages,
     reapply_ledger,
     request_tokens,
     row_tokens_expr,
     text_tokens,
-    tokens_expr,
     with_epoch,
 )
 
@@ -326,7 +325,7 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     calls = blocks.filter(pl.col("block_type").is_in(TOOL_CALL_TYPES) & pl.col("tool_use_id").is_not_null()) \
         .with_columns(_tok=row_tokens_expr(ctx),
                       _after=tokens_expr(pl.concat_str([pl.col("tool_name"), pl.lit("{}")], separator=" ",
-                                                       ignore_nulls=True), ctx)) \
+                                                       ignore_nulls=True), ctx.count_tokens)) \
         .group_by(BLOCK_KEY).agg(
             pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
             _use_name=pl.col("tool_name").sort_by("first_call").first(),
