@@ -82,7 +82,7 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
             raise Failure("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
                           "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
         opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
-                          strict=strict, token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
+                          token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
                           progress=_progress(quiet, json_))
         result = do_run(chosen, spec, opts)
     except Failure:
@@ -191,23 +191,18 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
     except CtxReplayError as exc:
         raise _fail(exc) from exc
     try:
-        d = led.decisions()
+        by = led.decision_counts(stage=stage_name, session_id=session_id)
+        listed = led.decisions(stage=stage_name, session_id=session_id, with_replacement=False, limit=limit or None)
         runs = led.runs()
     finally:
         led.close()
-    if stage_name:
-        d = d.filter(pl.col("stage") == stage_name)
-    if session_id:
-        d = d.filter(pl.col("session_id") == session_id)
-    by = (d.group_by("spec_sha256", "stage", "action", "reason").len().sort("spec_sha256", "stage", "action", "reason")
-          if d.height else d)
-    listed = d.drop("replacement").head(limit) if limit else d.drop("replacement")
+    total = int(by["len"].sum()) if by.height else 0
     if json_:
-        click.echo(orjson.dumps({"runs": runs.height, "decisions": d.height, "by_reason": by.to_dicts(),
+        click.echo(orjson.dumps({"runs": runs.height, "decisions": total, "by_reason": by.to_dicts(),
                                  "rows": listed.to_dicts()}, default=str).decode())
         return
-    click.echo(f"{path}: {runs.height} run(s), {d.height} decision(s)")
-    for r in by.iter_rows(named=True) if d.height else []:
+    click.echo(f"{path}: {runs.height} run(s), {total} decision(s)")
+    for r in by.iter_rows(named=True):
         click.echo(f"  {r['spec_sha256'][:12]}  {r['stage']:<14} {r['action']:<12} {r['reason']:<24} {r['len']:>7}")
     for r in listed.iter_rows(named=True):
         click.echo(f"  #{r['seq']} {r['stage']} {r['action']} {r['reason']} thread {r['session_id'][:8]}/{r['thread_id']} "
@@ -253,7 +248,7 @@ def explain(spec: str | None, preset: str | None, json_: bool) -> None:
     from pipeline.spec import load_spec
 
     try:
-        sp = load_spec(spec, preset=preset) if spec else load_spec(preset=preset or "default")
+        sp = load_spec(spec, preset=preset)
     except CtxReplayError as exc:
         raise _fail(exc) from exc
     doc = {"sha256": sp.sha256, "source": sp.source, **sp.resolved()}

@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 
 from pipeline.errors import LedgerError
-from schemas.check import conform, polars_schema
+from schemas.check import conform, polars_schema, to_arrow
 from schemas.decisions import DECISIONS, STAGE_DECISION
 
 SCHEMA_VERSION = 1
@@ -90,14 +90,24 @@ class Ledger:
         return conform(pl.from_arrow(t), STAGE_DECISION)  # type: ignore[arg-type]
 
     def next_seq(self, spec_sha256: str) -> int:
+        """The next free seq of this namespace, counting the rows queued for this run's commit."""
         rows = self.con.execute("SELECT coalesce(max(seq), -1) FROM decisions WHERE spec_sha256 = ?",
                                 [spec_sha256]).fetchall()
-        return int(rows[0][0]) + 1
+        queued = sum(t.num_rows for t in self._pending if t.column("spec_sha256")[0].as_py() == spec_sha256)
+        return int(rows[0][0]) + 1 + queued
 
-    def stage(self, decisions: pa.Table) -> None:
-        """Queue DECISIONS rows for the commit at the end of the run."""
-        if decisions.num_rows:
-            self._pending.append(decisions.cast(DECISIONS))
+    def stage(self, rows: pl.DataFrame, *, spec_sha256: str, stage: str, stage_version: int,
+              config_digest: str) -> int:
+        """Queue new decision rows (STAGE_DECISION columns) of one stage for the commit at the end of
+        the run: tagged with the namespace, the stage and the next seq numbers. Returns how many."""
+        if rows.height == 0:
+            return 0
+        seq = self.next_seq(spec_sha256)
+        tagged = conform(rows, STAGE_DECISION).with_columns(
+            spec_sha256=pl.lit(spec_sha256), seq=pl.int_range(seq, seq + rows.height, dtype=pl.Int64),
+            stage=pl.lit(stage), stage_version=pl.lit(stage_version, pl.Int32), config_digest=pl.lit(config_digest))
+        self._pending.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{stage}'"))
+        return rows.height
 
     def commit_run(self, run: dict[str, Any], spec_resolved: dict[str, Any]) -> None:
         """Write the queued decisions, the spec and the run row in one transaction."""
@@ -128,10 +138,30 @@ class Ledger:
             self._pending = []
             self._pending_tokens = []
 
-    def decisions(self, spec_sha256: str | None = None) -> pl.DataFrame:
-        q = "SELECT * FROM decisions" + (" WHERE spec_sha256 = $s" if spec_sha256 else "") + " ORDER BY spec_sha256, seq"
-        t = self.con.sql(q, params={"s": spec_sha256} if spec_sha256 else None).to_arrow_table()
-        return pl.from_arrow(t)  # type: ignore[return-value]
+    def _where(self, stage: str | None, session_id: str | None) -> tuple[str, dict[str, str]]:
+        conds, params = [], {}
+        if stage:
+            conds.append("stage = $stage")
+            params["stage"] = stage
+        if session_id:
+            conds.append("session_id = $session")
+            params["session"] = session_id
+        return (" WHERE " + " AND ".join(conds) if conds else ""), params
+
+    def decisions(self, *, stage: str | None = None, session_id: str | None = None,
+                  with_replacement: bool = True, limit: int | None = None) -> pl.DataFrame:
+        """Decision rows (all namespaces), in namespace and seq order; filtered and cut in DuckDB."""
+        cols = ", ".join(c for c in DECISIONS.names if with_replacement or c != "replacement")
+        where, params = self._where(stage, session_id)
+        q = f"SELECT {cols} FROM decisions{where} ORDER BY spec_sha256, seq" + (f" LIMIT {int(limit)}" if limit else "")
+        return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
+
+    def decision_counts(self, *, stage: str | None = None, session_id: str | None = None) -> pl.DataFrame:
+        """How many decisions per namespace, stage, action and reason."""
+        where, params = self._where(stage, session_id)
+        q = (f"SELECT spec_sha256, stage, action, reason, count(*) AS len FROM decisions{where} "
+             f"GROUP BY ALL ORDER BY spec_sha256, stage, action, reason")
+        return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
 
     def runs(self) -> pl.DataFrame:
         return pl.from_arrow(self.con.sql("SELECT * FROM runs ORDER BY run_seq").to_arrow_table())  # type: ignore[return-value]

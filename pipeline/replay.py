@@ -21,7 +21,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.blockops import canonical_json
+from pipeline.blockops import canonical_json, sort_blocks
 from pipeline.targets import LogicalMessage, Target
 
 MESSAGE_OVERHEAD_TOKENS = 3
@@ -50,13 +50,10 @@ def thread_key_expr() -> pl.Expr:
 
 @dataclass
 class CallInfo:
-    """What the transcript recorded about call k (its answer)."""
+    """What the replay needs of recorded call k: its index and the model it asked."""
 
     call: int
     model: str | None = None
-    message_id: str | None = None
-    request_id: str | None = None
-    usage: dict[str, int | None] | None = None
 
 
 @dataclass
@@ -102,7 +99,7 @@ def replay_thread(
         fc, lc = r["first_call"], r["last_call"]
         if lc is not None and lc <= fc:
             continue
-        add_at[min(fc, n_calls) if fc <= n_calls else fc].append(i)
+        add_at[fc].append(i)
         if lc is not None:
             rem_at[lc].append(i)
     list_key = target.list_key
@@ -244,11 +241,8 @@ def call_skeleton(blocks: pl.DataFrame) -> pl.DataFrame:
 
 def thread_calls(skeleton: pl.DataFrame) -> dict[tuple[str, str], list[CallInfo]]:
     out: dict[tuple[str, str], list[CallInfo]] = defaultdict(list)
-    for r in skeleton.iter_rows(named=True):
-        usage = {k: r[f"usage_{k}"] for k in ("input", "output", "cache_read", "cache_write", "cache_write_5m",
-                                               "cache_write_1h")}
-        out[(r["session_id"], r["thread_id"])].append(
-            CallInfo(r["call"], r["model"], r["message_id"], r["request_id"], usage))
+    for sid, tid, call, model in skeleton.select("session_id", "thread_id", "call", "model").iter_rows():
+        out[(sid, tid)].append(CallInfo(call, model))
     for key, lst in out.items():
         lst.sort(key=lambda c: c.call)
         if [c.call for c in lst] != list(range(len(lst))):
@@ -258,6 +252,6 @@ def thread_calls(skeleton: pl.DataFrame) -> dict[tuple[str, str], list[CallInfo]
 
 def thread_rows(blocks: pl.DataFrame) -> Iterator[tuple[tuple[str, str], pl.DataFrame]]:
     """The blocks of each thread, sorted for replay (stable across runs: keys only)."""
-    df = blocks.sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call", "entry_id"])
+    df = sort_blocks(blocks.lazy()).collect()
     for key, part in df.group_by(["session_id", "thread_id"], maintain_order=True):
         yield (str(key[0]), str(key[1])), part

@@ -33,14 +33,22 @@ from pipeline.errors import CheckFailed, CtxReplayError
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult, load_paths
 from pipeline.registry import StageContext
-from pipeline.replay import CallInfo, call_skeleton, replay_thread, thread_calls, thread_key, thread_key_expr, thread_rows
+from pipeline.replay import (
+    ROW_COLUMNS,
+    call_skeleton,
+    replay_thread,
+    thread_calls,
+    thread_key,
+    thread_key_expr,
+    thread_rows,
+)
 from pipeline.spec import PipelineSpec
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
 from schemas.blocks import BLOCKS
 from schemas.calls import CALLS
-from schemas.check import SchemaMismatch, check_frame, to_arrow
-from schemas.decisions import DECISION_KEY, DECISIONS, STAGE_DECISION
+from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
+from schemas.decisions import DECISION_KEY, STAGE_DECISION
 from schemas.quarantine import QUARANTINE
 
 Progress = Callable[[str], None]
@@ -52,7 +60,6 @@ class RunOptions:
     ledger_path: Path | None = None
     target: str = "anthropic"
     all_calls: bool = False
-    strict: bool = False
     validate: bool = True
     token_counter: str = TIKTOKEN_COUNTER
     progress: Progress | None = None
@@ -92,18 +99,17 @@ def _now() -> str:
 
 def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, ctx: StageContext,
                progress: Progress | None = None, pending: pl.DataFrame | None = None,
-               spill_dir: Path | None = None) -> tuple[pl.DataFrame, list[pa.Table], dict[str, Any]]:
-    """Run every stage in order; returns final blocks, new DECISIONS tables, and per-stage counts.
+               spill_dir: Path | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Run every stage in order; returns the final blocks and per-stage counts. New decisions are
+    queued in the ledger (written with the run's commit).
 
     `pending` (session_id, thread_id, pending_call) marks each thread's pending call: decisions
     that apply only from it on are provisional (the transcript may still grow before that request
     is sent), so they are applied in this run but not frozen in the ledger.
     """
     sessions = sorted(blocks.get_column("session_id").unique().to_list())
-    new_tables: list[pa.Table] = []
     applied: list[pl.DataFrame] = []
     stats: dict[str, Any] = {}
-    seq = ledger.next_seq(spec.sha256) if ledger else 0
     seen: Counter[str] = Counter()
     for i, rs in enumerate(spec.stages, start=1):
         st = rs.stage
@@ -127,7 +133,7 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
             raise CheckFailed(f"stage '{st.name}' made {dupes.height} duplicate decisions for the same block and "
                               f"call (first: {dupes.row(0, named=True)}); this is a bug in the stage")
         earlier_df = earlier.collect()
-        if spill_dir is not None and st.name == "result_budget":
+        if spill_dir is not None:
             _write_spills(st.module, blocks_before, decisions, spill_dir)
         if pending is not None:
             marked = decisions.join(pending, on=["session_id", "thread_id"], how="left").with_columns(
@@ -146,16 +152,9 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
         conflicts = clash.drop("_was").with_columns(action=pl.lit("conflict"),
                                                     reason=pl.lit("ledger_mismatch"))
         new = pl.concat([new, conflicts.select(new.columns)]).sort(DECISION_KEY)
-        if new.height:
-            tagged = new.with_columns(
-                spec_sha256=pl.lit(spec.sha256),
-                seq=pl.int_range(seq, seq + new.height, dtype=pl.Int64),
-                stage=pl.lit(name),
-                stage_version=pl.lit(st.version, pl.Int32),
-                config_digest=pl.lit(rs.config_digest),
-            )
-            seq += new.height
-            new_tables.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{name}'"))
+        if ledger is not None:
+            ledger.stage(new, spec_sha256=spec.sha256, stage=name, stage_version=st.version,
+                         config_digest=rs.config_digest)
         by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
         stats[name] = {
             "decisions": decisions.height,
@@ -169,7 +168,7 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
     stats["_applied"] = pl.concat(applied) if applied else pl.DataFrame(
         schema={**pl.from_arrow(STAGE_DECISION.empty_table()).schema, "stage": pl.String,
                 "stage_version": pl.Int32, "is_provisional": pl.Boolean})
-    return blocks, new_tables, stats
+    return blocks, stats
 
 
 def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, *,
@@ -188,29 +187,17 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
         threads += 1
         key = thread_key(sid, tid)
         calls = calls_by_thread.get((sid, tid), [])
-        rows = part.select(
-            "msg_key", "role", "block_pos", "part_pos", "block_type", "part_type", "text", "signature",
-            "tool_use_id", "tool_name", "tool_input", "is_error", "image_media_type", "image_data", "extra_json",
-            "first_call", "last_call", "timestamp").to_dicts()
+        rows = part.select(ROW_COLUMNS).to_dicts()
         toks = part.get_column("_tok").to_list()
         jsonl = open(req_dir / f"{key}.jsonl", "wb") if (req_dir and all_calls) else None
         try:
             for res in replay_thread(rows, toks, calls, target,
                                      materialize=lambda k, pending: pending or all_calls):
-                info: CallInfo | None = calls[res.call] if res.call < len(calls) else None
-                u = (info.usage or {}) if info else {}
                 rows_out.append({
                     "session_id": sid, "thread_id": tid, "thread_key": key, "call": res.call,
                     "is_pending": res.is_pending, "timestamp": res.timestamp, "model": res.model,
-                    "message_id": info.message_id if info else None,
-                    "request_id": info.request_id if info else None,
                     "request_sha256": res.request_sha256, "n_messages": res.n_messages,
                     "prompt_tokens": res.prompt_tokens, "prefix_break_message": res.prefix_break_message,
-                    "recorded_input_tokens": u.get("input"), "recorded_output_tokens": u.get("output"),
-                    "recorded_cache_read_tokens": u.get("cache_read"),
-                    "recorded_cache_write_tokens": u.get("cache_write"),
-                    "recorded_cache_write_5m_tokens": u.get("cache_write_5m"),
-                    "recorded_cache_write_1h_tokens": u.get("cache_write_1h"),
                 })
                 if res.request is not None:
                     if validate and (res.is_pending or all_calls):
@@ -225,9 +212,16 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
                 jsonl.close()
         if progress and threads % 20 == 0:
             progress(f"replayed {threads} threads")
-    calls_df = pl.from_arrow(pa.Table.from_pylist(rows_out, schema=CALLS)) if rows_out else \
-        pl.from_arrow(CALLS.empty_table())
-    return calls_df, violations, {"threads": threads}  # type: ignore[return-value]
+    # what the transcript recorded about each call (its answer), by one join on the call skeleton
+    recorded = skeleton.select(
+        "session_id", "thread_id", "call", "message_id", "request_id",
+        recorded_input_tokens="usage_input", recorded_output_tokens="usage_output",
+        recorded_cache_read_tokens="usage_cache_read", recorded_cache_write_tokens="usage_cache_write",
+        recorded_cache_write_5m_tokens="usage_cache_write_5m", recorded_cache_write_1h_tokens="usage_cache_write_1h")
+    replayed = pl.DataFrame(rows_out, schema={k: v for k, v in polars_schema(CALLS).items() if k not in recorded.columns
+                                              or k in ("session_id", "thread_id", "call")})
+    calls_df = replayed.join(recorded, on=["session_id", "thread_id", "call"], how="left").select(CALLS.names)
+    return calls_df, violations, {"threads": threads}
 
 
 def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
@@ -257,7 +251,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
                            count_tokens=counter.series_counter(), token_counter_version=counter.name,
                            extra={"tombstone": tomb})
         pending = skeleton.group_by("session_id", "thread_id").agg(pending_call=pl.len().cast(pl.Int32))
-        blocks, new_decisions, stage_stats = run_stages(blocks, spec, ledger, ctx, say, pending=pending,
+        blocks, stage_stats = run_stages(blocks, spec, ledger, ctx, say, pending=pending,
                                                         spill_dir=opts.out_dir / "spill")
         applied = stage_stats.pop("_applied")
         t_stages = time.perf_counter()
@@ -280,10 +274,8 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         _write_parquet(opts.out_dir / "blocks.parquet", final)
         _write_parquet(opts.out_dir / "quarantine.parquet", quarantine)
         _write_parquet(opts.out_dir / "decisions.parquet", applied.to_arrow())
-        for t in new_decisions:
-            ledger.stage(t)
         if violations:
-            ledger.stage(_violation_rows(violations, calls_df, spec, target.name, ledger))
+            _stage_violations(violations, calls_df, spec, target.name, ledger)
         conflicts = sum(s["conflicts"] for s in stage_stats.values())
         summary = _summary(loaded, spec, opts, calls_df, stage_stats, violations, conflicts, ledger_path,
                            timings={"load": t_load - t_start, "stages": t_stages - t_load,
@@ -305,10 +297,9 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
 
 
 def _write_spills(module: str, blocks_before: pl.DataFrame, decisions: pl.DataFrame, spill_dir: Path) -> None:
-    """Write the texts result_budget spilled to the content-addressed store OUT/spill/<sha256>."""
-    import importlib
-
-    spilled = getattr(importlib.import_module(module), "spilled_texts", None)
+    """Write what a stage spilled to the content-addressed store OUT/spill/<sha256>: a stage that
+    spills exposes `spilled_texts(blocks_before, decisions)` in its module (stages do no I/O)."""
+    spilled = getattr(sys.modules.get(module), "spilled_texts", None)
     if spilled is None or not decisions.filter(pl.col("action") == "spill").height:
         return
     spill_dir.mkdir(parents=True, exist_ok=True)
@@ -318,11 +309,10 @@ def _write_spills(module: str, blocks_before: pl.DataFrame, decisions: pl.DataFr
             path.write_text(r["text"], encoding="utf-8", errors="surrogatepass")
 
 
-def _violation_rows(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
-                    ledger: Ledger) -> pa.Table:
-    """`violation` ledger rows (stage `validate:<target>`), only those not recorded by an earlier run."""
+def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
+                      ledger: Ledger) -> None:
+    """Queue `violation` ledger rows (stage `validate:<target>`), only those no earlier run recorded."""
     from pipeline.validate import violation_decisions
-    from schemas.check import conform
 
     keys = {r["thread_key"]: (r["session_id"], r["thread_id"])
             for r in calls.select("thread_key", "session_id", "thread_id").unique().iter_rows(named=True)}
@@ -331,11 +321,7 @@ def _violation_rows(violations: list[Violation], calls: pl.DataFrame, spec: Pipe
     earlier = ledger.earlier(spec.sha256, stage, sorted(set(rows.get_column("session_id").to_list()))).collect()
     new = rows.unique(DECISION_KEY, keep="first", maintain_order=True).join(
         earlier.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True).sort(DECISION_KEY)
-    seq = ledger.next_seq(spec.sha256) + sum(t.num_rows for t in ledger._pending)
-    tagged = conform(new, STAGE_DECISION).with_columns(
-        spec_sha256=pl.lit(spec.sha256), seq=pl.int_range(seq, seq + new.height, dtype=pl.Int64),
-        stage=pl.lit(stage), stage_version=pl.lit(1, pl.Int32), config_digest=pl.lit(spec.sha256))
-    return to_arrow(tagged, DECISIONS, where="ledger rows of validation")
+    ledger.stage(new, spec_sha256=spec.sha256, stage=stage, stage_version=1, config_digest=spec.sha256)
 
 
 def _write_parquet(path: Path, table: pa.Table) -> None:
@@ -441,14 +427,9 @@ def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -
 
 
 def call_skeleton_from_calls(out_dir: Path, key: str) -> pl.DataFrame:
+    """The recorded calls of one thread (index and model), from a run's calls.parquet."""
     calls = pl.read_parquet(out_dir / "calls.parquet").filter((pl.col("thread_key") == key) & ~pl.col("is_pending"))
-    return calls.select(
-        "session_id", "thread_id", pl.col("message_id").alias("msg_key"), "call", "model", "message_id", "request_id",
-        usage_input=pl.col("recorded_input_tokens"), usage_output=pl.col("recorded_output_tokens"),
-        usage_cache_read=pl.col("recorded_cache_read_tokens"), usage_cache_write=pl.col("recorded_cache_write_tokens"),
-        usage_cache_write_5m=pl.col("recorded_cache_write_5m_tokens"),
-        usage_cache_write_1h=pl.col("recorded_cache_write_1h_tokens"),
-    )
+    return calls.select("session_id", "thread_id", "call", "model")
 
 
 __all__ = [

@@ -43,11 +43,9 @@ class ResolvedStage:
         """sha256 of what decides the stage's output: name, version, params, and the version of any
         encoder it depends on (a module's ENCODER_VERSION, e.g. Pillow for images), so an upgrade
         is an explicit new namespace, never a silent re-decision."""
-        import sys
-
-        encoder = getattr(sys.modules.get(self.stage.module), "ENCODER_VERSION", None)
         return sha256_hex(canonical_json({"stage": self.stage.name, "version": self.stage.version,
-                                          "params": self.params_dict, "encoder": encoder}))
+                                          "params": self.params_dict,
+                                          "encoder": _encoder(self).get("encoder_version")}))
 
 
 @dataclass(frozen=True)
@@ -78,9 +76,7 @@ def _encoder(rs: ResolvedStage) -> dict[str, Any]:
 
 
 def _jsonable(v: Any) -> Any:
-    if isinstance(v, tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, list):
+    if isinstance(v, (tuple, list)):
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {k: _jsonable(x) for k, x in v.items()}

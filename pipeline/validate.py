@@ -341,14 +341,6 @@ def validate_gemini(request: dict[str, Any], *, thread_key: str, call: int) -> l
 # ----------------------------------------------------------------------------- ledger rows
 
 
-VALIDATORS: dict[str, Callable[..., list[Violation]]] = {
-    "anthropic": validate_anthropic,
-    "openai-chat": validate_openai_chat,
-    "openai-responses": validate_openai_responses,
-    "gemini": validate_gemini,
-}
-
-
 def violation_decisions(violations: Iterable[Violation], keys: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
     """`violation` decision rows (STAGE_DECISION columns) for lenient mode.
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
-
 import polars as pl
 import pyarrow as pa
 
@@ -66,16 +63,3 @@ def to_arrow(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema, *, where: 
         msg = f"{where}: frame does not fit schema '{name}': null values in not-null columns {nulls}" if nulls \
             else f"{where}: frame does not fit schema '{name}': {exc}"
         raise SchemaMismatch(where=msg, name=name, missing=[], extra=[], wrong=[]) from exc
-
-
-def empty(declared: pa.Schema) -> pl.DataFrame:
-    """An empty frame with the declared schema."""
-    return pl.from_arrow(declared.empty_table())  # type: ignore[return-value]
-
-
-def frame_from_rows(rows: Iterable[Mapping[str, Any]], declared: pa.Schema) -> pl.DataFrame:
-    """Build a frame from dict rows with the declared schema; absent keys become null."""
-    rows = list(rows)
-    cols = {f.name: [r.get(f.name) for r in rows] for f in declared}
-    table = pa.Table.from_pydict(cols, schema=declared)
-    return pl.from_arrow(table)  # type: ignore[return-value]

@@ -40,20 +40,4 @@ DECISIONS = pa.schema(
     metadata={"name": "decisions", "version": "1"},
 )
 
-ACTIONS = (
-    "replace",
-    "drop",
-    "insert",
-    "move",
-    "annotate",
-    "move_envelope",
-    "truncate",
-    "spill",
-    "snip",
-    "tombstone",
-    "clear_input",
-    "conflict",
-    "violation",
-)
-
 DECISION_KEY = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "from_call", "action"]

@@ -75,3 +75,16 @@ def test_decisions_table_matches_the_schema(tmp_path: Path) -> None:
     assert df.columns == DECISIONS.names
     assert isinstance(df, pl.DataFrame)
     led.close()
+
+
+def test_seq_is_unique_and_contiguous_per_namespace(tmp_path: Path) -> None:
+    samples = ROOT / "data" / "samples"
+    opts = RunOptions(out_dir=tmp_path / "o", token_counter=CHARS4_COUNTER)
+    for preset in ("default", "identity", "default"):
+        run([samples], load_spec(preset=preset), opts)
+    led = Ledger(tmp_path / "o" / "ledger.duckdb", read_only=True)
+    d = led.decisions()
+    led.close()
+    assert d.height > 0 and d["stage"].n_unique() > 1
+    for _, part in d.group_by("spec_sha256"):
+        assert sorted(part["seq"].to_list()) == list(range(part.height))

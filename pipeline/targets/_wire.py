@@ -20,6 +20,9 @@ import orjson
 
 SUB = float(1 << 20)
 
+# the user turn that stands for an unrecorded start (layer-semantics §12, "Gemini first turn")
+BOOTSTRAP = "(session bootstrap)"
+
 
 def label(index: int, sub: int) -> float:
     """The label of the `sub`-th wire message (0-based) made from logical message `index`."""

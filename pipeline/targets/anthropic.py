@@ -16,9 +16,8 @@ from typing import Any
 import orjson
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, split, tool_input_object
+from pipeline.targets._wire import BOOTSTRAP, label, split, tool_input_object
 
-BOOTSTRAP = "(session bootstrap)"
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, result_text, split, tool_input_object
+from pipeline.targets._wire import BOOTSTRAP, label, result_text, split, tool_input_object
 
-BOOTSTRAP = "(session bootstrap)"
 
 
 

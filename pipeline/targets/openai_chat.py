@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.targets import LogicalMessage, Violation, group_blocks, register
-from pipeline.targets._wire import label, result_text, split
+from pipeline.targets._wire import BOOTSTRAP, label, result_text, split
 
 
 def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -94,7 +94,7 @@ class OpenAIChat:
 
     def empty_messages(self) -> list[dict[str, Any]]:
         """The stand-in for a request with no recorded message."""
-        return [{"role": "user", "content": "(session bootstrap)"}]
+        return [{"role": "user", "content": BOOTSTRAP}]
 
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         return {"model": model}
