@@ -8,7 +8,6 @@ returns the blocks table plus the accounting of every file and every line.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,20 @@ import orjson
 import pyarrow as pa
 
 from pipeline.errors import InputError
-from pipeline.loaders import claude_code
-from pipeline.loaders.base import FileLoad, QuarantineRow, Thread, threads_to_blocks
+from pipeline.loaders import claude_code, codex, openclaw, request
+from pipeline.loaders.base import (
+    FileLoad,
+    QuarantineRow,
+    Thread,
+    file_load,
+    read_nonblank_lines,
+    threads_to_blocks,
+)
 from schemas.blocks import BLOCKS
 
-# other loaders, tried in this order; each exposes sniff(first_objects, path) and load(path)
-OTHER_LOADERS = ("pipeline.loaders.openclaw", "pipeline.loaders.codex")
-REQUEST_LOADER = "pipeline.loaders.request"
+# loaders of one file each, tried in this order before Claude Code; each exposes
+# sniff(first_objects, path) and load(path)
+FILE_LOADERS = (openclaw, codex)
 
 
 @dataclass
@@ -92,24 +98,6 @@ def _first_objects(path: Path, limit: int = 5) -> list[Any]:
     return objs
 
 
-def _count_lines(path: Path) -> tuple[int, list[tuple[int, str]], bytes]:
-    data = path.read_bytes()
-    lines = [(i, ln.decode("utf-8", "surrogateescape").rstrip("\r"))
-             for i, ln in enumerate(data.split(b"\n"), start=1) if ln.strip()]
-    return len(lines), lines, data
-
-
-def _whole_json(path: Path) -> tuple[Any, FileLoad]:
-    import hashlib
-
-    n, lines, data = _count_lines(path)
-    load = FileLoad(str(path), "json", sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), lines=n)
-    try:
-        return orjson.loads(data), load
-    except orjson.JSONDecodeError:
-        return None, load
-
-
 def load_paths(paths: list[Path | str]) -> LoadResult:
     files, skipped = discover([Path(p) for p in paths])
     loads: list[FileLoad] = []
@@ -117,18 +105,20 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
     stats: dict[str, int] = {}
     cc_files: list[Path] = []
     cc_first: dict[Path, list[Any]] = {}
-    others = [importlib.import_module(m) for m in OTHER_LOADERS if _importable(m)]
-    request_mod = importlib.import_module(REQUEST_LOADER) if _importable(REQUEST_LOADER) else None
     for f in files:
         if f.name.endswith(".json"):
-            doc, load = _whole_json(f)
+            data, lines = read_nonblank_lines(f)
+            try:
+                doc = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                doc = None
             if f.name.endswith(".meta.json") and isinstance(doc, dict) and "agentType" in doc:
-                load.format = "claude_code_meta"
+                load = file_load(f, "claude_code_meta", data, len(lines))
                 load.other_lines["subagent_meta"] = load.lines
                 loads.append(load)
                 continue
-            if request_mod is not None and isinstance(doc, dict) and request_mod.sniff([doc], f):
-                t, ld = request_mod.load(f)
+            if isinstance(doc, dict) and request.sniff([doc], f):
+                t, ld = request.load(f, data)
                 threads.extend(t)
                 loads.append(ld)
                 continue
@@ -140,7 +130,7 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
             loads.append(FileLoad(str(f), "empty"))
             continue
         fmt_mod = None
-        for mod in others:
+        for mod in FILE_LOADERS:
             if mod.sniff(first, f):
                 fmt_mod = mod
                 break
@@ -154,10 +144,9 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
             cc_first[f] = first
             continue
         # not a format we know: keep every line in quarantine, nothing is lost
-        n, lines, data = _count_lines(f)
-        import hashlib
-
-        ld = FileLoad(str(f), "unknown", sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), lines=n)
+        data = f.read_bytes()
+        lines = _lines_with_content(data)
+        ld = file_load(f, "unknown", data, len(lines))
         reason = ("unrecognised transcript format: not Claude Code, OpenClaw/pi, Codex rollout or a request "
                   "JSON (first line has keys " + _keys(first[0]) + ")")
         ld.quarantine = [QuarantineRow(str(f), i, raw, reason) for i, raw in lines]
@@ -173,17 +162,18 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
     return LoadResult(blocks, loads, skipped, stats, threads=len(threads))
 
 
+def _lines_with_content(data: bytes) -> list[tuple[int, str]]:
+    """(line number, text) of every line holding more than ASCII whitespace.
+
+    Stricter than `read_nonblank_lines`: a line of only, say, no-break spaces is kept, so a file of
+    unknown format loses nothing to its quarantine.
+    """
+    return [(i, ln.decode("utf-8", "surrogateescape").rstrip("\r"))
+            for i, ln in enumerate(data.split(b"\n"), start=1) if ln.strip()]
+
+
 def _keys(o: Any) -> str:
     if isinstance(o, dict):
         return ", ".join(sorted(map(str, o))[:8]) or "none"
     return "none (not a JSON object)"
 
-
-def _importable(name: str) -> bool:
-    try:
-        importlib.import_module(name)
-        return True
-    except ModuleNotFoundError as exc:
-        if exc.name == name:
-            return False
-        raise

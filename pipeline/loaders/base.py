@@ -8,9 +8,9 @@ for every non-blank physical line: message line, other line (by kind), or quaran
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import polars as pl
 import pyarrow as pa
 
 from pipeline.blockops import canonical_json, content_sha256
@@ -63,6 +62,28 @@ class FileLoad:
                    f"{sum(self.other_lines.values())} other + {self.quarantined_lines} quarantined "
                    f"!= {self.lines} lines; this is a bug in ctxreplay's {self.format} loader")
             raise CheckFailed(msg)
+
+    def account(self, line_no: int, raw: str, kinds: list[str]) -> None:
+        """Count one physical line from the kinds of the objects on it.
+
+        A kind starting with '!' is an object not understood (the rest is the reason). A line with
+        no understood object is quarantined; otherwise it is a message line when any object on it
+        is a message, else an other line of its first kind; objects lost beside understood ones
+        are noted in `recovered`.
+        """
+        bad = [k for k in kinds if k.startswith("!")]
+        good = [k for k in kinds if not k.startswith("!")]
+        if not good:
+            self.quarantine.append(QuarantineRow(self.path, line_no, raw, bad[0][1:] if bad else "empty line"))
+            return
+        if "message" in good:
+            self.message_lines += 1
+        else:
+            self.other_lines[good[0]] += 1
+        if bad:
+            self.recovered.append({"file": self.path, "line": line_no,
+                                   "note": f"{len(bad)} of {len(kinds)} objects on this line not understood: "
+                                           f"{bad[0][1:]}"})
 
 
 @dataclass
@@ -137,12 +158,22 @@ class Thread:
 _decoder = json.JSONDecoder()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def read_nonblank_lines(path: Path, data: bytes | None = None) -> tuple[bytes, list[tuple[int, str]]]:
+    """A file's bytes (read unless given) and its non-blank physical lines.
+
+    Lines are (1-based line number, text without its line break), decoded as UTF-8 with
+    undecodable bytes kept as surrogates, so every line can be quarantined exactly as it is.
+    """
+    if data is None:
+        data = path.read_bytes()
+    text = data.decode("utf-8", errors="surrogateescape")
+    lines = [(i, line) for i, raw in enumerate(text.split("\n"), start=1) if (line := raw.rstrip("\r")).strip()]
+    return data, lines
+
+
+def file_load(path: Path, fmt: str, data: bytes, lines: int) -> FileLoad:
+    """A file's accounting record, with its size and sha256 taken from its bytes."""
+    return FileLoad(str(path), fmt, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), lines=lines)
 
 
 def iter_json_lines(path: Path, load: FileLoad) -> Iterator[tuple[int, str, list[Any]]]:
@@ -153,14 +184,10 @@ def iter_json_lines(path: Path, load: FileLoad) -> Iterator[tuple[int, str, list
     with a parsable head and garbage after it yields the head and quarantines nothing but records
     the loss in `load.recovered`.
     """
-    data = path.read_bytes()
+    data, lines = read_nonblank_lines(path)
     load.bytes = len(data)
     load.sha256 = hashlib.sha256(data).hexdigest()
-    text = data.decode("utf-8", errors="surrogateescape")
-    for i, raw in enumerate(text.split("\n"), start=1):
-        line = raw.rstrip("\r")
-        if not line.strip():
-            continue
+    for i, line in lines:
         load.lines += 1
         try:
             yield i, line, [orjson.loads(line)]
@@ -196,6 +223,24 @@ def iter_json_lines(path: Path, load: FileLoad) -> Iterator[tuple[int, str, list
 
 
 # ---------------------------------------------------------------- helpers for loaders
+
+_UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+_UUID_ANY_CASE = re.compile(_UUID, re.IGNORECASE)
+_UUID_LOWER = re.compile(_UUID)
+
+
+def session_id_from_name(path: Path, *, lowercase_only: bool = False) -> str | None:
+    """The last uuid in a file name, lowercased (`<uuid>.jsonl`, `owner__repo__<uuid>.jsonl.deleted.<ts>`, ...).
+
+    `lowercase_only`: only uuids written in lowercase count (Claude Code's file names).
+    """
+    found = (_UUID_LOWER if lowercase_only else _UUID_ANY_CASE).findall(path.name)
+    return found[-1].lower() if found else None
+
+
+def num(v: Any) -> int | None:
+    """A JSON number as an int (floats truncated); None for anything else, booleans included."""
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def parse_ts(value: Any) -> datetime | None:
@@ -245,14 +290,6 @@ def b64_decoded_len(data: str | None) -> int | None:
     n = len(data)
     pad = len(data) - len(data.rstrip("="))
     return max(0, (n * 3) // 4 - pad)
-
-
-def valid_b64(data: str) -> bool:
-    try:
-        base64.b64decode(data, validate=True)
-        return True
-    except (ValueError, TypeError):
-        return False
 
 
 # ---------------------------------------------------------------- threads → blocks
@@ -374,7 +411,3 @@ def threads_to_blocks(threads: list[Thread]) -> pa.Table:
                 rows.append(r)
     cols = {f.name: [r.get(f.name) for r in rows] for f in BLOCKS}
     return pa.Table.from_pydict(cols, schema=BLOCKS)
-
-
-def blocks_frame(threads: list[Thread]) -> pl.DataFrame:
-    return pl.from_arrow(threads_to_blocks(threads))  # type: ignore[return-value]

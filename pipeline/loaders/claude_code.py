@@ -27,12 +27,13 @@ from pipeline.loaders.base import (
     Compaction,
     FileLoad,
     Message,
-    QuarantineRow,
     Thread,
     content_items,
     iter_json_lines,
     json_text,
+    num,
     parse_ts,
+    session_id_from_name,
 )
 
 FORMAT = "claude_code"
@@ -82,9 +83,6 @@ class SessionFiles:
     files: list[Path] = field(default_factory=list)
 
 
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
 def _kind(o: dict[str, Any]) -> str:
     t = str(o.get("type"))
     if t == "system" and o.get("subtype"):
@@ -100,10 +98,6 @@ def _usage(u: Any) -> dict[str, int | None] | None:
     if not isinstance(u, dict):
         return None
     cc = u.get("cache_creation") if isinstance(u.get("cache_creation"), dict) else {}
-
-    def num(v: Any) -> int | None:
-        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
     return {
         "input": num(u.get("input_tokens")),
         "output": num(u.get("output_tokens")),
@@ -226,8 +220,7 @@ def group_sessions(paths: list[Path], first_objects: dict[Path, list[Any]]) -> l
             if p.parent.name == "subagents":
                 sid = p.parent.parent.name
             else:
-                found = _UUID.findall(p.name)
-                sid = found[-1] if found else p.stem
+                sid = session_id_from_name(p, lowercase_only=True) or p.stem
         groups.setdefault(sid, SessionFiles(sid)).files.append(p)
     return [groups[k] for k in sorted(groups)]
 
@@ -318,17 +311,7 @@ def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dic
                 nodes[uid] = node
                 file_nodes.append(node)
                 kinds.append("message" if node.is_message else _kind(o))
-            bad = [k for k in kinds if k.startswith("!")]
-            good = [k for k in kinds if not k.startswith("!")]
-            if not good:
-                load.quarantine.append(QuarantineRow(str(path), line_no, raw, bad[0][1:] if bad else "empty line"))
-            elif "message" in good:
-                load.message_lines += 1
-            else:
-                load.other_lines[good[0]] += 1
-            if good and bad:
-                load.recovered.append({"file": str(path), "line": line_no,
-                                       "note": f"{len(bad)} of {len(kinds)} objects on this line not understood: {bad[0][1:]}"})
+            load.account(line_no, raw, kinds)
         per_file.append(file_nodes)
         load.check()
 

@@ -39,14 +39,14 @@ from pipeline.loaders.base import (
     Compaction,
     FileLoad,
     Message,
-    QuarantineRow,
     Thread,
     content_items,
     iter_json_lines,
     json_text,
+    num,
     parse_ts,
+    session_id_from_name,
 )
-from pipeline.loaders.openclaw import session_id_from_name
 
 FORMAT = "codex"
 ROLLOUT_TYPES = {"session_meta", "response_item", "event_msg", "turn_context", "compacted"}
@@ -64,10 +64,6 @@ def sniff(first_objects: list[Any], path: Path) -> str | None:
         if isinstance(o, dict) and o.get("type") in ROLLOUT_TYPES and isinstance(o.get("payload"), dict):
             return FORMAT
     return None
-
-
-def _num(v: Any) -> int | None:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _image_from_url(url: Any, **kw: Any) -> Block:
@@ -259,11 +255,11 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                     close()
                     u = info.get("last_token_usage")
                     if awaiting_usage is not None and isinstance(u, dict):
-                        inp, cached = _num(u.get("input_tokens")), _num(u.get("cached_input_tokens"))
+                        inp, cached = num(u.get("input_tokens")), num(u.get("cached_input_tokens"))
                         awaiting_usage.usage = {
                             "input": None if inp is None else inp - (cached or 0),
                             "cache_read": cached,
-                            "output": _num(u.get("output_tokens")),
+                            "output": num(u.get("output_tokens")),
                         }
                     awaiting_usage = None
                 continue
@@ -319,18 +315,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
             close()
             msgs.append(m)
             kinds.append("message")
-        bad = [k for k in kinds if k.startswith("!")]
-        good = [k for k in kinds if not k.startswith("!")]
-        if not good:
-            load.quarantine.append(QuarantineRow(spath, line_no, raw, bad[0][1:] if bad else "empty line"))
-        elif "message" in good:
-            load.message_lines += 1
-        else:
-            load.other_lines[good[0]] += 1
-        if good and bad:
-            load.recovered.append({"file": spath, "line": line_no,
-                                   "note": f"{len(bad)} of {len(kinds)} objects on this line not understood: "
-                                           f"{bad[0][1:]}"})
+        load.account(line_no, raw, kinds)
     close()
     load.check()
     if session_id is None:

@@ -28,7 +28,6 @@ way pi's `buildSessionContext` / `convertToLlm` do it:
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,17 +38,17 @@ from pipeline.loaders.base import (
     Compaction,
     FileLoad,
     Message,
-    QuarantineRow,
     Thread,
     content_items,
     iter_json_lines,
     json_text,
+    num,
     parse_ts,
+    session_id_from_name,
 )
 
 FORMAT = "openclaw"
 FORMAT_LEGACY = "pi_legacy"
-FORMATS = (FORMAT, FORMAT_LEGACY)
 
 # pi-mono packages/coding-agent/src/core/messages.ts
 COMPACTION_SUMMARY_PREFIX = (
@@ -64,15 +63,6 @@ BRANCH_SUMMARY_SUFFIX = "</summary>"
 # Message roles pi's convertToLlm sends to the model; any other role is dropped by it.
 SENT_ROLES = {"user", "assistant", "toolResult", "bashExecution", "custom", "hookMessage",
               "branchSummary", "compactionSummary"}
-
-_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-
-
-def session_id_from_name(path: Path) -> str | None:
-    """The last uuid in a file name (`<uuid>.jsonl`, `owner__repo__<uuid>.jsonl.deleted.<ts>`, ...)."""
-    found = _UUID.findall(path.name)
-    return found[-1].lower() if found else None
-
 
 ENTRY_TYPES = {"message", "model_change", "thinking_level_change", "compaction", "custom", "custom_message",
                "branch_summary", "label", "session_info"}
@@ -98,15 +88,11 @@ def sniff(first_objects: list[Any], path: Path) -> str | None:
 # ---------------------------------------------------------------- content mapping
 
 
-def _num(v: Any) -> int | None:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
 def _usage(u: Any) -> dict[str, int | None] | None:
     if not isinstance(u, dict):
         return None
-    return {"input": _num(u.get("input")), "output": _num(u.get("output")),
-            "cache_read": _num(u.get("cacheRead")), "cache_write": _num(u.get("cacheWrite"))}
+    return {"input": num(u.get("input")), "output": num(u.get("output")),
+            "cache_read": num(u.get("cacheRead")), "cache_write": num(u.get("cacheWrite"))}
 
 
 def _rest(b: dict[str, Any], used: Iterable[str]) -> dict[str, Any] | None:
@@ -429,20 +415,9 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
         e.message = msg
         per_line.setdefault(e.line, []).append(kind)
     for line_no, raw, kinds in pending_lines:
-        resolved = [k for k in kinds if k]
-        resolved.extend(per_line.get(line_no, []))
-        bad = [k for k in resolved if k.startswith("!")]
-        good = [k for k in resolved if not k.startswith("!")]
-        if not good:
-            load.quarantine.append(QuarantineRow(spath, line_no, raw, bad[0][1:] if bad else "empty line"))
-            continue
-        if "message" in good:
-            load.message_lines += 1
-        else:
-            load.other_lines[good[0]] += 1
-        if bad:
-            note = f"{len(bad)} of {len(resolved)} objects on this line not understood: {bad[0][1:]}"
-            load.recovered.append({"file": spath, "line": line_no, "note": note})
+        # the kinds known while reading, then those of the entries on this line (order matters:
+        # the first understood kind names an other line, the first reason a quarantined one)
+        load.account(line_no, raw, [k for k in kinds if k] + per_line.get(line_no, []))
     load.check()
 
     session_id = session_id_from_name(path)

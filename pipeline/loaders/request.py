@@ -20,7 +20,6 @@ does not (or is not such a request), every line is quarantined with the reason. 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -28,13 +27,22 @@ from typing import Any
 
 import orjson
 
-from pipeline.loaders.base import Block, FileLoad, Message, QuarantineRow, Thread, content_items, json_text
+from pipeline.loaders.base import (
+    Block,
+    FileLoad,
+    Message,
+    QuarantineRow,
+    Thread,
+    content_items,
+    file_load,
+    json_text,
+    read_nonblank_lines,
+    session_id_from_name,
+)
 from pipeline.loaders.claude_code import anthropic_content_blocks
-from pipeline.loaders.openclaw import session_id_from_name
 
 FORMAT = "anthropic_request"
 FORMAT_OPENAI = "openai_chat_request"
-FORMATS = (FORMAT, FORMAT_OPENAI)
 
 _OPENAI_ROLES = {"system", "developer", "tool", "function"}
 _OPENAI_KEYS = {"tool_calls", "tool_call_id", "function_call"}
@@ -147,44 +155,6 @@ def _image_url_block(url: Any, **kw: Any) -> Block:
     return Block("image", extra={**(extra or {}), "url": url}, **kw)
 
 
-def _anthropic_tool_result(b: dict[str, Any]) -> list[Block]:
-    common = {"tool_use_id": b.get("tool_use_id"), "is_error": b.get("is_error")
-              if isinstance(b.get("is_error"), bool) else None}
-    rest = _rest(b, ("tool_use_id", "content", "is_error"))
-    c = b.get("content")
-    if isinstance(c, str):
-        return [Block("tool_result", text=c, part_type="string", extra=rest, **common)]
-    if not isinstance(c, list) or not c:
-        return [Block("tool_result", part_type="empty", extra=rest, **common)]
-    parts: list[Block] = []
-    for i, p in enumerate(c):
-        kw = {"part_pos": i, "extra": rest if i == 0 else None, **common}
-        if isinstance(p, dict) and p.get("type") == "text":
-            more = _rest(p, ("text",))
-            parts.append(Block("tool_result", text=p.get("text"), part_type="text",
-                               **{**kw, "extra": {**(kw["extra"] or {}), **(more or {})} or None}))
-        elif isinstance(p, dict) and p.get("type") == "image":
-            src = p.get("source") if isinstance(p.get("source"), dict) else {}
-            extra = kw.pop("extra") or {}
-            if src.get("type") not in (None, "base64"):
-                extra = {**extra, "source": src}
-            parts.append(Block("tool_result", part_type="image", image_media_type=src.get("media_type"),
-                               image_data=src.get("data") if src.get("type") in (None, "base64") else None,
-                               extra=extra or None, **kw))
-        elif isinstance(p, dict) and p.get("type") == "tool_reference":
-            parts.append(Block("tool_result", part_type="tool_reference", tool_name=p.get("tool_name"), **kw))
-        else:
-            kw["extra"] = {**(kw["extra"] or {}), "part": p}
-            text = p if isinstance(p, str) else json_text(p)
-            parts.append(Block("tool_result", part_type="other", text=text, **kw))
-    return parts
-
-
-def _anthropic_blocks(content: Any) -> list[Block]:
-    """Anthropic Messages content: the same block shapes Claude Code records."""
-    return anthropic_content_blocks(content)
-
-
 def _openai_parts(content: Any) -> list[Block]:
     out: list[Block] = []
     for p in content_items(content):
@@ -282,7 +252,7 @@ def _anthropic_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[s
     role = m.get("role")
     if role not in ("user", "assistant"):
         return None
-    blocks = _anthropic_blocks(m.get("content"))
+    blocks = anthropic_content_blocks(m.get("content"))
     for b in blocks:
         if b.block_type == "tool_use" and b.tool_use_id and b.tool_name:
             call_names[b.tool_use_id] = b.tool_name
@@ -296,15 +266,13 @@ def _anthropic_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[s
 # ---------------------------------------------------------------- load
 
 
-def load(path: Path) -> tuple[list[Thread], FileLoad]:
+def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]:
+    """Load one request file; `data`: its bytes when the caller has read them already."""
     path = Path(path)
     spath = str(path)
-    data = path.read_bytes()
-    load = FileLoad(spath, FORMAT, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    data, nonblank = read_nonblank_lines(path, data)
+    load = file_load(path, FORMAT, data, len(nonblank))
     text = data.decode("utf-8", errors="surrogateescape")
-    physical = [ln.rstrip("\r") for ln in text.split("\n")]
-    nonblank = [(i, ln) for i, ln in enumerate(physical, start=1) if ln.strip()]
-    load.lines = len(nonblank)
 
     def refuse(reason: str) -> tuple[list[Thread], FileLoad]:
         for i, ln in nonblank:
@@ -355,7 +323,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
     call_names: dict[str, str] = {}
     if fmt == FORMAT and doc.get("system") is not None:
         line, raw = locate(top.get("system"), doc["system"])
-        items.append((line, raw, "system", _anthropic_blocks(doc["system"]), doc["system"]))
+        items.append((line, raw, "system", anthropic_content_blocks(doc["system"]), doc["system"]))
     for k, m in enumerate(doc["messages"]):
         line, raw = locate(msg_spans[k] if msg_spans else None, m)
         mapped = None
