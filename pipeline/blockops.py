@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import orjson
 import polars as pl
@@ -59,6 +59,33 @@ def rehash(blocks: pl.LazyFrame, mask: pl.Expr | str | None = None) -> pl.LazyFr
         return blocks.with_columns(content_sha256=new)
     m = pl.col(mask) if isinstance(mask, str) else mask
     return blocks.with_columns(content_sha256=pl.when(m).then(new).otherwise(pl.col("content_sha256")))
+
+
+def sha256_expr(text: pl.Expr) -> pl.Expr:
+    """`sha256_hex` of a string column (nulls stay null)."""
+    return text.map_batches(
+        lambda s: pl.Series([None if t is None else sha256_hex(t) for t in s.to_list()], dtype=pl.String),
+        return_dtype=pl.String,
+    )
+
+
+def null_columns(cols: Iterable[str]) -> dict[str, pl.Expr]:
+    """A typed null (BLOCK_SCHEMA dtype) for each of `cols`."""
+    return {c: pl.lit(None, BLOCK_SCHEMA[c]) for c in cols}
+
+
+def new_rows(frame: pl.LazyFrame, *, keep: Iterable[str] = (), **values: pl.Expr) -> pl.LazyFrame:
+    """New block rows, one per row of `frame`: the columns in `values` set, those in `keep` copied
+    from `frame`, every other BLOCK_SCHEMA column a typed null; in schema order and dtypes.
+    (content_sha256 is whatever `values` gives: rehash after.)"""
+    kept = set(keep)
+    unknown = (kept | set(values)) - set(BLOCK_SCHEMA.names())
+    if unknown:
+        raise ValueError(f"new_rows: not block columns: {sorted(unknown)}")
+    return frame.select([
+        (values[c] if c in values else pl.col(c) if c in kept else pl.lit(None, dt)).cast(dt).alias(c)
+        for c, dt in BLOCK_SCHEMA.items()
+    ])
 
 
 def synthetic_id(session_id: str, layer: str, kind: str, source_id: str, occurrence: int) -> str:

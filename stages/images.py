@@ -29,7 +29,6 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
-import hashlib
 import io
 import math
 import os
@@ -43,8 +42,9 @@ import PIL
 import polars as pl
 from PIL import Image, ImageOps
 
+from pipeline.blockops import sha256_hex
+from pipeline.marks import MSG_NO, THREAD_NO, alive, cover_end, finish, mark_replace, start_marks
 from pipeline.registry import StageContext, StageResult, stage
-from stages.sanitize import MSG_NO, THREAD_NO, alive, cover_end, finish, mark_replace, start_marks
 
 OMITTED = "[image omitted: {reason}]"
 STALE = "[image data removed - already processed by model]"
@@ -221,10 +221,6 @@ def fit_key(p: Images) -> tuple[Any, ...]:
             ENCODER_VERSION)
 
 
-def _digest(data: str | None) -> str | None:
-    return hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest() if data is not None else None
-
-
 class _Memo:
     """Results by sha256(input) + declared type + fit params + encoder, bounded by payload bytes.
 
@@ -253,7 +249,7 @@ class _Memo:
     def _store(self, key: tuple[Any, ...], res: ImageResult) -> None:
         self._put(key, res)
         if res.status == "resize" and res.data is not None:
-            self._put((_digest(res.data), res.media_type, key[2]),
+            self._put((sha256_hex(res.data), res.media_type, key[2]),
                       ImageResult("keep", media_type=res.media_type, width=res.width, height=res.height,
                                   nbytes=res.nbytes))
 
@@ -262,7 +258,7 @@ class _Memo:
 
     def get_many(self, items: list[tuple[str | None, str | None]], p: Images) -> list[ImageResult]:
         fk = fit_key(p)
-        keys = [(_digest(d), m, fk) for d, m in items]
+        keys = [(None if d is None else sha256_hex(d), m, fk) for d, m in items]
         todo: dict[tuple[Any, ...], tuple[str | None, str | None]] = {}
         for key, item in zip(keys, items):
             if key in self.items:

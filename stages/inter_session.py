@@ -13,8 +13,7 @@ from typing import Literal
 
 import polars as pl
 
-from pipeline.registry import StageContext, StageResult, stage
-from stages.sanitize import (
+from pipeline.marks import (
     MSG_NO,
     Insert,
     alive,
@@ -24,6 +23,7 @@ from stages.sanitize import (
     start_marks,
     text_row,
 )
+from pipeline.registry import StageContext, StageResult, stage
 
 HEADER_BASE = "[Inter-session message]"
 EXPLANATION = (
@@ -79,12 +79,9 @@ def header_expr(prefix_version: str) -> pl.Expr:
 
 
 def _envelope_tail(prefix_version: str) -> str:
+    """What follows the header in the envelope prepended to the first text block: a newline and,
+    in v2, the explanation line."""
     return "\n" + EXPLANATION + "\n" if prefix_version == "v2" else "\n"
-
-
-def envelope_expr(prefix_version: str) -> pl.Expr:
-    """What is prepended to the first text block: header, newline, and (v2) explanation, newline."""
-    return pl.concat_str([header_expr(prefix_version), pl.lit(_envelope_tail(prefix_version))])
 
 
 @stage("inter_session", version=1, params=InterSession)

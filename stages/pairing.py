@@ -36,7 +36,6 @@ ids map to themselves.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -49,22 +48,25 @@ from pipeline.blockops import (
     content_len_expr,
     content_sha_expr,
     decisions_from,
+    drop_where,
+    new_rows,
+    sha256_hex,
     synthetic_id_expr,
 )
+from pipeline.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
 from pipeline.registry import StageContext, StageResult, stage
+from pipeline.targets import target_family
 from schemas.decisions import STAGE_DECISION
 
 MISSING_TEXT_OPENAI = "aborted"
 MISSING_TEXT = "[tool result missing: the call was interrupted or its result was not recorded]"
 FAILED_STOP_REASONS = ("error", "aborted")
 
-THREAD = ["session_id", "thread_id"]
-BLOCK = ["session_id", "thread_id", "entry_id", "block_pos"]
+BLOCK = BLOCK_KEY
 MSG = ["session_id", "thread_id", "msg_key"]
 POS_SHIFT = 1 << 20  # position of a block in its thread: order_key * POS_SHIFT + block_pos
 
 ANTHROPIC_ID = re.compile(r"^[A-Za-z0-9_-]+$")
-ANTHROPIC_ID_TARGETS = ("anthropic", "bedrock")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,17 +82,18 @@ class Pairing:
 # ----------------------------------------------------------------------------- ids
 
 
-def normal_target(target: str) -> str:
-    return (target or "anthropic").lower().replace("_", "-")
+def _family(target: str) -> str:
+    """The target's API family (an unset target is Anthropic)."""
+    return target_family(target or "anthropic")
 
 
 def resolve_id_mode(mode: str, target: str) -> str:
     if mode != "auto":
         return mode
-    t = normal_target(target)
-    if t.startswith(("gemini", "google")):
+    family = _family(target)
+    if family == "gemini":
         return "strict"
-    if t.startswith("mistral"):
+    if family == "mistral":
         return "strict9"
     return "preserve"
 
@@ -98,17 +101,12 @@ def resolve_id_mode(mode: str, target: str) -> str:
 def missing_text(params: Pairing, target: str) -> str:
     if params.missing_result_text is not None:
         return params.missing_result_text
-    return MISSING_TEXT_OPENAI if normal_target(target).startswith("openai") else MISSING_TEXT
-
-
-def _h(s: str) -> str:
-    return hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()
+    return MISSING_TEXT_OPENAI if _family(target) in ("openai_chat", "openai_responses") else MISSING_TEXT
 
 
 def map_tool_id(tool_id: str, occurrence: int, mode: str, target: str) -> str:
     """The id a call occurrence gets (before collisions are resolved)."""
-    t = normal_target(target)
-    anthropic_like = t.startswith(ANTHROPIC_ID_TARGETS)
+    anthropic_like = _family(target) == "anthropic"
     if mode != "preserve" and anthropic_like and occurrence == 0 and tool_id.startswith("toolu_") \
             and ANTHROPIC_ID.match(tool_id):
         return tool_id  # native Anthropic ids stay
@@ -117,22 +115,22 @@ def map_tool_id(tool_id: str, occurrence: int, mode: str, target: str) -> str:
         if anthropic_like and not ANTHROPIC_ID.match(new):
             new = re.sub(r"[^A-Za-z0-9_-]", "_", new)
         if occurrence > 0:
-            new = f"{new}_{_h(f'{tool_id}|{occurrence}')[:8]}"
+            new = f"{new}_{sha256_hex(f'{tool_id}|{occurrence}')[:8]}"
         return new
     alnum = re.sub(r"[^A-Za-z0-9]", "", tool_id)
     if mode == "strict":
         if occurrence > 0 or not alnum:
-            return alnum[:32] + _h(f"{tool_id}|{occurrence}")[:8]
+            return alnum[:32] + sha256_hex(f"{tool_id}|{occurrence}")[:8]
         return alnum[:40]
     # strict9
     if occurrence > 0 or len(alnum) < 9:
-        return _h(f"{tool_id}|{occurrence}")[:9]
+        return sha256_hex(f"{tool_id}|{occurrence}")[:9]
     return alnum[:9]
 
 
 def collision_id(candidate: str, tool_id: str, occurrence: int, mode: str) -> str:
     """The id of a later call occurrence whose mapped id an earlier one already holds."""
-    h = _h(f"{tool_id}|{occurrence}|collision")
+    h = sha256_hex(f"{tool_id}|{occurrence}|collision")
     if mode == "strict":
         return candidate[:32] + h[:8]
     if mode == "strict9":
@@ -160,11 +158,6 @@ def _collision_expr(mode: str) -> pl.Expr:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _null_max(col: str) -> pl.Expr:
-    """max(col) where null means open (+infinity)."""
-    return pl.when(pl.col(col).is_null().any()).then(pl.lit(None, pl.Int32)).otherwise(pl.col(col).max())
-
-
 def _blank(col: str) -> pl.Expr:
     return pl.col(col).is_null() | (pl.col(col).str.strip_chars() == "")
 
@@ -172,16 +165,6 @@ def _blank(col: str) -> pl.Expr:
 def _lt_open(a: pl.Expr, b: pl.Expr) -> pl.Expr:
     """a < b where a null-free and b null = +infinity."""
     return b.is_null() | (a < b)
-
-
-def _materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
-    """Run a plan once and continue from its result.
-
-    The stage uses the blocks, calls and results several times each; left lazy, every use re-runs
-    the upstream plan and the plan grows with each nested use (seconds for ten rows).
-    Materialising at a few points keeps the cost linear in the input.
-    """
-    return lf.collect().lazy()
 
 
 def _latest_before(left: pl.LazyFrame, right: pl.LazyFrame, *, by: list[str], cols: list[str]) -> pl.LazyFrame:
@@ -231,8 +214,8 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
             & pl.col("stop_reason").str.to_lowercase().is_in(FAILED_STOP_REASONS).fill_null(False)
         ).any().over(MSG),
     )
-    b = _materialize(b)
-    is_call = (pl.col("block_type") == "tool_use") & (pl.col("role") == "assistant")
+    b = materialize(b)
+    is_call = pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & (pl.col("role") == "assistant")
     is_synthetic = (pl.col("block_type") == "tool_result") & (pl.col("origin") == "pairing")
     is_result = (pl.col("block_type") == "tool_result") & (pl.col("origin") != "pairing")
 
@@ -248,7 +231,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
             pl.col("tool_name").sort_by("first_call").first().alias("_cname"),
             pl.col("_failed").any(),
             pl.col("first_call").min().alias("_fc"),
-            _null_max("last_call").alias("_lc"),
+            open_max("last_call").alias("_lc"),
         )
         .with_columns(_has_id=~_blank("_cid"))
         .with_columns(
@@ -264,7 +247,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     calls = calls.with_columns(
         _collides=(pl.col("_pos").rank("ordinal").over([*THREAD, "_cand"]) > 1) & pl.col("_has_id"))
     calls = calls.with_columns(_new_cid=pl.when("_has_id").then(_collision_expr(mode))).drop("_cand", "_collides")
-    calls = _materialize(calls)
+    calls = materialize(calls)
 
     # ---- results: one row per tool_result block (all its versions)
     results = (
@@ -280,7 +263,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
             .filter(pl.col("part_type").sort_by("first_call", "part_pos").ne_missing("tool_reference"))
             .first().alias("_rname"),
             pl.col("first_call").min().alias("_fr"),
-            _null_max("last_call").alias("_lr"),
+            open_max("last_call").alias("_lr"),
         )
         .with_columns(_rhas_id=~_blank("_rid"))
     )
@@ -354,7 +337,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         .then(pl.col("_lc")).otherwise(pl.lit(None, pl.Int32)),
         _chosen=pl.col("_c_entry").is_not_null() & ~pl.col("_drop_frame").fill_null(False) & (pl.col("_rank") == 1),
     )
-    results = _materialize(results)
+    results = materialize(results)
 
     # ---- per call: its chosen result, synthetic need, slot
     chosen = results.filter("_chosen").select(
@@ -405,7 +388,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     cf = cf.join(fr, on=MSG, how="left").with_columns(
         _slot=pl.when("_in_place").then(pl.col("_slot_in")).otherwise(pl.col("order_key") + pl.col("_crank")),
     )
-    cf = _materialize(cf)
+    cf = materialize(cf)
 
     # ---- row updates
     res_upd = results.join(
@@ -447,7 +430,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         | (pl.col("_u_name").is_not_null() & (pl.col("_u_name") != pl.col("tool_name")).fill_null(True)) \
         | (pl.col("_u_err").is_not_null() & (pl.col("_u_err") != pl.col("is_error")).fill_null(True)) \
         | (pl.col("_u_ok").is_not_null() & (pl.col("_u_ok") != pl.col("order_key")))
-    x = _materialize(x.with_columns(_touch=touch.fill_null(False)))
+    x = materialize(x.with_columns(_touch=touch.fill_null(False)))
     rest = x.filter(~pl.col("_touch"))
     t = x.filter("_touch").with_columns(_old_sha=pl.col("content_sha256"), _old_len=content_len_expr(),
                                         _old_ok=pl.col("order_key"), _old_id=pl.col("tool_use_id"))
@@ -476,23 +459,13 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         after_len=content_len_expr(),
         replacement=pl.when("_changed").then(block_json_expr()),
     )
-    t = _materialize(t)
+    t = materialize(t)
     x = pl.concat([rest.select(*cols, "_drop_reason", "_drop_from"), t.select(*cols, "_drop_reason", "_drop_from")])
 
     # drops (whole, or from the call where the row's call leaves the request)
-    eff_from = pl.max_horizontal(pl.col("first_call"), pl.coalesce("_drop_from", "first_call")).cast(pl.Int32)
-    x = _materialize(x).with_columns(_from=eff_from).with_columns(
-        _hit=pl.col("_drop_reason").is_not_null()
-        & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_from"))))
-    hit = x.filter("_hit")
-    drop_dec = decisions_from(
-        hit.with_columns(first_call=pl.col("_from")), action="drop", reason=pl.col("_drop_reason"),
-        before_sha256=pl.col("content_sha256"), before_len=content_len_expr(),
-    )
-    kept = _materialize(pl.concat([
-        x.filter(~pl.col("_hit")).select(cols),
-        hit.filter(pl.col("_from") > pl.col("first_call")).with_columns(last_call=pl.col("_from")).select(cols),
-    ]))
+    kept, drop_dec = drop_where(materialize(x), pl.col("_drop_reason").is_not_null(), reason=pl.col("_drop_reason"),
+                                from_call=pl.coalesce("_drop_from", "first_call"))
+    kept = materialize(kept)
 
     # ---- synthetic results: desired (D) against existing (E)
     call_rows = (
@@ -509,73 +482,39 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
             _src=pl.concat_str([pl.col("entry_id"), pl.col("block_pos").cast(pl.String)], separator="#"),
         )
         .with_columns(_sid=synthetic_id_expr("pairing", "missing_result", pl.col("_src"), 0))
-        .select(
-            *THREAD, "source_format", "source_file", "source_line",
-            raw_line=pl.lit(""),
-            entry_order="entry_order",
-            order_key=pl.col("_slot"),
-            entry_id=pl.col("_sid"),
-            parent_id=pl.col("entry_id"),
-            msg_key=pl.col("_sid"),
-            message_id=pl.lit(None, pl.String),
-            request_id=pl.lit(None, pl.String),
-            role=pl.lit("tool"),
-            is_call=pl.lit(False),
-            first_call=pl.col("_fc").cast(pl.Int32),
-            last_call=pl.col("_s_end").cast(pl.Int32),
-            block_pos=pl.lit(0, pl.Int32),
-            part_pos=pl.lit(0, pl.Int32),
-            block_type=pl.lit("tool_result"),
-            part_type=pl.lit("string"),
-            text=pl.lit(text),
-            signature=pl.lit(None, pl.String),
-            tool_use_id=pl.col("_new_cid"),
-            tool_name=pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()),
-            tool_input=pl.lit(None, pl.String),
-            is_error=pl.lit(True),
-            image_media_type=pl.lit(None, pl.String),
-            image_bytes=pl.lit(None, pl.Int64),
-            image_width=pl.lit(None, pl.Int32),
-            image_height=pl.lit(None, pl.Int32),
-            image_data=pl.lit(None, pl.String),
-            extra_json=pl.lit(None, pl.String),
-            timestamp="timestamp",
-            model=pl.lit(None, pl.String),
-            provider=pl.lit(None, pl.String),
-            api=pl.lit(None, pl.String),
-            stop_reason=pl.lit(None, pl.String),
-            usage_input=pl.lit(None, pl.Int64),
-            usage_output=pl.lit(None, pl.Int64),
-            usage_cache_read=pl.lit(None, pl.Int64),
-            usage_cache_write=pl.lit(None, pl.Int64),
-            usage_cache_write_5m=pl.lit(None, pl.Int64),
-            usage_cache_write_1h=pl.lit(None, pl.Int64),
-            u_input=pl.lit(None, pl.Int64),
-            u_output=pl.lit(None, pl.Int64),
-            u_cache_read=pl.lit(None, pl.Int64),
-            u_cache_write=pl.lit(None, pl.Int64),
-            u_total=pl.lit(None, pl.Int64),
-            usage_stale=pl.lit(None, pl.Boolean),
-            is_sidechain="is_sidechain",
-            is_meta=pl.lit(False),
-            is_compact_summary=pl.lit(False),
-            is_display_only=pl.lit(False),
-            provenance_kind=pl.lit(None, pl.String),
-            provenance_source_session=pl.lit(None, pl.String),
-            provenance_channel=pl.lit(None, pl.String),
-            provenance_tool=pl.lit(None, pl.String),
-            content_sha256=pl.lit(""),
-            origin=pl.lit("pairing"),
-            cache_epoch="cache_epoch",
-        )
-        .with_columns(content_sha256=content_sha_expr())
-        .select([pl.col(c).cast(dt) for c, dt in BLOCK_SCHEMA.items()])
     )
+    d = new_rows(
+        d,
+        keep=(*THREAD, "source_format", "source_file", "source_line", "entry_order", "timestamp", "is_sidechain",
+              "cache_epoch"),
+        raw_line=pl.lit(""),
+        order_key=pl.col("_slot"),
+        entry_id=pl.col("_sid"),
+        parent_id=pl.col("entry_id"),
+        msg_key=pl.col("_sid"),
+        role=pl.lit("tool"),
+        is_call=pl.lit(False),
+        first_call=pl.col("_fc").cast(pl.Int32),
+        last_call=pl.col("_s_end").cast(pl.Int32),
+        block_pos=pl.lit(0, pl.Int32),
+        part_pos=pl.lit(0, pl.Int32),
+        block_type=pl.lit("tool_result"),
+        part_type=pl.lit("string"),
+        text=pl.lit(text),
+        tool_use_id=pl.col("_new_cid"),
+        tool_name=pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()),
+        is_error=pl.lit(True),
+        is_meta=pl.lit(False),
+        is_compact_summary=pl.lit(False),
+        is_display_only=pl.lit(False),
+        content_sha256=pl.lit(""),
+        origin=pl.lit("pairing"),
+    ).with_columns(content_sha256=content_sha_expr())
     existing = kept.filter(is_synthetic)
     kept = kept.filter(~is_synthetic)
     e_sum = existing.group_by(THREAD + ["entry_id"]).agg(
         _e_start=pl.col("first_call").min(),
-        _e_end=_null_max("last_call"),
+        _e_end=open_max("last_call"),
         _e_sha=pl.col("content_sha256").sort_by("first_call").first(),
         _e_ok=pl.col("order_key").first(),
     )

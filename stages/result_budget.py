@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline.blockops import BLOCK_SCHEMA, replace_where, sha256_hex
+from pipeline.blockops import BLOCK_SCHEMA, replace_where, sha256_expr
+from pipeline.calls import BLOCK_KEY, PART_KEY, THREAD, materialize, reapply_ledger, visible_at
 from pipeline.registry import StageContext, StageResult, stage
-from stages.snip import BLOCK_KEY, PART_KEY, THREAD, materialize, reapply_ledger
 
 MARKER_RE = r"\n…\d+ chars truncated…\n"
 SPILL_PREFIX = "<persisted-output ref="
@@ -86,13 +86,9 @@ def truncate_expr(text: pl.Expr, budget: pl.Expr, p: ResultBudget) -> pl.Expr:
     return pl.concat_str([head, pl.lit("\n…"), removed.cast(pl.String), pl.lit(" chars truncated…\n"), tail])
 
 
-def _sha_series(s: pl.Series) -> pl.Series:
-    return pl.Series([None if t is None else sha256_hex(t) for t in s.to_list()], dtype=pl.String)
-
-
 def spill_expr(text: pl.Expr, preview_budget: pl.Expr, p: ResultBudget) -> pl.Expr:
     """`<persisted-output ref="spill://sha256/<hex>" chars="<n>" sha256="<12 hex>">` + preview."""
-    sha = text.map_batches(_sha_series, return_dtype=pl.String)
+    sha = sha256_expr(text)
     preview = _snapped_head(text, preview_budget, p.snap_newline_within)
     return pl.concat_str([
         pl.lit(f'{SPILL_PREFIX}"{SPILL_URI}'), sha, pl.lit('" chars="'),
@@ -105,10 +101,8 @@ def spilled_texts(blocks_before: pl.LazyFrame, decisions: pl.LazyFrame) -> pl.La
     """What the runner must write to the spill store: (sha256, ref, text) of every spilled block,
     read from the blocks this stage received (a stage itself does no I/O)."""
     spills = decisions.filter(pl.col("action") == "spill").select(*PART_KEY, "from_call")
-    rows = blocks_before.join(spills, on=PART_KEY, how="inner").filter(
-        (pl.col("first_call") <= pl.col("from_call"))
-        & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("from_call"))))
-    sha = pl.col("text").map_batches(_sha_series, return_dtype=pl.String)
+    rows = blocks_before.join(spills, on=PART_KEY, how="inner").filter(visible_at("from_call"))
+    sha = sha256_expr(pl.col("text"))
     return rows.select(sha256=sha, text="text").unique("sha256").with_columns(ref=pl.lit(SPILL_URI) + pl.col("sha256"))
 
 
@@ -118,9 +112,9 @@ def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple
     snap_cols = list(BLOCK_SCHEMA.names())
     rows = blocks.filter(pl.col("block_type") == "tool_result")
     # the version of each part that the result's first request holds
-    rows = rows.with_columns(_c0=pl.col("first_call").min().over(BLOCK_KEY)).filter(
-        (pl.col("first_call") <= pl.col("_c0")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_c0")))
-    )
+    first_call_of_result = pl.col("first_call").min().over(BLOCK_KEY)
+    in_first = visible_at("_c0")
+    rows = rows.with_columns(_c0=first_call_of_result).filter(in_first)
     has_text = pl.col("text").is_not_null() & (pl.col("part_type").fill_null("text") != "image")
     decided = pl.col("text").str.contains(MARKER_RE) | pl.col("text").str.starts_with(SPILL_PREFIX)
     parts = rows.filter(has_text).select(
@@ -201,9 +195,7 @@ def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple
 
     todo = results.filter(pl.col("_reason").is_not_null()).select(*BLOCK_KEY, "_size", "_spill", "_budget", "_reason")
     todo = materialize(todo)
-    marked = blocks.join(todo, on=BLOCK_KEY, how="left").with_columns(
-        _c0=pl.col("first_call").min().over(BLOCK_KEY))
-    in_first = (pl.col("first_call") <= pl.col("_c0")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_c0")))
+    marked = blocks.join(todo, on=BLOCK_KEY, how="left").with_columns(_c0=first_call_of_result)
     target = pl.col("_reason").is_not_null() & (pl.col("block_type") == "tool_result") & in_first & has_text \
         & ~decided.fill_null(False)
     length = pl.col("text").str.len_chars().cast(pl.Int64)

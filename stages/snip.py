@@ -1,13 +1,10 @@
 """L5b snip: remove whole old turns when the request passes the high watermark (layer-semantics §8).
 
-Also home of the per-call helpers that layers 5 and 6 share (the fast token estimate, per-call
-request tokens, turns, frozen ledger decisions): `tombstone` and `result_budget` import them.
-
 Time in the blocks table: call k's request = the versions with first_call <= k < last_call. The
 per-call quantities (request tokens, latest user row, request time) are built columnar from
-first_call / last_call deltas; the watermark walk itself is a forward scan over the calls of one
-thread (its state, the snip frontier, only moves forward), run inside `map_batches`:
-linear in calls plus the rows it removes.
+first_call / last_call deltas (pipeline.calls); the watermark walk itself is a forward scan over
+the calls of one thread (its state, the snip frontier, only moves forward), run inside
+`map_batches`: linear in calls plus the rows it removes.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from typing import Any
 
 import polars as pl
 
-from pipeline import tokens
 from pipeline.blockops import (
     BLOCK_SCHEMA,
     block_json_expr,
@@ -29,222 +25,42 @@ from pipeline.blockops import (
     decisions_from,
     drop_where,
     empty_decisions,
+    new_rows,
     rehash,
-    replace_where,
-    synthetic_id,
+    synthetic_id_expr,
+)
+from pipeline.calls import (
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    PART_KEY,
+    THREAD,
+    VERSION_KEY,
+    call_grid,
+    firing_epoch,
+    forward_by_call,
+    materialize,
+    messages,
+    open_max,
+    reapply_ledger,
+    request_tokens,
+    row_tokens_expr,
+    text_tokens,
+    visible_at,
+    with_epoch,
 )
 from pipeline.registry import StageContext, StageResult, stage
 from schemas.blocks import BLOCKS as _BLOCKS_ARROW
-from schemas.blocks import CONTENT_COLUMNS
 from schemas.check import conform
-from schemas.decisions import STAGE_DECISION
-
-THREAD = ["session_id", "thread_id"]
-BLOCK_KEY = ["session_id", "thread_id", "entry_id", "block_pos"]
-PART_KEY = [*BLOCK_KEY, "part_pos"]
-VERSION_KEY = [*PART_KEY, "first_call"]
-
-MESSAGE_OVERHEAD_TOKENS = 3
-NO_CALL = 2**31 - 1  # stands for an open last_call in the scans
+from stages.tombstone import Tombstone
+from stages.tombstone import plan as tombstone_plan
 
 SNIP_TEMPLATE = "[Earlier conversation snipped: {n} messages (~{t} tokens) removed to fit the context budget]"
 SNIP_RE = re.compile(r"^\[Earlier conversation snipped: (\d+) messages \(~(\d+) tokens\) removed to fit the context budget\]$")
 
 
-def materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
-    """Run a plan once and continue from its result.
-
-    These stages use the blocks several times (joins, per-call aggregates, versioned
-    replacement); left lazy, every use would re-run the whole upstream plan, and the plan grows
-    with each nested use. Materialising at a few points keeps a stage's cost linear in its input.
-    """
-    return lf.collect().lazy()
-
-
-# ---------------------------------------------------------------------------------------------
-# tokens
-
-
-def row_tokens_expr(ctx: StageContext) -> pl.Expr:
-    """Estimated tokens of one block, the estimate the replay uses too (pipeline.tokens)."""
-    return tokens.row_tokens_expr(ctx.count_tokens)
-
-
-def text_tokens(texts: list[str], ctx: StageContext) -> list[int]:
-    """Tokens of a few literal texts (placeholders, markers) with the same counter."""
-    if ctx.count_tokens is None:
-        return [(len(t) + 3) // 4 for t in texts]
-    return [int(x) for x in ctx.count_tokens(pl.Series(texts, dtype=pl.String)).to_list()]
-
-
-def firing_epoch(k: int, ep: list[int], last_epoch: int) -> int:
-    """The cache epoch of a firing at call k: k + 1, or more when an earlier call already holds a
-    higher epoch, and above this stage's previous firing.
-
-    Tying the epoch to the call keeps epochs ordered like the calls across layers: snip cannot see
-    the epochs tombstone will use later, yet each prefix break at call k must carry an epoch above
-    every epoch of call k-1, whichever layer made it.
-    """
-    before = int(ep[k - 1]) if k > 0 else 0
-    return max(k + 1, before + 1, last_epoch + 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# messages, turns and per-call series
-
-
-def messages(blocks: pl.LazyFrame) -> pl.LazyFrame:
-    """One row per message: order, visible span, role, flags, turn index.
-
-    A turn starts at a user message that carries no tool result (layer-semantics §1); rows before
-    the first such message are turn 0. Snip markers never start a turn.
-    """
-    m = blocks.group_by([*THREAD, "msg_key"]).agg(
-        order=pl.col("order_key").min(),
-        first=pl.col("first_call").min(),
-        last=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
-        role=pl.col("role").first(),
-        origin=pl.col("origin").first(),
-        is_compact_summary=pl.col("is_compact_summary").any(),
-        has_result=(pl.col("block_type") == "tool_result").any(),
-        timestamp=pl.col("timestamp").sort_by("order_key").first(),
-    )
-    m = m.with_columns(
-        is_real_user=(pl.col("role") == "user") & ~pl.col("has_result") & (pl.col("origin") != "snip"),
-    )
-    return m.sort([*THREAD, "order", "msg_key"]).with_columns(
-        turn=pl.col("is_real_user").cast(pl.Int32).cum_sum().over(THREAD, order_by=["order", "msg_key"]),
-    )
-
-
-def call_grid(blocks: pl.LazyFrame) -> pl.LazyFrame:
-    """Calls 0..n of every thread (n = the pending call = the largest first_call)."""
-    return (
-        blocks.group_by(THREAD)
-        .agg(call=pl.int_ranges(0, pl.col("first_call").max().cast(pl.Int32) + 1, dtype=pl.Int32).first())
-        .explode("call")
-    )
-
-
-def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: str = "first_call",
-                 last: str = "last_call") -> pl.LazyFrame:
-    """Sum of `value` over the rows visible at each call (+v at `first`, -v at `last`, cumulated)."""
-    plus = rows.select(*THREAD, call=pl.col(first).cast(pl.Int32), _d=pl.col(value).cast(pl.Int64))
-    minus = rows.filter(pl.col(last).is_not_null()).select(
-        *THREAD, call=pl.col(last).cast(pl.Int32), _d=-pl.col(value).cast(pl.Int64))
-    deltas = pl.concat([plus, minus]).group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
-    return (
-        grid.join(deltas, on=[*THREAD, "call"], how="left")
-        .sort([*THREAD, "call"])
-        .with_columns(pl.col("_d").fill_null(0).cum_sum().over(THREAD, order_by="call").alias(value))
-        .drop("_d")
-    )
-
-
-def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame | None = None,
-                   msgs: pl.LazyFrame | None = None) -> pl.LazyFrame:
-    """Estimated request tokens per call: blocks visible at the call plus a per-message overhead."""
-    grid = call_grid(blocks) if grid is None else grid
-    msgs = messages(blocks) if msgs is None else msgs
-    rows = blocks.select(*THREAD, "first_call", "last_call", _t=row_tokens_expr(ctx))
-    over = msgs.select(*THREAD, first_call="first", last_call="last", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
-    both = pl.concat([rows, over.select(rows.collect_schema().names())])
-    return per_call_sum(both, "_t", grid).rename({"_t": "tokens"})
-
-
-def forward_by_call(events: pl.LazyFrame, grid: pl.LazyFrame, cols: list[str]) -> pl.LazyFrame:
-    """Join per-call events (at most one row per thread and call) to the grid and carry the last
-    value forward over the calls of each thread."""
-    return (
-        grid.join(events, on=[*THREAD, "call"], how="left")
-        .sort([*THREAD, "call"])
-        .with_columns([pl.col(c).forward_fill().over(THREAD, order_by="call") for c in cols])
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# frozen decisions (layer-semantics §11)
-
-
-def _replacement_struct() -> pl.DataType:
-    return pl.Struct({c: BLOCK_SCHEMA[c] for c in CONTENT_COLUMNS})
-
-
-def reapply_ledger(blocks: pl.LazyFrame, ledger: pl.LazyFrame, *, actions: tuple[str, ...],
-                   apply_on_mismatch: bool = False) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """Re-apply this stage's earlier decisions (replace-like with a replacement, drop-like without).
-
-    A decision targets the version of its block visible at `from_call`. When that version's
-    content hash differs from the decision's `before_sha256` (the input changed since it was
-    made), the decision is not applied and a `conflict` decision is written instead (the stage
-    then decides afresh; `--strict` runs fail on conflicts); with `apply_on_mismatch` (positional
-    decisions such as a snip) it is applied all the same and the conflict only recorded. A target
-    that no longer exists is a `conflict` too (reason `missing_target`).
-    Returns (blocks, decisions: re-applied + conflicts).
-    """
-    led = materialize(ledger.filter(pl.col("action").is_in(list(actions))).select(
-        *PART_KEY,
-        _lf=pl.col("from_call").cast(pl.Int32),
-        _la=pl.col("action"),
-        _lr=pl.col("reason"),
-        _lb=pl.col("before_sha256"),
-        _lrep=pl.col("replacement"),
-        _le=pl.col("cache_epoch").cast(pl.Int32),
-    ))
-    targets = blocks.select(*VERSION_KEY, "last_call", "content_sha256", "cache_epoch").join(
-        led, on=PART_KEY, how="inner", nulls_equal=True,
-    ).filter(
-        (pl.col("first_call") <= pl.col("_lf")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_lf")))
-    )
-    ok_hash = pl.col("content_sha256") == pl.col("_lb")
-    good = targets if apply_on_mismatch else targets.filter(ok_hash)
-    bad = targets.filter(~ok_hash)
-    missing = led.join(targets.select(*PART_KEY, "_lf"), on=[*PART_KEY, "_lf"], how="anti", nulls_equal=True)
-
-    conflicts = pl.concat([
-        bad.select(*PART_KEY, _lf="_lf", _reason=pl.lit("hash_mismatch"), _before="_lb", _after="content_sha256",
-                   _epoch="cache_epoch"),
-        missing.select(*PART_KEY, _lf="_lf", _reason=pl.lit("missing_target"), _before="_lb",
-                       _after=pl.lit(None, pl.String), _epoch=pl.lit(0, pl.Int32)),
-    ])
-    conflict_dec = conform(conflicts.select(
-        *PART_KEY, tool_use_id=pl.lit(None, pl.String), from_call="_lf", action=pl.lit("conflict"),
-        reason="_reason", before_sha256="_before", after_sha256="_after", before_len=pl.lit(None, pl.Int64),
-        after_len=pl.lit(None, pl.Int64), replacement=pl.lit(None, pl.String), cache_epoch="_epoch",
-    ), STAGE_DECISION)
-
-    cols = list(BLOCK_SCHEMA.names())
-    apply = good.select(*VERSION_KEY, "_lf", "_la", "_lr", "_lrep", "_le")
-    marked = blocks.join(apply, on=VERSION_KEY, how="left", nulls_equal=True)
-    # replace-like decisions: the replacement JSON holds the new content columns
-    rep = pl.col("_lrep").str.json_decode(_replacement_struct())
-    has_rep = pl.col("_la").is_not_null() & pl.col("_lrep").is_not_null()
-    new_values = {c: pl.when(has_rep).then(rep.struct.field(c)).otherwise(pl.col(c)) for c in CONTENT_COLUMNS}
-    new_values["cache_epoch"] = pl.when(has_rep).then(pl.col("_le")).otherwise(pl.col("cache_epoch"))
-    out, d1 = replace_where(marked, has_rep, new_values, action=pl.col("_la"), reason=pl.col("_lr"),  # type: ignore[arg-type]
-                            from_call=pl.col("_lf"))
-    # replace_where keeps only block columns: join the ledger columns back for the drops
-    out = out.join(apply.filter(pl.col("_lrep").is_null()), on=VERSION_KEY, how="left", nulls_equal=True)
-    out, d2 = drop_where(out, pl.col("_la").is_not_null(), reason=pl.col("_lr"), from_call=pl.col("_lf"),
-                         action=pl.col("_la"))  # type: ignore[arg-type]
-    d2 = d2.join(led.select(*PART_KEY, from_call="_lf", _le="_le"), on=[*PART_KEY, "from_call"], how="left") \
-        .with_columns(cache_epoch=pl.coalesce("_le", "cache_epoch")).drop("_le")
-    return materialize(out.select(cols)), materialize(pl.concat([d1, d2.select(d1.collect_schema().names()),
-                                                                 conflict_dec]))
-
-
-def with_epoch(decisions: pl.LazyFrame, epochs: pl.LazyFrame) -> pl.LazyFrame:
-    """Set decisions' cache_epoch from `epochs` (PART_KEY, from_call, _epoch) where given."""
-    return decisions.join(epochs, on=[*PART_KEY, "from_call"], how="left").with_columns(
-        cache_epoch=pl.coalesce(pl.col("_epoch").cast(pl.Int32), pl.col("cache_epoch"))
-    ).drop("_epoch")
-
-
-def tombstone_params_from(ctx: StageContext) -> Any:
+def tombstone_params_from(ctx: StageContext) -> Tombstone | None:
     """The tombstone params snip dry-runs with: ctx.extra["tombstone"] (params, a dict, or None /
     false = no tombstone stage in the pipeline); absent: the documented defaults."""
-    from stages.tombstone import Tombstone
-
     if "tombstone" not in ctx.extra:
         return Tombstone()
     value = ctx.extra["tombstone"]
@@ -282,11 +98,6 @@ class Snip:
             raise ValueError("keep_head_turns must be at least 1: the first user turn is never snipped")
         if self.min_tail_turns < 0 or self.reserve_output_tokens < 0:
             raise ValueError("min_tail_turns and reserve_output_tokens must not be negative")
-
-
-def _marker_entry_id(session_id: str, thread_id: str) -> str:
-    return synthetic_id(session_id, "snip", "marker", thread_id, 0)
-
 
 
 _FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
@@ -395,24 +206,18 @@ def _marker_rows(anchors: pl.LazyFrame, versions: pl.LazyFrame) -> pl.LazyFrame:
     """Marker block versions: `anchors` = the first snipped row of each thread (a blocks row),
     `versions` = THREAD, first_call, last_call, text, cache_epoch."""
     a = anchors.drop("first_call", "last_call", "text", "cache_epoch")
-    rows = a.join(versions, on=THREAD, how="inner")
-    nulls = ["parent_id", "message_id", "request_id", "part_type", "signature", "tool_use_id", "tool_name",
-             "tool_input", "is_error", "image_media_type", "image_bytes", "image_width", "image_height",
-             "image_data", "extra_json", "model", "provider", "api", "stop_reason", "usage_input", "usage_output",
-             "usage_cache_read", "usage_cache_write", "usage_cache_write_5m", "usage_cache_write_1h",
-             "u_input", "u_output", "u_cache_read", "u_cache_write", "u_total", "usage_stale",
-             "provenance_kind", "provenance_source_session", "provenance_channel", "provenance_tool"]
-    marker_id = pl.struct("session_id", "thread_id").map_batches(
-        lambda s: pl.Series([_marker_entry_id(r["session_id"], r["thread_id"]) for r in s.to_list()],
-                            dtype=pl.String), return_dtype=pl.String)
-    rows = rows.with_columns(
-        *[pl.lit(None, BLOCK_SCHEMA[c]).alias(c) for c in nulls],
-        entry_id=marker_id, raw_line=pl.lit(""), role=pl.lit("user"), is_call=pl.lit(False),
-        block_pos=pl.lit(0, pl.Int32), part_pos=pl.lit(0, pl.Int32), block_type=pl.lit("text"),
+    rows = a.join(versions, on=THREAD, how="inner").with_columns(
+        _marker_id=synthetic_id_expr("snip", "marker", pl.col("thread_id"), 0))
+    rows = new_rows(
+        rows,
+        keep=("session_id", "thread_id", "source_format", "source_file", "source_line", "entry_order", "first_call",
+              "last_call", "text", "timestamp", "is_sidechain", "cache_epoch"),
+        entry_id=pl.col("_marker_id"), msg_key=pl.col("_marker_id"), raw_line=pl.lit(""), role=pl.lit("user"),
+        is_call=pl.lit(False), block_pos=pl.lit(0, pl.Int32), part_pos=pl.lit(0, pl.Int32), block_type=pl.lit("text"),
         is_meta=pl.lit(False), is_compact_summary=pl.lit(False), is_display_only=pl.lit(False),
-        order_key=pl.col("order_key") - 1, origin=pl.lit("snip"),
-    ).with_columns(msg_key=pl.col("entry_id"))
-    return conform(rehash(rows.with_columns(content_sha256=pl.lit(""))), _BLOCKS_ARROW)
+        order_key=pl.col("order_key") - 1, origin=pl.lit("snip"), content_sha256=pl.lit(""),
+    )
+    return conform(rehash(rows), _BLOCKS_ARROW)
 
 
 def _marker_decisions(rows: pl.LazyFrame, prior: pl.LazyFrame | None = None) -> pl.LazyFrame:
@@ -477,8 +282,6 @@ def _unsnipped(blocks: pl.LazyFrame, cut: pl.LazyFrame) -> pl.LazyFrame:
 
 def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
     """The snip itself (no ledger): returns (blocks, decisions)."""
-    from stages.tombstone import plan as tombstone_plan
-
     budget = max(0, ctx.window_tokens - params.reserve_output_tokens)
     hi, lo = params.high_watermark * budget, params.low_watermark * budget
     head = params.keep_head_turns
@@ -555,8 +358,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
     anchors = pl.concat([anchors_new.select(BLOCK_SCHEMA.names()),
                          existing.select(BLOCK_SCHEMA.names()).with_columns(order_key=pl.col("order_key") + 1)])
     removed_end = _snippable(blocks, msgs, head).join(hit.select(*VERSION_KEY), on=VERSION_KEY, how="semi") \
-        .group_by(THREAD).agg(_end=pl.when(pl.col("last_call").is_null().any()).then(None)
-                              .otherwise(pl.col("last_call").max()))
+        .group_by(THREAD).agg(_end=open_max("last_call"))
     versions = firings.with_columns(
         last_call=pl.col("call").shift(-1).over(THREAD, order_by="call"),
         text=pl.format("[Earlier conversation snipped: {} messages (~{} tokens) removed to fit the context budget]",
@@ -583,14 +385,11 @@ def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFr
     anchored at the first row its recorded snips removed. Returns (blocks, marker decisions)."""
     led = ledger.filter(pl.col("action").is_in(["insert", "replace"]) & pl.col("replacement").is_not_null())
     snips = ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call")
-    targets = before.join(snips, on=PART_KEY, how="inner").filter(
-        (pl.col("first_call") <= pl.col("from_call"))
-        & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("from_call"))))
+    targets = before.join(snips, on=PART_KEY, how="inner").filter(visible_at("from_call"))
     anchors = targets.group_by(THREAD).agg(pl.all().sort_by("order_key", "entry_id", "block_pos", "part_pos").first()) \
         .select(BLOCK_SCHEMA.names())
     anchors = anchors.join(before.filter(pl.col("origin") == "snip").select(THREAD).unique(), on=THREAD, how="anti")
-    end = targets.group_by(THREAD).agg(_end=pl.when(pl.col("last_call").is_null().any()).then(None)
-                                       .otherwise(pl.col("last_call").max()))
+    end = targets.group_by(THREAD).agg(_end=open_max("last_call"))
     versions = led.sort("from_call").select(
         *THREAD, first_call="from_call", cache_epoch="cache_epoch",
         text=pl.col("replacement").str.json_decode(pl.Struct({"text": pl.String})).struct.field("text"),

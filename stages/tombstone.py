@@ -20,29 +20,30 @@ from typing import Any, Literal
 import polars as pl
 
 from pipeline.blockops import BLOCK_SCHEMA, drop_where, replace_where
-from pipeline.registry import StageContext, StageResult, stage
-from pipeline.tokens import is_image_expr, tokens_expr
-from stages.snip import (
+from pipeline.calls import (
     BLOCK_KEY,
     NO_CALL,
     PART_KEY,
+    THINKING_TYPES,
     THREAD,
+    TOOL_CALL_TYPES,
     call_grid,
     firing_epoch,
     forward_by_call,
     materialize,
     messages,
+    open_max,
     reapply_ledger,
     request_tokens,
     row_tokens_expr,
     text_tokens,
     with_epoch,
 )
+from pipeline.registry import StageContext, StageResult, stage
+from pipeline.tokens import is_image_expr, tokens_expr
 
 CLEARED = "[Old tool result content cleared]"
 REASONING_OMITTED = "[assistant reasoning omitted]"
-THINKING_TYPES = ["thinking", "redacted_thinking"]
-TOOL_CALL_TYPES = ["tool_use", "tool_call", "function_call"]
 
 
 def _default_tools() -> dict[str, tuple[str, ...]]:
@@ -322,7 +323,7 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     tool name (results often carry none) and the tokens that clearing the call's input would free."""
     results = blocks.filter((pl.col("block_type") == "tool_result") & pl.col("tool_use_id").is_not_null()) \
         .group_by(BLOCK_KEY).agg(pl.col("tool_use_id").first(), order_key=pl.col("order_key").min())
-    calls = blocks.filter(pl.col("block_type").is_in(TOOL_CALL_TYPES) & pl.col("tool_use_id").is_not_null()) \
+    calls = blocks.filter(pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & pl.col("tool_use_id").is_not_null()) \
         .with_columns(_tok=row_tokens_expr(ctx),
                       _after=tokens_expr(pl.concat_str([pl.col("tool_name"), pl.lit("{}")], separator=" ",
                                                        ignore_nulls=True), ctx.count_tokens)) \
@@ -383,7 +384,7 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     res = rows.group_by(BLOCK_KEY).agg(
         order=pl.col("order_key").min(),
         a=pl.col("first_call").min(),
-        z=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
+        z=open_max("last_call"),
         tool_name=pl.col("tool_name").drop_nulls().first(),
         pinned=pl.col("extra_json").fill_null("").str.contains('"pinned":true', literal=True).any(),
     ).join(size, on=BLOCK_KEY, how="left").join(placeholder, on=BLOCK_KEY, how="left").with_columns(
@@ -408,7 +409,7 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     if params.clear_thinking_keep != "all":
         think = _thinking(blocks, msgs).with_columns(_tok=row_tokens_expr(ctx)).group_by(BLOCK_KEY).agg(
             order=pl.col("order_key").min(), a=pl.col("first_call").min(), turn=pl.col("turn").min(),
-            z=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
+            z=open_max("last_call"),
             last=pl.col("last_call").max(),
             s=(pl.col("_tok").sort_by("first_call").first()
                - pl.when(pl.col("_only").first() & pl.col("_firstb").first()).then(omitted_tok).otherwise(0)),
@@ -422,13 +423,21 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     return _apply(blocks, assign, params, owners if params.clear_tool_inputs else None)
 
 
+def _only_thinking() -> pl.Expr:
+    """The row's message holds only thinking blocks."""
+    return pl.col("block_type").is_in(list(THINKING_TYPES)).all().over([*THREAD, "msg_key"])
+
+
+def _first_block() -> pl.Expr:
+    """The row is (a part of) its message's first block."""
+    return pl.col("block_pos") == pl.col("block_pos").min().over([*THREAD, "msg_key"])
+
+
 def _thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame) -> pl.LazyFrame:
     """Thinking blocks of assistant messages, with their turn and whether the message holds only
     thinking (then its first block becomes `[assistant reasoning omitted]` instead of going)."""
-    only_thinking = pl.col("block_type").is_in(THINKING_TYPES).all().over([*THREAD, "msg_key"])
-    first_block = pl.col("block_pos") == pl.col("block_pos").min().over([*THREAD, "msg_key"])
-    return blocks.filter(pl.col("role") == "assistant").with_columns(_only=only_thinking, _firstb=first_block) \
-        .filter(pl.col("block_type").is_in(THINKING_TYPES)) \
+    return blocks.filter(pl.col("role") == "assistant").with_columns(_only=_only_thinking(), _firstb=_first_block()) \
+        .filter(pl.col("block_type").is_in(list(THINKING_TYPES))) \
         .join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left")
 
 
@@ -465,7 +474,7 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
             *THREAD, entry_id="_use_entry", block_pos="_use_pos", _call2="_call", _epoch2="_epoch")
         m2 = out.join(owner.unique(subset=BLOCK_KEY), on=BLOCK_KEY, how="left")
         out, d_input = replace_where(
-            m2, pl.col("_call2").is_not_null() & pl.col("block_type").is_in(TOOL_CALL_TYPES),
+            m2, pl.col("_call2").is_not_null() & pl.col("block_type").is_in(list(TOOL_CALL_TYPES)),
             {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_epoch2")},
             action="clear_input", reason="tombstone", from_call=pl.col("_call2"),
         )
@@ -474,11 +483,9 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
 
     if params.clear_thinking_keep != "all":
         th = a.filter(pl.col("kind") == "think").drop("kind")
-        only_thinking = pl.col("block_type").is_in(THINKING_TYPES).all().over([*THREAD, "msg_key"])
-        first_block = pl.col("block_pos") == pl.col("block_pos").min().over([*THREAD, "msg_key"])
-        hit = pl.col("_call").is_not_null() & pl.col("block_type").is_in(THINKING_TYPES)
+        hit = pl.col("_call").is_not_null() & pl.col("block_type").is_in(list(THINKING_TYPES))
         # a message left with only thinking keeps one text block saying so (as layer 1 does)
-        m3 = out.with_columns(_only=only_thinking, _firstb=first_block).join(th, on=BLOCK_KEY, how="left")
+        m3 = out.with_columns(_only=_only_thinking(), _firstb=_first_block()).join(th, on=BLOCK_KEY, how="left")
         th_hits = m3.filter(hit).select(*PART_KEY, "first_call", "_call", "_epoch")
         out, d_t1 = replace_where(
             m3, hit & pl.col("_only") & pl.col("_firstb"),

@@ -89,6 +89,24 @@ def target_names() -> list[str]:
     return sorted(TARGETS)
 
 
+def target_family(target: str) -> str:
+    """The API family a target name belongs to: anthropic (also bedrock, claude*), openai_responses,
+    openai_chat (any other openai*), gemini (also google*), mistral; another name is returned
+    lower-cased. `-` and `_` are the same in a name."""
+    t = (target or "").lower()
+    if t.startswith(("anthropic", "bedrock", "claude")):
+        return "anthropic"
+    if t.startswith(("openai_responses", "openai-responses")):
+        return "openai_responses"
+    if t.startswith("openai"):
+        return "openai_chat"
+    if t.startswith(("gemini", "google")):
+        return "gemini"
+    if t.startswith("mistral"):
+        return "mistral"
+    return t
+
+
 _loaded = False
 
 

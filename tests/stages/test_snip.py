@@ -8,12 +8,13 @@ from typing import Any
 import polars as pl
 import pytest
 
+from pipeline.calls import request_tokens
 from pipeline.errors import SpecError
 from pipeline.registry import StageContext, get_stage
 from pipeline.spec import resolve_params
 from pipeline.testkit import make_blocks, run_stage, visible
 from pipeline.tokens import fast_token_estimate
-from stages.snip import SNIP_RE, request_tokens
+from stages.snip import SNIP_RE
 
 NO_DRY_RUN = StageContext(window_tokens=2_000, extra={"tombstone": None})
 PARAMS = {"reserve_output_tokens": 0}  # budget 2,000: high 1,600, low 1,200
