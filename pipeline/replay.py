@@ -179,7 +179,7 @@ def replay_thread(
         system = _system_messages(rows, system_rows) if split_system else []
         env = target.envelope(model, system)
         stand_in: list[dict[str, Any]] = []
-        if not wire and hasattr(target, "empty_messages"):
+        if not wire:
             # nothing recorded before this call (a history that starts with the assistant): the
             # target's stand-in turn keeps the request valid
             stand_in = target.empty_messages()

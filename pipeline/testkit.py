@@ -112,7 +112,7 @@ def naive_request(rows: list[dict[str, Any]], k: int, target_name: str, model: s
         else:
             logical.append(LogicalMessage(r["role"], [r], r["msg_key"]))
     msgs = [m for _, m in target.shape(logical, 0)]
-    if not msgs and hasattr(target, "empty_messages"):
+    if not msgs:
         msgs = target.empty_messages()
     return {target.list_key: msgs, **target.envelope(model, system)}
 

@@ -9,7 +9,7 @@ separately. Targets register in TARGETS by name; `get_target(name)` finds one.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.errors import CtxReplayError
@@ -56,6 +56,10 @@ class Target(Protocol):
 
     def splits_system(self) -> bool:
         """True when system messages go to the envelope instead of the message list."""
+        ...
+
+    def empty_messages(self) -> list[dict[str, Any]]:
+        """What stands in for a request with no recorded message ([] for none)."""
         ...
 
     def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
@@ -120,13 +124,6 @@ def _load_builtin() -> None:
     for m in sorted(x.name for x in pkgutil.iter_modules(__path__) if not x.name.startswith("_")):
         importlib.import_module(f"{__name__}.{m}")
     _loaded = True
-
-
-@dataclass
-class Parts:
-    """Helpers shared by targets."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
 
 
 def group_blocks(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

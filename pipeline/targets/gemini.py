@@ -107,6 +107,10 @@ class Gemini:
             i = j
         return out
 
+    def empty_messages(self) -> list[dict[str, Any]]:
+        """No stand-in: a request with no recorded message stays empty (the validator reports it)."""
+        return []
+
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         env: dict[str, Any] = {"model": model}
         texts = [{"text": r.get("text") or ""} for m in system for r in m.rows

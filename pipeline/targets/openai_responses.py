@@ -87,6 +87,10 @@ class OpenAIResponses:
                 pending = None
         return out
 
+    def empty_messages(self) -> list[dict[str, Any]]:
+        """No stand-in: a request with no recorded message stays empty (the validator reports it)."""
+        return []
+
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         env: dict[str, Any] = {"model": model}
         text = "\n\n".join(r.get("text") or "" for m in system for r in m.rows if r["block_type"] == "text")
