@@ -175,7 +175,7 @@ def normalized_usage(blocks: pl.LazyFrame) -> pl.LazyFrame:
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("sanitize", version=1, params=Sanitize)
+@stage("sanitize", version=2, params=Sanitize)
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
     thinking policy, invalid tool calls, non-model tool-result fields, magic strings.

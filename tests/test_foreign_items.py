@@ -26,7 +26,12 @@ from pipeline.spec import load_spec
 from pipeline.targets import get_target
 from pipeline.testkit import make_blocks, run_stage
 from pipeline.tokens import CHARS4_COUNTER
-from pipeline.validate import validate_anthropic, validate_gemini, validate_openai_chat, validate_openai_responses
+from pipeline.validate import (
+    validate_anthropic,
+    validate_gemini,
+    validate_openai_chat,
+    validate_openai_responses,
+)
 
 TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
 CODEX_ID = "019b0000-aaaa-7bbb-8ccc-0123456789ab"
