@@ -6,11 +6,15 @@ Per thread, vectorised over all threads of a batch:
    again later is a new pair. A result is matched to the latest earlier call occurrence with its id.
 2. Results that match no call (no id, or an id no earlier call carries) are re-attached when exactly
    one unresolved call of their frame (the latest tool-call assistant row before them) can own them:
-   names agree (an unrecorded name agrees with any; `unknown` with none), and for a result without
-   an id the frame has a single call; such a result also gets `is_error = true`. Otherwise it is
-   dropped as `orphan`.
-3. Duplicates: the first real result of a call (by position) is kept, later ones are dropped as
-   `duplicate`. A result whose call leaves the request (compaction) is dropped from then on.
+   names agree (an unrecorded name agrees with any; `unknown` with none), for a result without an
+   id the frame has a single call, and the call has no result of its own (by id) visible where the
+   orphan first is; such a result also gets `is_error = true` (no id). Otherwise it is dropped as
+   `orphan`: a result never answers a call that has its own result.
+3. Duplicates: a call's own result (by id) always wins; of several, the first by position is kept,
+   later ones are dropped as `duplicate`. A re-attached result seen before the call's own result
+   stands in for it only until then (dropped from the call that sees the own result, reason
+   `superseded`, like a synthetic one); another re-attached result of the same call is an `orphan`.
+   A result whose call leaves the request (compaction) is dropped from then on.
 4. Failed frames (assistant `stop_reason` error/aborted with tool calls), `failed_frame_policy`:
    `drop` drops the assistant row and its results (`failed_frame`); `keep_with_synthetic` treats
    them like any frame; `preserve` keeps them and never synthesises their missing results.
@@ -362,7 +366,8 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         .then(pl.min_horizontal(pl.col("_p_fr"), pl.col("_lc")))
         .otherwise(pl.lit(None, pl.Int32)),
         _chosen=pl.col("_c_entry").is_not_null() & ~pl.col("_drop_frame").fill_null(False) & (pl.col("_rank") == 1),
-    ).with_columns(_interim=pl.col("_interim") & ~pl.col("_drop_frame").fill_null(False))
+    ).with_columns(_interim=pl.col("_interim") & pl.col("_c_entry").is_not_null()
+                   & ~pl.col("_drop_frame").fill_null(False))
     results = materialize(results)
 
     # ---- per call: its chosen result, synthetic need, slot
