@@ -35,6 +35,7 @@ from pipeline.loaders import LoadResult, load_paths
 from pipeline.registry import StageContext
 from pipeline.replay import (
     ROW_COLUMNS,
+    call_counts,
     call_skeleton,
     replay_thread,
     thread_calls,
@@ -173,9 +174,12 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
 
 def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, *,
                all_calls: bool, validate: bool, out_dir: Path | None,
-               progress: Progress | None = None) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
+               progress: Progress | None = None,
+               counts: dict[tuple[str, str], int] | None = None) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
+    """Replay every thread; `counts` (calls per thread, inherited ones included) lets a branch walk
+    its shared history's calls without reporting them."""
     target = get_target(target_name)
-    calls_by_thread = thread_calls(skeleton)
+    calls_by_thread = thread_calls(skeleton, counts)
     blocks = blocks.with_columns(_tok=row_tokens(blocks, counter))
     req_dir = out_dir / "requests" if out_dir else None
     if req_dir:
@@ -191,8 +195,11 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
         toks = part.get_column("_tok").to_list()
         jsonl = open(req_dir / f"{key}.jsonl", "wb") if (req_dir and all_calls) else None
         try:
+            reported = [c.reported for c in calls]
             for res in replay_thread(rows, toks, calls, target,
-                                     materialize=lambda k, pending: pending or all_calls):
+                                     materialize=lambda k, pending, rep=reported: pending or (all_calls and rep[k])):
+                if not res.is_pending and not calls[res.call].reported:
+                    continue  # an inherited call: its own thread reports it
                 rows_out.append({
                     "session_id": sid, "thread_id": tid, "thread_key": key, "call": res.call,
                     "is_pending": res.is_pending, "timestamp": res.timestamp, "model": res.model,
@@ -240,6 +247,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
     assert isinstance(blocks, pl.DataFrame)
     check_frame(blocks, BLOCKS, where="on load")
     skeleton = call_skeleton(blocks)
+    counts = call_counts(blocks)
     # rows no call ever sees (compacted away before any call) leave the table now
     blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
     ledger = Ledger(ledger_path)
@@ -250,7 +258,8 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         ctx = StageContext(target=target.name, window_tokens=int(spec.settings.get("window_tokens", 200_000)),
                            count_tokens=counter.series_counter(), token_counter_version=counter.name,
                            extra={"tombstone": tomb})
-        pending = skeleton.group_by("session_id", "thread_id").agg(pending_call=pl.len().cast(pl.Int32))
+        pending = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": n} for (s, t), n in counts.items()],
+                               schema={"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32})
         blocks, stage_stats = run_stages(blocks, spec, ledger, ctx, say, pending=pending,
                                                         spill_dir=opts.out_dir / "spill")
         applied = stage_stats.pop("_applied")
@@ -264,7 +273,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         with _gc_paused():
             calls_df, violations, replay_stats = replay_all(
                 pl.from_arrow(final), skeleton, target.name, counter, all_calls=opts.all_calls,  # type: ignore[arg-type]
-                validate=opts.validate, out_dir=opts.out_dir, progress=say)
+                validate=opts.validate, out_dir=opts.out_dir, progress=say, counts=counts)
         t_replay = time.perf_counter()
         calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
         quarantine = pa.Table.from_pylist(
@@ -410,13 +419,18 @@ def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -
         raise CtxReplayError(f"{out_dir}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
                              f"{' ...' if len(keys) > 10 else ''}")
     part = part.drop("_key")
-    calls = thread_calls(call_skeleton_from_calls(out_dir, key))
+    skel, n_calls = call_skeleton_from_calls(out_dir, key)
     sid, tid = part.row(0, named=True)["session_id"], part.row(0, named=True)["thread_id"]
-    infos = calls.get((sid, tid), [])
+    infos = thread_calls(skel, {(sid, tid): n_calls}).get((sid, tid), [])
     n = len(infos)
     k = n if call is None else call
     if k < 0 or k > n:
         raise CtxReplayError(f"thread '{key}' has calls 0..{n} ({n} is the pending call); got --call {call}")
+    if k < n and not infos[k].reported:
+        own = [c.call for c in infos if c.reported]
+        raise CtxReplayError(f"call {k} of thread '{key}' is history it shares with another thread of session "
+                             f"{sid}, which reports that request; this thread's own calls are "
+                             f"{', '.join(map(str, own)) or 'none'} and {n} (pending)")
     target = get_target(target_name)
     (_, rows_df), = list(thread_rows(part))
     rows = rows_df.to_dicts()
@@ -426,10 +440,13 @@ def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -
     raise CtxReplayError(f"thread '{key}': call {k} not found")
 
 
-def call_skeleton_from_calls(out_dir: Path, key: str) -> pl.DataFrame:
-    """The recorded calls of one thread (index and model), from a run's calls.parquet."""
-    calls = pl.read_parquet(out_dir / "calls.parquet").filter((pl.col("thread_key") == key) & ~pl.col("is_pending"))
-    return calls.select("session_id", "thread_id", "call", "model")
+def call_skeleton_from_calls(out_dir: Path, key: str) -> tuple[pl.DataFrame, int]:
+    """The reported calls of one thread (index and model) and its number of calls (the pending
+    call's index: inherited calls are not in calls.parquet), from a run's calls.parquet."""
+    calls = pl.read_parquet(out_dir / "calls.parquet").filter(pl.col("thread_key") == key)
+    n = calls.filter(pl.col("is_pending"))["call"].max()
+    rec = calls.filter(~pl.col("is_pending")).select("session_id", "thread_id", "call", "model")
+    return rec, int(n) if n is not None else rec.height
 
 
 __all__ = [
