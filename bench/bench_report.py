@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -37,12 +38,20 @@ def _ctxreplay() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "pipeline.cli"]
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, bytes]:
+CPU: dict[str, list[float]] = {}
+
+
+def _run(cmd: list[str], env: dict[str, str], tag: str = "") -> tuple[float, bytes]:
+    """Wall seconds and stdout; the CPU seconds (user + system, all processes) go to CPU[tag]."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, check=False)
     dt = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise SystemExit(f"bench_report: {' '.join(cmd)} exited {p.returncode}: {p.stderr.decode()[-500:]}")
+    if tag:
+        CPU.setdefault(tag, []).append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     return dt, p.stdout
 
 
@@ -74,13 +83,14 @@ def bench_tree(tree: Path, repeat: int, ccusage: str, cache_dir: Path) -> dict:
     _run(cc_cmd, env_cc)
     ours_t, cc_t = [], []
     ours_out = cc_out = b""
+    CPU.clear()
     for _ in range(repeat):
-        dt, ours_out = _run(ours_cmd, env_us)
+        dt, ours_out = _run(ours_cmd, env_us, "ours")
         ours_t.append(dt)
-        dt, cc_out = _run(cc_cmd, env_cc)
+        dt, cc_out = _run(cc_cmd, env_cc, "ccusage")
         cc_t.append(dt)
     shutil.rmtree(home, ignore_errors=True)
-    return {"ours": ours_t, "ccusage": cc_t, "cold": cold,
+    return {"ours": ours_t, "ccusage": cc_t, "cold": cold, "cpu": {k: statistics.median(v) for k, v in CPU.items()},
             "check": _same(json.loads(ours_out), json.loads(cc_out))}
 
 
@@ -186,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  ctxreplay report: best {o_best:.3f} s, median {o_med:.3f} s (cold price cache: {r['cold']:.3f} s)")
             print(f"  ccusage session : best {c_best:.3f} s, median {c_med:.3f} s")
             print(f"  ratio ccusage / ctxreplay: best {c_best / o_best:.2f}×, median {c_med / o_med:.2f}×")
+            cpu = r["cpu"]
+            print(f"  CPU seconds (user + sys, median): ctxreplay {cpu['ours']:.3f}, ccusage {cpu['ccusage']:.3f}, "
+                  f"ratio {cpu['ccusage'] / cpu['ours']:.2f}× (what a loaded machine leaves of the wall-clock ratio)")
             print(f"  check: {r['check']}")
             if a.alternatives:
                 alternatives(tree)

@@ -128,12 +128,17 @@ def discover(paths: Iterable[Path]) -> list[str]:
         else:
             raise InputError(f"{p}: no such file or directory. Pass transcript files or directories "
                              f"(e.g. ~/.claude/projects, ~/.openclaw/agents)")
-    seen: set[str] = set()
+    seen: set[tuple[int, int]] = set()
     uniq = []
     for f in sorted(out):
-        r = os.path.realpath(f)
-        if r not in seen:
-            seen.add(r)
+        try:
+            st = os.stat(f)
+        except OSError:
+            uniq.append(f)          # scan_file reports it as unreadable
+            continue
+        ident = (st.st_dev, st.st_ino)   # the same file reached twice (overlapping PATHS, links) counts once
+        if ident not in seen:
+            seen.add(ident)
             uniq.append(f)
     return uniq
 
@@ -606,41 +611,55 @@ def hit_rate(inp: int, cw5: int, cw1: int, cr: int) -> float | None:
     return cr / prompt if prompt else None
 
 
-class _Acc:
-    __slots__ = ("cost", "cr", "cw1", "cw5", "first", "inp", "last", "models", "n", "out", "project", "source",
-                 "unpriced")
+_N_SUMS = 7   # input, output, cache_write_5m, cache_write_1h, cache_read, cost, requests
 
-    def __init__(self) -> None:
-        self.inp = self.out = self.cw5 = self.cw1 = self.cr = self.n = 0
-        self.cost = 0.0
+
+class _Acc:
+    """Sums of one row: a list for the hot loop, turned into the row dict once."""
+
+    __slots__ = ("first", "last", "models", "project", "source", "sums", "unpriced")
+
+    def __init__(self, project: str = "", source: str = "") -> None:
+        self.sums: list[Any] = [0, 0, 0, 0, 0, 0.0, 0]
         self.models: set[str] = set()
         self.unpriced: set[str] = set()
         self.first = self.last = ""
-        self.project = self.source = ""
+        self.project, self.source = project, source
 
     def add(self, rec: tuple[Any, ...], cost: float | None) -> None:
-        self.inp += rec[IN]
-        self.out += rec[OUT]
-        self.cw5 += rec[CW5]
-        self.cw1 += rec[CW1]
-        self.cr += rec[CR]
-        self.n += 1
+        s = self.sums
+        s[0] += rec[IN]
+        s[1] += rec[OUT]
+        s[2] += rec[CW5]
+        s[3] += rec[CW1]
+        s[4] += rec[CR]
+        s[6] += 1
         self.models.add(rec[MODEL])
         if cost is None:
             self.unpriced.add(rec[MODEL])
         else:
-            self.cost += cost
+            s[5] += cost
         ts = rec[TS]
         if ts and (not self.first or ts < self.first):
             self.first = ts
         self.last = max(self.last, ts)
 
+    def merge(self, other: _Acc) -> None:
+        for i in range(_N_SUMS):
+            self.sums[i] += other.sums[i]
+        self.models |= other.models
+        self.unpriced |= other.unpriced
+        if other.first and (not self.first or other.first < self.first):
+            self.first = other.first
+        self.last = max(self.last, other.last)
+
     def row(self, key: str | None) -> dict[str, Any]:
+        inp, out, cw5, cw1, cr, cost, n = self.sums
         d: dict[str, Any] = {} if key is None else {"key": key}
-        d.update({"input_tokens": self.inp, "output_tokens": self.out, "cache_write_5m_tokens": self.cw5,
-                  "cache_write_1h_tokens": self.cw1, "cache_read_tokens": self.cr, "cost_usd": self.cost,
-                  "cache_hit_rate": hit_rate(self.inp, self.cw5, self.cw1, self.cr),
-                  "models": sorted(self.models), "unpriced_models": sorted(self.unpriced), "requests": self.n,
+        d.update({"input_tokens": inp, "output_tokens": out, "cache_write_5m_tokens": cw5,
+                  "cache_write_1h_tokens": cw1, "cache_read_tokens": cr, "cost_usd": cost,
+                  "cache_hit_rate": hit_rate(inp, cw5, cw1, cr),
+                  "models": sorted(self.models), "unpriced_models": sorted(self.unpriced), "requests": n,
                   "first_activity": self.first or None, "last_activity": self.last or None})
         return d
 
@@ -684,50 +703,63 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
             return (since is None or dd >= since) and (until is None or dd <= until)
         kept = [r for r in kept if inside(r)]
         progress_only = [r for r in progress_only if inside(r)]
-    tier_rule = "category" if compat else "request"
+    tier_rule: Any = "category" if compat else "request"
     rates_memo: dict[tuple[str, Any, str, Modifiers], Any] = {}
+
+    def rates_of(r: tuple[Any, ...]) -> Any:
+        ts = r[TS]
+        k = (r[MODEL], r[PROVIDER], ts[:10] if ts.endswith("Z") else ts or "1970-01-01", r[MODS])
+        rates = rates_memo.get(k, False)
+        if rates is False:
+            rates = book.rates(r[MODEL], ts or "1970-01-01", r[MODS], r[PROVIDER])
+            if not book.time_of_day(r[MODEL], r[PROVIDER]):   # DeepSeek's off-peak prices: per minute
+                rates_memo[k] = rates
+        return rates
 
     def cost_of(r: tuple[Any, ...]) -> float | None:
         if r[RECORDED] is not None:           # compat: ccusage prefers a line's own costUSD
             return r[RECORDED]
-        ts = r[TS]
-        day = ts[:10] if ts else "1970-01-01"
-        k = (r[MODEL], r[PROVIDER], day if not ts or ts.endswith("Z") else ts, r[MODS])
-        rates = rates_memo.get(k, False)
-        if rates is False:
-            rates = book.rates(r[MODEL], ts or day, r[MODS], r[PROVIDER])
-            if not book.time_of_day(r[MODEL], r[PROVIDER]):   # DeepSeek's off-peak prices: per minute
-                rates_memo[k] = rates
+        rates = rates_of(r)
         if rates is None:
             return None
-        if not rates.tiers and not r[WEB] and not rates.per_request:
-            b = rates.base
-            return (r[IN] * b.input + r[OUT] * b.output + r[CW5] * b.cache_write_5m + r[CW1] * b.cache_write_1h
-                    + r[CR] * b.cache_read) / 1e6
-        return price_with(rates, r[IN], r[OUT], r[CW5], r[CW1], r[CR], web_search_requests=r[WEB],
-                          tier_rule=tier_rule).total_usd
+        if rates.per_request or r[WEB] or (rates.tiers and tier_rule == "category"):
+            return price_with(rates, r[IN], r[OUT], r[CW5], r[CW1], r[CR], web_search_requests=r[WEB],
+                              tier_rule=tier_rule).total_usd
+        b = rates.base
+        if rates.tiers:                       # the provider's rule: the whole request at its tier
+            prompt = r[IN] + r[CW5] + r[CW1] + r[CR]
+            for above, tr in rates.tiers:
+                if prompt > above:
+                    b = tr
+        return (r[IN] * b.input + r[OUT] * b.output + r[CW5] * b.cache_write_5m + r[CW1] * b.cache_write_1h
+                + r[CR] * b.cache_read) / 1e6
 
-    groups: dict[str, _Acc] = {}
-    totals = _Acc()
     by = opts.by
+    if by == "session":
+        def group(r: tuple[Any, ...]) -> str:
+            return r[SESSION]
+    elif by == "day":
+        def group(r: tuple[Any, ...]) -> str:
+            return day_of(r[TS]) if r[TS] else "unknown"
+    elif by == "month":
+        def group(r: tuple[Any, ...]) -> str:
+            return (day_of(r[TS]) if r[TS] else "unknown")[:7]
+    elif by == "model":
+        def group(r: tuple[Any, ...]) -> str:
+            return r[MODEL]
+    else:
+        def group(r: tuple[Any, ...]) -> str:
+            return r[PROJECT]
+    groups: dict[str, _Acc] = {}
     for r in kept:
-        if by == "session":
-            g = r[SESSION]
-        elif by == "day":
-            g = day_of(r[TS]) if r[TS] else "unknown"
-        elif by == "month":
-            g = (day_of(r[TS]) if r[TS] else "unknown")[:7]
-        elif by == "model":
-            g = r[MODEL]
-        else:
-            g = r[PROJECT]
+        g = group(r)
         acc = groups.get(g)
         if acc is None:
-            acc = groups[g] = _Acc()
-            acc.project, acc.source = r[PROJECT], r[SOURCE]
-        c = cost_of(r)
-        acc.add(r, c)
-        totals.add(r, c)
+            acc = groups[g] = _Acc(r[PROJECT], r[SOURCE])
+        acc.add(r, cost_of(r))
+    totals = _Acc()
+    for acc in groups.values():
+        totals.merge(acc)
     po = _Acc()
     for r in progress_only:
         po.add(r, cost_of(r))
