@@ -663,6 +663,30 @@ class PriceBook:
             return pa.table({"model": pa.array([], pa.string())})
         return pa.Table.from_pylist(rows)
 
+    def cost_sql(self, n_tiers: int, *, rates: str = "r", input: str = "input_tokens",
+                 output: str = "output_tokens", cache_write_5m: str = "cache_write_5m_tokens",
+                 cache_write_1h: str = "cache_write_1h_tokens", cache_read: str = "cache_read_tokens") -> str:
+        """A SQL expression (DuckDB) for one request's cost in USD, given a joined `rate_table` row
+        aliased `rates` with `n_tiers` tier columns (the table's `max(n_tiers)`); null when unpriced.
+
+        ```sql
+        SELECT c.*, {book.cost_sql(width)} AS cost_usd
+        FROM calls c LEFT JOIN rates r ON r.model = c.model AND r.day = c.day AND r.modifiers = c.modifiers
+        ```
+        """
+        counts = {"input": input, "output": output, "cache_write_5m": cache_write_5m,
+                  "cache_write_1h": cache_write_1h, "cache_read": cache_read}
+        prompt = f"({input} + {cache_write_5m} + {cache_write_1h} + {cache_read})"
+        terms = []
+        for kind, col in counts.items():
+            rate = f"{rates}.{kind}"
+            for i in range(1, n_tiers + 1):
+                rate = (f"CASE WHEN {rates}.tier{i}_above IS NOT NULL AND {prompt} > {rates}.tier{i}_above "
+                        f"THEN {rates}.tier{i}_{kind} ELSE {rate} END")
+            terms.append(f"{col} * {rate}")
+        return (f"CASE WHEN {rates}.priced THEN ({' + '.join(terms)}) / 1e6 + {rates}.per_request "
+                f"ELSE NULL END")
+
     def price_frame(self, df: Any, *, model: str = "model", timestamp: str = "timestamp",
                     input: str = "input_tokens", output: str = "output_tokens",
                     cache_write_5m: str = "cache_write_5m_tokens", cache_write_1h: str = "cache_write_1h_tokens",

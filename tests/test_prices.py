@@ -296,3 +296,39 @@ def test_importing_prices_pulls_nothing_heavy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == "[]"
+
+
+def test_rate_table_joins_in_duckdb(book: PriceBook) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    calls = [("claude-opus-4-6", "2026-02-10", "", 3, 700, 500, 100, 250_000),
+             ("claude-opus-4-6", "2026-02-10", "", 3, 700, 500, 100, 20_000),
+             ("claude-opus-4-6", "2026-03-20", "speed=fast", 3, 700, 500, 100, 20_000),
+             ("claude-fake-model-9", "2026-02-10", "", 3, 700, 0, 0, 0)]
+    table = book.rate_table([(m, d, mods, None) for m, d, mods, *_ in calls])
+    width = max(table.column("n_tiers").to_pylist())
+    con = duckdb.connect()
+    con.register("rates", table)
+    con.execute("CREATE TABLE calls (model VARCHAR, day VARCHAR, modifiers VARCHAR, input_tokens BIGINT, "
+                "output_tokens BIGINT, cache_write_5m_tokens BIGINT, cache_write_1h_tokens BIGINT, "
+                "cache_read_tokens BIGINT)")
+    con.executemany("INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?, ?)", calls)
+    got = con.execute(f"SELECT {book.cost_sql(width)} FROM calls c LEFT JOIN rates r ON r.model = c.model "
+                      f"AND r.day = c.day AND r.modifiers = c.modifiers ORDER BY c.cache_read_tokens DESC, "
+                      f"c.day").fetchall()
+    from pipeline.prices import parse_modifiers_key
+
+    want = [book.price(m, d, *n, modifiers=parse_modifiers_key(mods)) for m, d, mods, *n in
+            sorted(calls, key=lambda c: (-c[7], c[1]))]
+    assert [g[0] for g in got] == pytest.approx([w.total_usd if w else None for w in want])
+    assert got[-1][0] is None          # the unpriced model
+
+
+def test_readme_prices_example_loads(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("`--prices FILE` adds models or overrides genai-prices")[1].split("```toml\n")[1].split("```")[0]
+    f = _write(tmp_path, block)
+    b = PriceBook.load(f, cache_dir=None)
+    assert b.rates("my-local-model", "2026-02-10").base.cache_read == 0.04          # type: ignore[union-attr]
+    assert b.rates("acme/x", "2026-02-10").tiers[0][0] == 200000                     # type: ignore[union-attr]
+    assert b.rates("claude-opus-4-6", "2027-01-01").base.input == 4.0               # type: ignore[union-attr]
+    assert b.rates("claude-opus-4-6", "2026-12-31").base.input == 5.0               # type: ignore[union-attr]
