@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime
@@ -247,6 +246,8 @@ def _token_rates(path: Path, where: str, d: Mapping[str, Any], fallback: TokenRa
 
 def load_overrides(path: Path) -> list[_Override]:
     """Read a `--prices` TOML file (format in README.md, "Prices")."""
+    import tomllib
+
     try:
         doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
