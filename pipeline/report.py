@@ -611,7 +611,7 @@ def hit_rate(inp: int, cw5: int, cw1: int, cr: int) -> float | None:
     return cr / prompt if prompt else None
 
 
-_N_SUMS = 7   # input, output, cache_write_5m, cache_write_1h, cache_read, cost, requests
+_N_SUMS = 8   # input, output, cache_write_5m, cache_write_1h, cache_read, cost, requests, unpriced requests
 
 
 class _Acc:
@@ -620,7 +620,7 @@ class _Acc:
     __slots__ = ("first", "last", "models", "project", "source", "sums", "unpriced")
 
     def __init__(self, project: str = "", source: str = "") -> None:
-        self.sums: list[Any] = [0, 0, 0, 0, 0, 0.0, 0]
+        self.sums: list[Any] = [0, 0, 0, 0, 0, 0.0, 0, 0]
         self.models: set[str] = set()
         self.unpriced: set[str] = set()
         self.first = self.last = ""
@@ -637,6 +637,7 @@ class _Acc:
         self.models.add(rec[MODEL])
         if cost is None:
             self.unpriced.add(rec[MODEL])
+            s[7] += 1
         else:
             s[5] += cost
         ts = rec[TS]
@@ -654,12 +655,13 @@ class _Acc:
         self.last = max(self.last, other.last)
 
     def row(self, key: str | None) -> dict[str, Any]:
-        inp, out, cw5, cw1, cr, cost, n = self.sums
+        inp, out, cw5, cw1, cr, cost, n, unpriced_n = self.sums
         d: dict[str, Any] = {} if key is None else {"key": key}
         d.update({"input_tokens": inp, "output_tokens": out, "cache_write_5m_tokens": cw5,
                   "cache_write_1h_tokens": cw1, "cache_read_tokens": cr, "cost_usd": cost,
                   "cache_hit_rate": hit_rate(inp, cw5, cw1, cr),
                   "models": sorted(self.models), "unpriced_models": sorted(self.unpriced), "requests": n,
+                  "unpriced_requests": unpriced_n,
                   "first_activity": self.first or None, "last_activity": self.last or None})
         return d
 

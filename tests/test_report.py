@@ -231,6 +231,7 @@ def test_unpriced_model_is_listed_not_zeroed(tmp_path: Path) -> None:
     r = doc["rows"][0]
     assert r["unpriced_models"] == ["claude-fake-model-9"] == doc["totals"]["unpriced_models"]
     assert r["models"] == ["claude-fake-model-9", "claude-opus-4-6"] and r["requests"] == 2
+    assert r["unpriced_requests"] == 1 == doc["totals"]["unpriced_requests"]
     assert r["output_tokens"] == 10                            # its tokens are counted ...
     assert r["cost_usd"] == pytest.approx((3 * 5 + 5 * 25 + 100 * 6.25 + 1000 * 0.5) / 1e6)   # ... its cost is not 0
     assert "no price for claude-fake-model-9" in res.stderr and "--prices" in res.stderr
