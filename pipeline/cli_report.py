@@ -83,8 +83,11 @@ def _warnings(doc: dict[str, Any]) -> None:
                    f"cost_usd (listed under unpriced_models); add them with --prices FILE", file=err)
     po = doc["progress_only"]
     if po["requests"] and not po["counted"]:
+        ss = po["sessions"]
+        where = f"session {', '.join(ss)}" if len(ss) <= 3 else \
+            f"sessions {', '.join(ss[:3])} and {len(ss) - 3} more (progress_only in --json)"
         click.echo(f"ctxreplay report: {po['requests']} request(s) recorded only as agent_progress copies "
-                   f"(subagent file missing; session {', '.join(po['sessions'])}) are not counted: "
+                   f"(subagent file missing; {where}) are not counted: "
                    f"{po['cost_usd']:.4f} USD; --count-progress-copies counts them", file=err)
     if doc["bad_lines"]:
         first = doc["bad_lines"][0]

@@ -458,6 +458,23 @@ class PriceBook:
         except OSError:
             pass
 
+    def export_lookups(self) -> dict[str, Any] | None:
+        """What this book learned (genai-prices lookups and warnings), for `import_lookups` in another
+        process: worker processes hand their lookups to the parent, which saves the disk cache."""
+        if not self._dirty and not self.warnings:
+            return None
+        return {"lookups": self._lookups, "rates": self._disk, "warnings": self.warnings}
+
+    def import_lookups(self, got: Mapping[str, Any]) -> None:
+        new_lookups = {k: v for k, v in got["lookups"].items() if k not in self._lookups}
+        new_rates = {k: v for k, v in got["rates"].items() if k not in self._disk}
+        if new_lookups or new_rates:
+            self._lookups.update(new_lookups)
+            self._disk.update(new_rates)
+            self._dirty = True
+        for w in got["warnings"]:
+            self._warn(w)
+
     def _warn(self, msg: str) -> None:
         if msg not in self._warned:
             self._warned.add(msg)

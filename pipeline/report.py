@@ -44,8 +44,10 @@ PARALLEL_MIN_BYTES = 48_000_000
 _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _CODEX_NEEDLES = (b'"token_count"', b'"turn_context"', b'"session_meta"')
 
-# record fields (a plain tuple: millions of them must stay cheap)
-KEY, PRIO, TOTAL, SESSION, PROJECT, TS, MODEL, PROVIDER, IN, OUT, CW5, CW1, CR, MODS, WEB, RECORDED, SOURCE = range(17)
+# record fields (a plain tuple: millions of them must stay cheap); DAY (in --tz) and COST (USD, None when
+# unpriced) are appended by `Pricer.finish`, in the process that scanned the file
+KEY, PRIO, TOTAL, SESSION, PROJECT, TS, MODEL, PROVIDER, IN, OUT, CW5, CW1, CR, MODS, WEB, RECORDED, SOURCE, \
+    DAY, COST = range(19)
 PRIO_PROGRESS, PRIO_SIDECHAIN, PRIO_MAIN = 0, 1, 2
 
 
@@ -511,13 +513,29 @@ def _scan_data(path: str, data: Any, compat: bool) -> FileScan:
     return _scan_claude(path, data, compat)
 
 
-def _scan_many(args: tuple[list[str], bool]) -> list[FileScan]:
+_PRICER: Pricer | None = None   # set by scan_files before forking: workers inherit it
+
+
+def _scan_many(args: tuple[list[str], bool]) -> tuple[list[FileScan], dict[str, Any] | None]:
+    """Scan (and, with a pricer, price) files; returns the scans and the price lookups this process made."""
     files, compat = args
-    return [scan_file(f, compat) for f in files]
+    scans = [scan_file(f, compat) for f in files]
+    pricer = _PRICER
+    if pricer is None:
+        return scans, None
+    for sc in scans:
+        sc.records = pricer.finish(sc.records)
+    return scans, pricer.book.export_lookups()
 
 
-def scan_files(files: list[str], *, compat: bool = False, workers: int | None = None) -> list[FileScan]:
-    """Scan files, in worker processes (fork) when the input is large; results in `files` order."""
+def scan_files(files: list[str], *, compat: bool = False, workers: int | None = None,
+               pricer: Pricer | None = None) -> list[FileScan]:
+    """Scan files, in worker processes (fork) when the input is large; results in `files` order.
+
+    With a `pricer`, every record also gets its day and cost (fields DAY and COST), computed where
+    the file was scanned; lookups the workers make reach `pricer.book` (and its disk cache).
+    """
+    global _PRICER
     sizes = []
     for f in files:
         try:
@@ -526,25 +544,33 @@ def scan_files(files: list[str], *, compat: bool = False, workers: int | None = 
             sizes.append(0)
     n = workers if workers is not None else (os.cpu_count() or 1) if sum(sizes) >= PARALLEL_MIN_BYTES else 1
     n = max(1, min(n, len(files)))
-    if n == 1:
-        return _scan_many((files, compat))
-    import multiprocessing as mp
-
+    _PRICER = pricer
     try:
-        ctx = mp.get_context("fork")
-    except ValueError:   # no fork on this platform: one process
-        return _scan_many((files, compat))
-    bins: list[list[str]] = [[] for _ in range(n)]
-    load = [0] * n
-    for size, f in sorted(zip(sizes, files, strict=True), reverse=True):
-        i = load.index(min(load))
-        bins[i].append(f)
-        load[i] += size
-    # n - 1 children and this process share the bins: one fork and one result transfer fewer
-    with ctx.Pool(n - 1) as pool:
-        pending = pool.map_async(_scan_many, [(b, compat) for b in bins[1:]], chunksize=1)
-        parts = [_scan_many((bins[0], compat)), *pending.get()]
-    by_path = {s.path: s for part in parts for s in part}
+        if n == 1:
+            return _scan_many((files, compat))[0]
+        import multiprocessing as mp
+
+        try:
+            ctx = mp.get_context("fork")
+        except ValueError:   # no fork on this platform: one process
+            return _scan_many((files, compat))[0]
+        bins: list[list[str]] = [[] for _ in range(n)]
+        load = [0] * n
+        for size, f in sorted(zip(sizes, files, strict=True), reverse=True):
+            i = load.index(min(load))
+            bins[i].append(f)
+            load[i] += size
+        # n - 1 children and this process share the bins: one fork and one result transfer fewer
+        with ctx.Pool(n - 1) as pool:
+            pending = pool.map_async(_scan_many, [(b, compat) for b in bins[1:]], chunksize=1)
+            parts = [_scan_many((bins[0], compat)), *pending.get()]
+    finally:
+        _PRICER = None
+    if pricer is not None:
+        for _, lookups in parts[1:]:
+            if lookups:
+                pricer.book.import_lookups(lookups)
+    by_path = {sc.path: sc for part, _ in parts for sc in part}
     return [by_path[f] for f in files]
 
 
@@ -553,18 +579,26 @@ def scan_files(files: list[str], *, compat: bool = False, workers: int | None = 
 
 
 def dedupe(scans: list[FileScan]) -> list[tuple[Any, ...]]:
-    """One record per request key across files: highest priority, then largest total, then first in path order."""
+    """One record per request key across files: highest priority, then largest total, then first in path order.
+
+    Each file's records are already one per key; keys shared by several files are rare, so files
+    are merged a dict at a time and only the shared keys are compared one by one.
+    """
     best: dict[Any, tuple[Any, ...]] = {}
     keyless: list[tuple[Any, ...]] = []
-    for s in scans:
-        for rec in s.records:
-            k = rec[KEY]
-            if k is None:
-                keyless.append(rec)
-                continue
-            old = best.get(k)
-            if old is None or (rec[PRIO], rec[TOTAL]) > (old[PRIO], old[TOTAL]):
-                best[k] = rec
+    for sc in scans:
+        d = {r[KEY]: r for r in sc.records if r[KEY] is not None}
+        if len(d) != len(sc.records):
+            keyless.extend(r for r in sc.records if r[KEY] is None)
+        shared = best.keys() & d.keys()
+        if not shared:
+            best.update(d)
+            continue
+        for k in shared:
+            old, new = best[k], d.pop(k)
+            if (new[PRIO], new[TOTAL]) > (old[PRIO], old[TOTAL]):
+                best[k] = new
+        best.update(d)
     return [*best.values(), *keyless]
 
 
@@ -678,55 +712,34 @@ def _parse_day(text: str | date | None, flag: str) -> date | None:
     raise InputError(f"{flag} {text!r}: write a date as YYYYMMDD or YYYY-MM-DD (e.g. 20260210)")
 
 
-def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Report:
-    """Scan, keep one copy per request, price and group; the result of `ctxreplay report`."""
-    if opts.by not in BY_CHOICES:
-        raise InputError(f"--by {opts.by!r}: choose one of {', '.join(BY_CHOICES)}")
-    compat = opts.compat == "ccusage"
-    files = discover(paths)
-    scans = scan_files(files, compat=compat, workers=opts.workers)
-    # ccusage's session report ignores agent_progress copies; its daily report counts them
-    if compat and opts.by == "session":
-        for s in scans:
-            s.records = [r for r in s.records if r[PRIO] != PRIO_PROGRESS]
-    kept = dedupe(scans)
-    count_copies = opts.count_progress_copies or (compat and opts.by != "session")
-    progress_only = [r for r in kept if r[PRIO] == PRIO_PROGRESS]
-    if not count_copies:
-        kept = [r for r in kept if r[PRIO] != PRIO_PROGRESS]
-    day_of = local_day_fn(opts.tz)
-    since, until = opts.since, opts.until
-    if since or until:
-        def inside(r: tuple[Any, ...]) -> bool:
-            d = day_of(r[TS]) if r[TS] else "unknown"
-            if d == "unknown":
-                return False
-            dd = date.fromisoformat(d)
-            return (since is None or dd >= since) and (until is None or dd <= until)
-        kept = [r for r in kept if inside(r)]
-        progress_only = [r for r in progress_only if inside(r)]
-    tier_rule: Any = "category" if compat else "request"
-    rates_memo: dict[tuple[str, Any, str, Modifiers], Any] = {}
+class Pricer:
+    """Day (in a time zone) and cost of records: `finish(records)` appends DAY and COST to each."""
 
-    def rates_of(r: tuple[Any, ...]) -> Any:
+    def __init__(self, book: PriceBook, *, tz: str | None = None, compat: bool = False):
+        self.book = book
+        self.day_of = local_day_fn(tz)
+        self.tier_rule: Any = "category" if compat else "request"
+        self._rates: dict[tuple[str, Any, str, Modifiers], Any] = {}
+
+    def rates_of(self, r: tuple[Any, ...]) -> Any:
         ts = r[TS]
         k = (r[MODEL], r[PROVIDER], ts[:10] if ts.endswith("Z") else ts or "1970-01-01", r[MODS])
-        rates = rates_memo.get(k, False)
+        rates = self._rates.get(k, False)
         if rates is False:
-            rates = book.rates(r[MODEL], ts or "1970-01-01", r[MODS], r[PROVIDER])
-            if not book.time_of_day(r[MODEL], r[PROVIDER]):   # DeepSeek's off-peak prices: per minute
-                rates_memo[k] = rates
+            rates = self.book.rates(r[MODEL], ts or "1970-01-01", r[MODS], r[PROVIDER])
+            if not self.book.time_of_day(r[MODEL], r[PROVIDER]):   # DeepSeek's off-peak prices: per minute
+                self._rates[k] = rates
         return rates
 
-    def cost_of(r: tuple[Any, ...]) -> float | None:
+    def cost_of(self, r: tuple[Any, ...]) -> float | None:
         if r[RECORDED] is not None:           # compat: ccusage prefers a line's own costUSD
             return r[RECORDED]
-        rates = rates_of(r)
+        rates = self.rates_of(r)
         if rates is None:
             return None
-        if rates.per_request or r[WEB] or (rates.tiers and tier_rule == "category"):
+        if rates.per_request or r[WEB] or (rates.tiers and self.tier_rule == "category"):
             return price_with(rates, r[IN], r[OUT], r[CW5], r[CW1], r[CR], web_search_requests=r[WEB],
-                              tier_rule=tier_rule).total_usd
+                              tier_rule=self.tier_rule).total_usd
         b = rates.base
         if rates.tiers:                       # the provider's rule: the whole request at its tier
             prompt = r[IN] + r[CW5] + r[CW1] + r[CR]
@@ -736,35 +749,51 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         return (r[IN] * b.input + r[OUT] * b.output + r[CW5] * b.cache_write_5m + r[CW1] * b.cache_write_1h
                 + r[CR] * b.cache_read) / 1e6
 
+    def finish(self, records: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        day_of, cost_of = self.day_of, self.cost_of
+        return [(*r, day_of(r[TS]) if r[TS] else "unknown", cost_of(r)) for r in records]
+
+
+def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Report:
+    """Scan, keep one copy per request, price and group; the result of `ctxreplay report`."""
+    if opts.by not in BY_CHOICES:
+        raise InputError(f"--by {opts.by!r}: choose one of {', '.join(BY_CHOICES)}")
+    compat = opts.compat == "ccusage"
+    files = discover(paths)
+    scans = scan_files(files, compat=compat, workers=opts.workers, pricer=Pricer(book, tz=opts.tz, compat=compat))
+    # ccusage's session report ignores agent_progress copies; its daily report counts them
+    if compat and opts.by == "session":
+        for sc in scans:
+            sc.records = [r for r in sc.records if r[PRIO] != PRIO_PROGRESS]
+    kept = dedupe(scans)
+    count_copies = opts.count_progress_copies or (compat and opts.by != "session")
+    progress_only = [r for r in kept if r[PRIO] == PRIO_PROGRESS]
+    if not count_copies:
+        kept = [r for r in kept if r[PRIO] != PRIO_PROGRESS]
+    since, until = opts.since, opts.until
+    if since or until:
+        lo = since.isoformat() if since else ""
+        hi = until.isoformat() if until else "9999"
+
+        def inside(r: tuple[Any, ...]) -> bool:
+            return r[DAY] != "unknown" and lo <= r[DAY] <= hi
+        kept = [r for r in kept if inside(r)]
+        progress_only = [r for r in progress_only if inside(r)]
     by = opts.by
-    if by == "session":
-        def group(r: tuple[Any, ...]) -> str:
-            return r[SESSION]
-    elif by == "day":
-        def group(r: tuple[Any, ...]) -> str:
-            return day_of(r[TS]) if r[TS] else "unknown"
-    elif by == "month":
-        def group(r: tuple[Any, ...]) -> str:
-            return (day_of(r[TS]) if r[TS] else "unknown")[:7]
-    elif by == "model":
-        def group(r: tuple[Any, ...]) -> str:
-            return r[MODEL]
-    else:
-        def group(r: tuple[Any, ...]) -> str:
-            return r[PROJECT]
+    field_of = {"session": SESSION, "day": DAY, "model": MODEL, "project": PROJECT, "month": DAY}[by]
     groups: dict[str, _Acc] = {}
     for r in kept:
-        g = group(r)
+        g = r[field_of] if by != "month" else r[DAY][:7]
         acc = groups.get(g)
         if acc is None:
             acc = groups[g] = _Acc(r[PROJECT], r[SOURCE])
-        acc.add(r, cost_of(r))
+        acc.add(r, r[COST])
     totals = _Acc()
     for acc in groups.values():
         totals.merge(acc)
     po = _Acc()
     for r in progress_only:
-        po.add(r, cost_of(r))
+        po.add(r, r[COST])
     rows = []
     for g, acc in groups.items():
         row = acc.row(g)

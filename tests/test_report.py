@@ -563,6 +563,20 @@ def test_corpus_worker_processes_give_the_same_report(corpus: Path, book: PriceB
     assert sum(s.usage_lines for s in scans) == one["usage_lines"]
 
 
+def test_price_lookups_made_in_a_worker_reach_the_disk_cache(tmp_path: Path) -> None:
+    # two files, two models: with two processes one of them is priced in the forked worker
+    write(tmp_path / "p" / f"{SID_A}.jsonl", [cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z")] * 3)
+    write(tmp_path / "p" / f"{SID_B}.jsonl", [cc_line(SID_B, "msg_2", "req_2", 5, "2026-02-10T10:00:00.000Z",
+                                                      model="claude-haiku-4-5-20251001")])
+    cold = PriceBook.load(cache_dir=tmp_path / "cache")
+    two = build_report([tmp_path / "p"], cold, ReportOptions(workers=2, tz="UTC")).to_json()
+    assert two["totals"]["unpriced_models"] == [] and two["totals"]["requests"] == 2
+    warm = PriceBook.load(cache_dir=tmp_path / "cache")
+    assert {"|claude-opus-4-6", "|claude-haiku-4-5-20251001"} <= set(warm._lookups)
+    one = build_report([tmp_path / "p"], warm, ReportOptions(workers=1, tz="UTC")).to_json()
+    assert one["rows"] == two["rows"]
+
+
 # ---------------------------------------------------------------------------------------------
 # bench/gen_tree.py
 
