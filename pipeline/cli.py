@@ -269,5 +269,7 @@ def _toml(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+main.add_command(__import__("pipeline.cli_report").cli_report.report)  # `ctxreplay report` (pipeline/cli_report.py)
+
 if __name__ == "__main__":  # pragma: no cover
     main()
