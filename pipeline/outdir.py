@@ -255,8 +255,13 @@ class OutputDir:
             tmp = out / f".{CURRENT}.{run_id}"
             os.symlink(f"{RUNS}/{run_id}", tmp)
             os.replace(tmp, out / CURRENT)
-            _fsync_dir(out)
-            crashpoints.point("publish")
+        except OSError as exc:
+            raise OutputError(f"cannot publish the run in {out}: {exc}. The previous outputs are kept; "
+                              f"re-run to publish") from exc
+        _fsync_dir(out)
+        crashpoints.point("publish")
+        # published: what follows is tidying; what it cannot remove, the next run does
+        with contextlib.suppress(OSError):
             for f in sorted(out.iterdir()):
                 if f.is_symlink() and f.name not in names and os.readlink(f).startswith(f"{CURRENT}/"):
                     f.unlink()
@@ -265,9 +270,6 @@ class OutputDir:
                 if d.name != run_id:
                     _remove(d)
                     crashpoints.point("publish")
-        except OSError as exc:
-            raise OutputError(f"cannot publish the run in {out}: {exc}. The previous outputs are kept; "
-                              f"re-run to publish") from exc
 
     def _link(self, name: str, run_id: str) -> None:
         out = self.path
@@ -284,7 +286,10 @@ class OutputDir:
         os.replace(tmp, dest)
 
     def discard(self, run_id: str) -> None:
-        """Remove a staged run that will not be published (best effort)."""
+        """Remove a staged run that will not be published (best effort); never the published one
+        (an interrupt can come after the swap)."""
+        if self.current_run() == run_id:
+            return
         with contextlib.suppress(OSError):
             _remove(self.runs / run_id)
 

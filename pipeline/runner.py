@@ -273,13 +273,13 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         raise OutputError(f"--ledger {ledger_path} is a directory, not a file: pass a file path")
     crashpoints.phase("lock")
     out.create()
-    try:
-        ledger_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create the ledger's directory {ledger_path.parent}: {exc.strerror}") from exc
     run_id = new_run_id()
     published = False
     try:
+        try:
+            ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create the ledger's directory {ledger_path.parent}: {exc.strerror}") from exc
         with out.lock(), RunLock(ledger_lock_path(ledger_path), f"the ledger {ledger_path}"):
             stale = out.clean_stale()
             staging = out.stage(run_id)
@@ -288,8 +288,6 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
                 crashpoints.phase("publish")
                 out.publish(run_id)
                 published = True
-            except AssertionError as exc:  # an internal check of the replay: a bug, kept in a file
-                raise internal_error(exc, "while replaying") from exc
             finally:
                 if not published:
                     out.discard(run_id)
@@ -348,6 +346,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
                     all_calls=opts.all_calls, validate=opts.validate, out_dir=staging, progress=say)
         except OSError as exc:
             raise _output_error(opts.out_dir, exc) from exc
+        except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
+            raise internal_error(exc, "while replaying") from exc
         t_replay = time.perf_counter()
         calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
         quarantine = pa.Table.from_pylist(

@@ -130,8 +130,8 @@ def test_two_runs_started_together_serialise_or_refuse(tmp_path: Path) -> None:
 
 
 def test_a_lock_file_naming_a_dead_process_does_not_block(tmp_path: Path) -> None:
-    dead = subprocess.run(["true"], check=True)  # noqa: S607 - a pid that is certainly gone
-    gone = subprocess.Popen(["true"])  # noqa: S607
+    dead = subprocess.run(["true"], check=True)
+    gone = subprocess.Popen(["true"])
     gone.wait()
     out = tmp_path / "o"
     out.mkdir()
@@ -142,7 +142,7 @@ def test_a_lock_file_naming_a_dead_process_does_not_block(tmp_path: Path) -> Non
 
 
 def test_the_message_says_when_the_named_holder_is_dead(tmp_path: Path) -> None:
-    gone = subprocess.Popen(["true"])  # noqa: S607
+    gone = subprocess.Popen(["true"])
     gone.wait()
     msg = RunLock(tmp_path / ".lock", "the output directory o")._held_message(
         {"pid": gone.pid, "host": socket.gethostname(), "started_at": "t", "command": "ctxreplay run x"})

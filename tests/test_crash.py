@@ -108,7 +108,8 @@ def crash_points(w: World, n: int, rng: random.Random) -> list[str]:
     stage_points = rng.sample(w.named["stages"], min(len(w.named["stages"]), max(0, n - len(points) - sum(timed.values()))))
     points += stage_points
     for ph, k in timed.items():
-        points += [f"{ph}@{rng.uniform(0, w.windows.get(ph, 0.05)):.4f}" for _ in range(k)]
+        # early in the window: a timer in a busy process fires late, and should still land in the phase
+        points += [f"{ph}@{rng.uniform(0, 0.8 * w.windows.get(ph, 0.05)):.4f}" for _ in range(k)]
     if len(points) < n:  # a short trace: fill with more timed kills in the stages
         points += [f"stages@{rng.uniform(0, w.windows['stages']):.4f}" for _ in range(n - len(points))]
     rng.shuffle(points)
@@ -215,3 +216,71 @@ def test_a_crash_then_a_run_of_another_preset_publishes_that_one(world: World, t
     shown = out_state(out)
     assert (shown.calls, shown.decisions) == (world.base_out.calls, world.base_out.decisions)
     assert leftovers(out, shown.run_id) == []
+
+
+def interrupt_once(w: World, point: str, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Ctrl-C (KeyboardInterrupt) at a named point, in this process: `finally` blocks run, unlike
+    after SIGKILL, and must never remove the run that was just published."""
+    import pipeline.crashpoints as cp
+
+    case = tmp / f"int_{point.replace(':', '_')}"
+    shutil.copytree(w.base, case, symlinks=True)
+    out = case / "o"
+    name, n = point.split(":")
+    hits: Counter[str] = Counter()
+    real = cp.point
+
+    def interrupt_at(p: str) -> None:
+        real(p)
+        hits[p] += 1
+        if p == name and hits[p] == int(n):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cp, "point", interrupt_at)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _run_in_process(w.inputs, out, CRASH_PRESET)
+    finally:
+        monkeypatch.setattr(cp, "point", real)
+    problems = []
+    led = ledger_state(out / "ledger.duckdb")
+    if not (led.same_as(w.base_ledger) or led.same_as(w.ref_ledger)):
+        problems.append("ledger is neither before nor after")
+    try:
+        shown = out_state(out)
+    except (AssertionError, OSError, KeyError) as exc:
+        return [*problems, f"OUT is not one complete run: {exc}"]
+    want = w.base_out if shown.run_id == w.base_out.run_id else w.ref_out
+    if (shown.calls, shown.decisions) != (want.calls, want.decisions):
+        problems.append("OUT's outputs are not those of the run it names")
+    if shown.run_id == w.base_out.run_id and leftovers(out, shown.run_id):
+        problems.append(f"the interrupted run left {leftovers(out, shown.run_id)}")
+    _run_in_process(w.inputs, out, CRASH_PRESET)
+    again = out_state(out)
+    if (again.calls, again.decisions) != (w.ref_out.calls, w.ref_out.decisions) or leftovers(out, again.run_id):
+        problems.append("the re-run differs from an uninterrupted run or left files behind")
+    shutil.rmtree(case)
+    return problems
+
+
+def _named_points(w: World) -> list[str]:
+    return [p for ph in ("stages", "write", "ledger", "publish") for p in w.named.get(ph, [])]
+
+
+def test_ctrl_c_at_a_few_points_leaves_one_complete_run(world: World, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    publish = world.named["publish"]
+    swap = publish[-2]  # right after the swap of `current` (then only the old run's removal)
+    points = [world.named["ledger"][3], publish[0], swap, publish[-1]]
+    report = {p: interrupt_once(world, p, tmp_path, monkeypatch) for p in points}
+    assert not any(report.values()), report
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_every_named_point_leaves_one_complete_run(world: World, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    points = _named_points(world)
+    report = {p: interrupt_once(world, p, tmp_path, monkeypatch) for p in points}
+    bad = {p: r for p, r in report.items() if r}
+    print(f"\nCtrl-C: {len(points) - len(bad)}/{len(points)} named points consistent")
+    assert not bad, bad

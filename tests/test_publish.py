@@ -127,3 +127,22 @@ def test_readers_see_one_run(tmp_path: Path) -> None:
     assert q.exit_code == 0 and json.loads(q.stdout) == []
     calls = pl.read_parquet(out / "calls.parquet")
     assert calls.height == 10
+
+
+def test_a_ledger_from_before_run_ids_gets_the_column(tmp_path: Path) -> None:
+    import duckdb
+
+    from pipeline.ledger import Ledger
+
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR); INSERT INTO meta VALUES "
+                "('schema_version', '1'); CREATE TABLE runs (run_seq BIGINT NOT NULL, spec_sha256 VARCHAR NOT NULL, "
+                "spec_name VARCHAR, started_at VARCHAR, finished_at VARCHAR, input_files VARCHAR, versions VARCHAR, "
+                "counts VARCHAR); INSERT INTO runs VALUES (0, 'x', 'old', NULL, NULL, '[]', '{}', '{}')")
+    con.close()
+    res = _run(tmp_path / "o", ledger_path=path)
+    led = Ledger(path, read_only=True)
+    runs = led.runs()
+    led.close()
+    assert runs.select("run_seq", "run_id").rows() == [(0, None), (1, res.summary["run_id"])]
