@@ -284,3 +284,36 @@ def test_ctrl_c_at_every_named_point_leaves_one_complete_run(world: World, tmp_p
     bad = {p: r for p, r in report.items() if r}
     print(f"\nCtrl-C: {len(points) - len(bad)}/{len(points)} named points consistent")
     assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["stage:3", "ledger:3", "ledger:8", "publish:1", "publish:8"])
+def test_a_crash_of_the_first_run_leaves_nothing_or_one_complete_run(world: World, tmp_path: Path, point: str) -> None:
+    """Into a fresh OUT: no run shown and an empty ledger, or the complete run and its ledger."""
+    from pipeline.errors import CtxReplayError
+    from pipeline.outdir import resolve_run
+
+    out = tmp_path / "o"
+    r = cli(["run", *world.inputs, "--out", out, "--preset", CRASH_PRESET, "--fast-tokens", "-q"],
+            env={"CTXREPLAY_CRASH_AT": point})
+    assert r.returncode == -9
+    fresh_ref = tmp_path / "ref"
+    _run_in_process(world.inputs, fresh_ref, CRASH_PRESET)
+    ref_ledger = ledger_state(fresh_ref / "ledger.duckdb")
+    led = ledger_state(out / "ledger.duckdb") if (out / "ledger.duckdb").exists() else None
+    try:
+        resolve_run(out)
+    except CtxReplayError:
+        shown = None
+    else:
+        shown = out_state(out)
+    if shown is None:
+        assert led is None or led.same_as(LedgerState([], [], 0)) or led.same_as(ref_ledger)
+    else:
+        assert led is not None and led.same_as(ref_ledger)
+        assert (shown.calls, shown.decisions) == (world.ref_out.calls, world.ref_out.decisions)
+    _run_in_process(world.inputs, out, CRASH_PRESET)
+    again = out_state(out)
+    assert (again.calls, again.decisions) == (world.ref_out.calls, world.ref_out.decisions)
+    assert ledger_state(out / "ledger.duckdb").decisions == ref_ledger.decisions
+    assert leftovers(out, again.run_id) == []
