@@ -15,6 +15,7 @@ import itertools
 import os
 import random
 import shutil
+import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -123,8 +124,11 @@ def crash_once(w: World, point: str, tmp: Path) -> tuple[str, list[str]]:
     shutil.copytree(w.base, case, symlinks=True)
     out = case / "o"
     log = case / "crash.log"
-    r = cli(["run", *w.inputs, "--out", out, "--preset", CRASH_PRESET, "--fast-tokens", "-q"],
-            env={"CTXREPLAY_CRASH_AT": point, "CTXREPLAY_CRASH_LOG": str(log)})
+    try:
+        r = cli(["run", *w.inputs, "--out", out, "--preset", CRASH_PRESET, "--fast-tokens", "-q"],
+                env={"CTXREPLAY_CRASH_AT": point, "CTXREPLAY_CRASH_LOG": str(log)})
+    except subprocess.TimeoutExpired:
+        return "timeout", ["the killed run did not end within its time limit"]
     problems: list[str] = []
     if r.returncode == -9:
         landed = log.read_text().split("\t")[0] if log.exists() else "?"
@@ -156,16 +160,21 @@ def crash_once(w: World, point: str, tmp: Path) -> tuple[str, list[str]]:
         if not after:
             problems.append("OUT shows the new run, but the ledger does not hold it")
     # a re-run completes, removes what the killed run left, and equals an uninterrupted run
-    _run_in_process(w.inputs, out, CRASH_PRESET)
-    again = out_state(out)
+    try:
+        _run_in_process(w.inputs, out, CRASH_PRESET)
+        again = out_state(out)
+        again_ledger = ledger_state(out / "ledger.duckdb")
+    except Exception as exc:  # noqa: BLE001 - the failure is the finding; keep the case to look at
+        return landed, [*problems, f"the re-run failed: {type(exc).__name__}: {exc}"]
     if (again.calls, again.decisions) != (w.ref_out.calls, w.ref_out.decisions):
         problems.append("the re-run's calls or decisions differ from an uninterrupted run")
-    if ledger_state(out / "ledger.duckdb").decisions != w.ref_ledger.decisions:
+    if again_ledger.decisions != w.ref_ledger.decisions:
         problems.append("after the re-run the ledger's decisions differ from an uninterrupted run's")
     left = leftovers(out, again.run_id)
     if left:
         problems.append(f"left behind after the re-run: {left}")
-    shutil.rmtree(case)
+    if not problems:
+        shutil.rmtree(case)
     return landed, problems
 
 
