@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from pipeline.cli import CONTEXT, Failure
+from pipeline.clicommon import CONTEXT, Failure
 from pipeline.errors import CtxReplayError
 
 BY = ("session", "day", "month", "model", "project")
