@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import BOOTSTRAP, label, result_text, split, tool_input_object
 
 
@@ -40,14 +40,17 @@ def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str |
     return None
 
 
-def _parts(msgs: list[LogicalMessage], i: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(function responses, other parts) of message i."""
+def _parts(msgs: list[LogicalMessage], i: int,
+           sent: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(function responses, other parts) of message i; the rows they send are added to `sent`."""
     m = msgs[i]
     responses: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for g in group_blocks(m.rows):
         r = g[0]
         t = r["block_type"]
+        if sent is not None and (t in ("text", "image", "tool_result") or (t == "tool_use" and m.role == "assistant")):
+            sent.extend(g)
         if t == "text":
             parts.append({"text": r.get("text") or ""})
         elif t == "image":
@@ -83,9 +86,11 @@ class Gemini:
             role: str | None = None
             responses: list[dict[str, Any]] = []
             parts: list[dict[str, Any]] = []
+            sent: list[dict[str, Any]] = []
             j = i
             while j < n:
-                fr, ps = _parts(msgs, j)
+                rows: list[dict[str, Any]] = []
+                fr, ps = _parts(msgs, j, rows)
                 if fr or ps:
                     r = "model" if msgs[j].role == "assistant" else "user"
                     if role is None:
@@ -94,12 +99,13 @@ class Gemini:
                         break
                     responses.extend(fr)
                     parts.extend(ps)
+                    sent.extend(rows)
                 j += 1
             if role is None:
                 break
-            items = [{"role": role, "parts": responses + parts}]
+            items = [Wire({"role": role, "parts": responses + parts}, sent)]
             if i == 0 and role != "user":
-                items.insert(0, {"role": "user", "parts": [{"text": BOOTSTRAP}]})
+                items.insert(0, Wire({"role": "user", "parts": [{"text": BOOTSTRAP}]}))
             for k, item in enumerate(items):
                 if i == i0 and k < skip:
                     continue
@@ -119,7 +125,17 @@ class Gemini:
             env["systemInstruction"] = {"parts": texts}
         return env
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    allow_prefill = True
+
+    def context_key(self, msg: LogicalMessage) -> tuple[tuple[Any, Any], ...] | None:
+        """A tool result without a name takes the name of the call it answers from an earlier
+        model turn (`_call_name`): what later messages read of an assistant message."""
+        if msg.role != "assistant":
+            return None
+        return tuple((r.get("tool_use_id"), r.get("tool_name")) for r in msg.rows if r["block_type"] == "tool_use") or None
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
         from pipeline.validate import validate_gemini
 
         return validate_gemini(request, thread_key=thread_key, call=call)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import label, result_text, split
 
 
@@ -33,34 +33,37 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     groups = group_blocks(m.rows)
     if m.role == "assistant":
-        text: list[str] = []
+        text: list[dict[str, Any]] = []
 
         def flush() -> None:
             if text:
-                items.append({"type": "message", "role": "assistant",
-                              "content": [{"type": "output_text", "text": "".join(text)}]})
+                items.append(Wire({"type": "message", "role": "assistant",
+                                   "content": [{"type": "output_text", "text": "".join(r.get("text") or "" for r in text)}]},
+                                  list(text)))
                 text.clear()
 
         for g in groups:
             r = g[0]
             if r["block_type"] == "text":
-                text.append(r.get("text") or "")
+                text.append(r)
             elif r["block_type"] == "tool_use":
                 flush()
-                items.append({"type": "function_call", "call_id": r.get("tool_use_id"), "name": r.get("tool_name"),
-                              "arguments": r.get("tool_input") or "{}"})
+                items.append(Wire({"type": "function_call", "call_id": r.get("tool_use_id"), "name": r.get("tool_name"),
+                                   "arguments": r.get("tool_input") or "{}"}, [r]))
         flush()
         return items
     parts: list[dict[str, Any]] = []
+    part_rows: list[dict[str, Any]] = []
     for g in groups:
         if g[0]["block_type"] == "tool_result":
-            items.append({"type": "function_call_output", "call_id": g[0].get("tool_use_id"),
-                          "output": result_text(g)})
+            items.append(Wire({"type": "function_call_output", "call_id": g[0].get("tool_use_id"),
+                               "output": result_text(g)}, g))
         elif (p := _input_part(g[0])) is not None:
             parts.append(p)
+            part_rows.append(g[0])
     if parts:
         role = "developer" if m.role == "system" else "user"
-        items.append({"type": "message", "role": role, "content": parts})
+        items.append(Wire({"type": "message", "role": role, "content": parts}, part_rows))
     return items
 
 
@@ -98,7 +101,10 @@ class OpenAIResponses:
             env["instructions"] = text
         return env
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    allow_prefill = True
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
         from pipeline.validate import validate_openai_responses
 
         return validate_openai_responses(request, thread_key=thread_key, call=call)
