@@ -133,21 +133,26 @@ def _human(s: dict[str, Any]) -> str:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.argument("thread_key")
 @click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
-@click.option("--target", default="anthropic", show_default=True, help="Wire shape.")
-def request(out_dir: Path, thread_key: str, call: int | None, target: str) -> None:
-    """Print one call's assembled request (canonical JSON) from a run's output directory.
+@click.option("--target", default=None, help="Wire shape; must be the run's own (the default).")
+@click.option("--canonical", is_flag=True,
+              help="Print exactly the hashed bytes (no newline): `| sha256sum` gives its request_sha256.")
+def request(out_dir: Path, thread_key: str, call: int | None, target: str | None, canonical: bool) -> None:
+    """Print one call's request from a run's output directory, rebuilt from its request store.
 
     \b
     Example:
       ctxreplay request ctxreplay-out 8d1e0b7c-... --call 3
     """
-    from pipeline.runner import assemble_call
+    from pipeline.store import request_json
 
     try:
-        req = assemble_call(out_dir, thread_key, call, target)
+        data = request_json(out_dir, thread_key, call, target)
     except CtxReplayError as exc:
         raise _fail(exc) from exc
-    click.echo(orjson.dumps(req, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
+    if canonical:
+        click.echo(data, nl=False)
+        return
+    click.echo(orjson.dumps(orjson.loads(data), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
 
 
 @main.command(context_settings=CONTEXT)

@@ -1,8 +1,9 @@
 """The runner: load → stages → replay → outputs and ledger. It owns all I/O; stages stay pure.
 
-Outputs in OUT (see README): calls.parquet, blocks.parquet (the final block versions, for
-`ctxreplay request`), quarantine.parquet, summary.json, requests/<thread_key>.json (pending call)
-and, with all_calls, requests/<thread_key>.jsonl. The ledger (default OUT/ledger.duckdb) gets the
+Outputs in OUT (see README): calls.parquet, messages.parquet + call_messages.parquet (every call's
+request, once per distinct message, for `ctxreplay request`), blocks.parquet (the final block
+versions), quarantine.parquet, summary.json, requests/<thread_key>.json (pending call) and, with
+all_calls, requests/<thread_key>.jsonl. The ledger (default OUT/ledger.duckdb) gets the
 run's new decisions, the run row and the token counts in one transaction.
 """
 
@@ -28,21 +29,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import pipeline
-from pipeline.blockops import canonical_json
-from pipeline.errors import CheckFailed, CtxReplayError
+from pipeline.errors import CheckFailed
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult, load_paths
 from pipeline.registry import StageContext
 from pipeline.replay import (
     ROW_COLUMNS,
+    MessageStore,
+    SpanLog,
     call_skeleton,
     replay_thread,
     thread_calls,
     thread_key,
-    thread_key_expr,
     thread_rows,
 )
 from pipeline.spec import PipelineSpec
+from pipeline.store import store_tables, write_store
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
 from schemas.blocks import BLOCKS
@@ -174,12 +176,18 @@ def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, 
 def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, *,
                all_calls: bool, validate: bool, out_dir: Path | None,
                progress: Progress | None = None) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
+    """Replay every thread: the calls frame (CALLS), the violations of the validated requests (the
+    pending ones; every call with all_calls) and stats. Under out_dir it writes the request store
+    (messages.parquet, call_messages.parquet: every call's request, see pipeline/store.py) and
+    requests/ (the pending request of each thread; with all_calls every call's, as JSONL)."""
     target = get_target(target_name)
     calls_by_thread = thread_calls(skeleton)
     blocks = blocks.with_columns(_tok=row_tokens(blocks, counter))
     req_dir = out_dir / "requests" if out_dir else None
     if req_dir:
         req_dir.mkdir(parents=True, exist_ok=True)
+    store = MessageStore()
+    spans = SpanLog()
     rows_out: list[dict[str, Any]] = []
     violations: list[Violation] = []
     threads = 0
@@ -189,29 +197,31 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
         calls = calls_by_thread.get((sid, tid), [])
         rows = part.select(ROW_COLUMNS).to_dicts()
         toks = part.get_column("_tok").to_list()
-        jsonl = open(req_dir / f"{key}.jsonl", "wb") if (req_dir and all_calls) else None
-        try:
-            for res in replay_thread(rows, toks, calls, target,
+        spans.begin_thread(sid, tid, key)
+        with contextlib.ExitStack() as stack:
+            jsonl = stack.enter_context(open(req_dir / f"{key}.jsonl", "wb")) if (req_dir and all_calls) else None
+            for res in replay_thread(rows, toks, calls, target, store=store, spans=spans,
                                      materialize=lambda k, pending: pending or all_calls):
                 rows_out.append({
                     "session_id": sid, "thread_id": tid, "thread_key": key, "call": res.call,
-                    "is_pending": res.is_pending, "timestamp": res.timestamp, "model": res.model,
-                    "request_sha256": res.request_sha256, "n_messages": res.n_messages,
+                    "is_pending": res.is_pending, "awaits_user": res.awaits_user, "timestamp": res.timestamp,
+                    "model": res.model, "request_sha256": res.request_sha256, "n_messages": res.n_messages,
                     "prompt_tokens": res.prompt_tokens, "prefix_break_message": res.prefix_break_message,
                 })
                 if res.request is not None:
-                    if validate and (res.is_pending or all_calls):
-                        violations.extend(target.validate(res.request, thread_key=key, call=res.call))
+                    if validate:
+                        violations.extend(target.validate(res.request, thread_key=key, call=res.call,
+                                                          awaits_user=res.awaits_user))
                     if jsonl is not None:
-                        jsonl.write(canonical_json({"call": res.call, "request": res.request}) + b"\n")
+                        assert res.request_json is not None
+                        jsonl.write(b'{"call":%d,"request":%s}\n' % (res.call, res.request_json))
                     if res.is_pending and req_dir:
                         (req_dir / f"{key}.json").write_bytes(
                             orjson.dumps(res.request, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n")
-        finally:
-            if jsonl is not None:
-                jsonl.close()
         if progress and threads % 20 == 0:
             progress(f"replayed {threads} threads")
+    if out_dir is not None:
+        write_store(out_dir, *store_tables(store, spans, target.name, target.list_key))
     # what the transcript recorded about each call (its answer), by one join on the call skeleton
     recorded = skeleton.select(
         "session_id", "thread_id", "call", "message_id", "request_id",
@@ -221,7 +231,11 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
     replayed = pl.DataFrame(rows_out, schema={k: v for k, v in polars_schema(CALLS).items() if k not in recorded.columns
                                               or k in ("session_id", "thread_id", "call")})
     calls_df = replayed.join(recorded, on=["session_id", "thread_id", "call"], how="left").select(CALLS.names)
-    return calls_df, violations, {"threads": threads}
+    n_messages = sum(k == "message" for k in store.kind)
+    stats = {"threads": threads, "request_store": {
+        "messages": n_messages, "envelopes": len(store) - n_messages, "call_message_rows": len(spans),
+        "bytes": sum(map(len, store.data)), "token_conflicts": store.token_conflicts}}
+    return calls_df, violations, stats
 
 
 def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
@@ -282,6 +296,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
                                     "replay": t_replay - t_stages},
                            counter=counter)
         summary["threads"] = replay_stats["threads"]
+        summary["request_store"] = replay_stats["request_store"]
         finished = _now()
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": finished,
@@ -394,50 +409,11 @@ def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, calls: pl
     }
 
 
-def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -> dict[str, Any]:
-    """Any call's assembled request, from a run's blocks.parquet (call None = pending)."""
-    blocks_path = out_dir / "blocks.parquet"
-    if not blocks_path.is_file():
-        raise CtxReplayError(f"{out_dir}: no blocks.parquet here; run `ctxreplay run ... --out {out_dir}` first")
-    blocks = pl.read_parquet(blocks_path).with_columns(_key=thread_key_expr())
-    part = blocks.filter(pl.col("_key") == key)
-    if part.height == 0:
-        keys = sorted(blocks.get_column("_key").unique().to_list())
-        import difflib
-
-        close = difflib.get_close_matches(key, keys, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise CtxReplayError(f"{out_dir}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
-                             f"{' ...' if len(keys) > 10 else ''}")
-    part = part.drop("_key")
-    calls = thread_calls(call_skeleton_from_calls(out_dir, key))
-    sid, tid = part.row(0, named=True)["session_id"], part.row(0, named=True)["thread_id"]
-    infos = calls.get((sid, tid), [])
-    n = len(infos)
-    k = n if call is None else call
-    if k < 0 or k > n:
-        raise CtxReplayError(f"thread '{key}' has calls 0..{n} ({n} is the pending call); got --call {call}")
-    target = get_target(target_name)
-    (_, rows_df), = list(thread_rows(part))
-    rows = rows_df.to_dicts()
-    for res in replay_thread(rows, [0] * len(rows), infos, target, materialize=lambda kk, p: kk == k, only_call=k):
-        assert res.request is not None
-        return res.request
-    raise CtxReplayError(f"thread '{key}': call {k} not found")
-
-
-def call_skeleton_from_calls(out_dir: Path, key: str) -> pl.DataFrame:
-    """The recorded calls of one thread (index and model), from a run's calls.parquet."""
-    calls = pl.read_parquet(out_dir / "calls.parquet").filter((pl.col("thread_key") == key) & ~pl.col("is_pending"))
-    return calls.select("session_id", "thread_id", "call", "model")
-
-
 __all__ = [
     "CHARS4_COUNTER",
     "RunOptions",
     "RunResult",
     "SchemaMismatch",
-    "assemble_call",
     "replay_all",
     "run",
     "run_stages",
