@@ -15,7 +15,9 @@ and does work only where something changed:
 - the request hash: the canonical JSON of a request puts its message list first (its key sorts
   first), so `sha256(request)` continues the sha256 state of the unchanged prefix with the bytes
   after it and the envelope. States are kept every CHUNK messages; a change at message j costs a
-  hash update over the cached bytes after j, not Python shaping.
+  hash update over the cached bytes after j, not Python shaping. That update is the one piece of
+  work that grows with the bytes after a change; when it is long, a worker thread does it (hashlib
+  lets the replay's Python run meanwhile) and the results are yielded in order, a few calls late.
 
 Every distinct wire message (and envelope) goes once into a MessageStore (canonical bytes,
 sha256, role, content blocks, estimated tokens); each call is its list of message ids. A wire
@@ -36,8 +38,9 @@ import bisect
 import hashlib
 import re
 from array import array
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +54,8 @@ from pipeline.targets._wire import label, split
 MESSAGE_OVERHEAD_TOKENS = 3
 REQUEST_OVERHEAD_TOKENS = 3
 CHUNK = 64  # a sha256 state is kept every CHUNK wire messages
+FAR = 1  # the kept hash states grow by at most FAR chunks per call; a longer tail is hashed by a worker
+LAG = 16  # calls the replay may run ahead of the worker's hashes
 WINDOW = 3  # logical messages shaped past a change before looking for the old wire messages again
 MERGE_GAP = 4  # changed logical messages closer than this are re-shaped together
 
@@ -87,7 +92,7 @@ class CallInfo:
 class CallResult:
     call: int
     is_pending: bool
-    request_sha256: str
+    request_sha256: str  # (inside replay_thread, a Future while a worker thread hashes a long tail)
     n_messages: int
     prompt_tokens: int
     prefix_break_message: int | None
@@ -232,6 +237,22 @@ class _HashChain:
 
     def invalidate(self, first_changed: int) -> None:
         del self.states[first_changed // CHUNK + 1:]
+
+    def split_state(self, m: int) -> tuple[Any, bool, list[bytes]]:
+        """(a new hash object, whether a comma comes next, the messages still to hash) for the
+        prefix through message m-1. The kept states grow by at most FAR chunks per call: a long
+        tail (the bytes after a change deep in the history) is left to the caller, who hashes it
+        off the main thread."""
+        states, data = self.states, self.data
+        c = min(m // CHUNK, len(states) - 1 + FAR)
+        while len(states) <= c:
+            lo = (len(states) - 1) * CHUNK
+            h = states[-1].copy()
+            if lo:
+                h.update(b",")
+            h.update(b",".join(data[lo:lo + CHUNK]))
+            states.append(h)
+        return states[c].copy(), c > 0, data[c * CHUNK:m]
 
     def state(self, m: int) -> Any:
         """A new hash object holding the prefix through message m-1."""
@@ -542,6 +563,9 @@ def replay_thread(
     excluded: tuple[int, int] | None = None
     prev_len, prev_head, prev_stand_in = 0, array("i"), False  # the previous request: length, first ids
     last_ts = None
+    queue: deque[CallResult] = deque()  # results whose hash the worker may still be computing
+    pool: ThreadPoolExecutor | None = None
+    guard = _PoolGuard()  # shuts the worker down if the caller stops early
     for k in range(n_calls + 1):
         th.k = k
         added = sorted(add_at.get(k, ()))
@@ -582,7 +606,7 @@ def replay_thread(
         excluded = th.hold(m, excluded)
         if m:
             msg_tok = th.wtok_total - (th.wtok[-1] if m < n else 0)
-            h = th.chain.state(m)
+            h, comma, rest = th.chain.split_state(m)
             head = th.wid[:min(m, 4)]
             if stand_first is not None:
                 if spans is not None:
@@ -600,11 +624,14 @@ def replay_thread(
             if stand_first is None:
                 stand_first = k
             msg_tok = sum(store.tokens[i] for i in stand_ids)
-            h = th.chain.states[0].copy()
-            h.update(b",".join(store.data[i] for i in stand_ids))
+            h, comma, rest = th.chain.states[0].copy(), False, [store.data[i] for i in stand_ids]
             head = array("i", stand_ids[:4])
-        h.update(env_suffix)
-        sha = h.hexdigest()
+        if len(rest) > CHUNK:  # a long tail: hashed by the worker while the replay goes on
+            if pool is None:
+                pool = guard.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxreplay-hash")
+            sha: Any = pool.submit(_finish_hash, h, comma, rest, env_suffix)
+        else:
+            sha = _finish_hash(h, comma, rest, env_suffix)
         length = m or len(stand_ids or ())
         # where this request first differs from the previous one: the wire messages agree before
         # the first one this call changed; a stand-in (at most 4 messages) is compared as it is
@@ -618,14 +645,11 @@ def replay_thread(
             brk = next((i for i in range(min(prev_len, length)) if prev_head[i] != head[i]),
                        length if length < prev_len else None)
         awaits = is_pending and m > 0 and th.wasst[m - 1]
-        req_json = req = None
+        req_json = None
         if materialize(k, is_pending):
             body = b",".join(th.wb[:m]) if m else b",".join(store.data[i] for i in stand_ids or ())
             req_json = list_prefix(list_key) + body + env_suffix
-            if hashlib.sha256(req_json).hexdigest() != sha:  # the incremental hash must equal the full one
-                raise AssertionError(f"incremental request hash mismatch at call {k}")
-            req = orjson.loads(req_json)
-        yield CallResult(
+        queue.append(CallResult(
             call=k,
             is_pending=is_pending,
             request_sha256=sha,
@@ -636,15 +660,54 @@ def replay_thread(
             model=model,
             awaits_user=awaits,
             request_json=req_json,
-            request=req,
-        )
+            request=None,
+        ))
         prev_len, prev_head, prev_stand_in = length, head, not m
+        while queue and (len(queue) > LAG or isinstance(queue[0].request_sha256, str)
+                         or queue[0].request_sha256.done()):
+            yield _settled(queue.popleft())
+    while queue:
+        yield _settled(queue.popleft())
+    if pool is not None:
+        pool.shutdown()
+        guard.pool = None
     if spans is not None:
         th.finish(n_calls + 1)
         if stand_first is not None:
             for j, mid in enumerate(stand_ids or ()):
                 spans.add(j - len(stand_ids or ()), stand_first, n_calls + 1, mid)
         spans.add(ENVELOPE_SLOT, env_first, n_calls + 1, env_id)
+
+
+def _finish_hash(h: Any, comma: bool, rest: list[bytes], env_suffix: bytes) -> str:
+    """The request hash from a prefix state: the remaining messages, then the envelope. (hashlib
+    lets other threads run while it hashes more than 2 KiB.)"""
+    if rest:
+        if comma:
+            h.update(b",")
+        h.update(b",".join(rest))
+    h.update(env_suffix)
+    return str(h.hexdigest())
+
+
+def _settled(res: CallResult) -> CallResult:
+    """The result with its hash in hand (and a materialised request checked against it)."""
+    sha = res.request_sha256
+    if not isinstance(sha, str):
+        res.request_sha256 = sha = sha.result()  # type: ignore[attr-defined]
+    if res.request_json is not None:
+        if hashlib.sha256(res.request_json).hexdigest() != sha:  # the incremental hash must equal the full one
+            raise AssertionError(f"incremental request hash mismatch at call {res.call}")
+        res.request = orjson.loads(res.request_json)
+    return res
+
+
+class _PoolGuard:
+    pool: ThreadPoolExecutor | None = None
+
+    def __del__(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _system_messages(rows: list[dict[str, Any]], idx: list[int]) -> list[LogicalMessage]:

@@ -114,6 +114,32 @@ def test_a_change_deep_in_a_long_thread_at_every_call(target: str) -> None:
     assert sum(r.prefix_break_message is not None for r in res) >= 45
 
 
+def test_long_tails_are_hashed_off_the_main_thread_to_the_same_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # requests of ~500 wire messages, changed near their start at every call from call 150 on:
+    # the bytes after the change go to the worker thread; every request is materialised and its
+    # full sha256 checked against the incremental one (and a few against a naive assembly)
+    import pipeline.replay as replay_mod
+
+    submitted = []
+
+    class Pool(replay_mod.ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            submitted.append(len(args[2]))
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(replay_mod, "ThreadPoolExecutor", Pool)
+    conv = long_conversation(230)
+    results = [i for i, m in enumerate(conv) if m["role"] == "tool"]
+    df = _deep_changes(conv, [(results[j], 150 + j, "replace") for j in range(80)])
+    res = replay_all_calls(df, "anthropic")
+    assert len(submitted) > 50 and max(submitted) > 4 * CHUNK
+    rows = replay_rows(df)
+    from pipeline.testkit import naive_request
+
+    for r in res[150::20]:
+        assert r.request == naive_request(rows, r.call, "anthropic", pending=r.is_pending)
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_incremental_equals_naive_on_long_threads(data: st.DataObject) -> None:
