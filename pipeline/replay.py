@@ -353,6 +353,9 @@ class _Thread:
             log_start[a:b + 1] = starts
             spliced.append((a, old, len(msgs)))
         spliced.reverse()
+        # with several changed ranges, a later one can undo what an earlier one changed at the same
+        # place (a compaction that keeps messages equal to the ones it removes): compare the lists
+        before = self.wid[:] if len(spliced) > 1 else None
         first: int | None = None
         shift = 0
         for r, (a, old, n_new) in enumerate(spliced):
@@ -362,6 +365,9 @@ class _Thread:
             f = self._reshape(start, end, nxt, old)
             if f is not None and (first is None or f < first):
                 first = f
+        if before is not None and first is not None:
+            d = _first_diff(before, self.wid, first)
+            first = d if d is not None else (len(before) if len(self.wid) > len(before) else None)
         return first
 
     def _bounds(self, a: int, b: int) -> tuple[int, int]:
@@ -401,8 +407,11 @@ class _Thread:
         wire index that differs from before."""
         logical, log_start, wkey = self.logical, self.log_start, self.wkey
         n_log = len(logical)
-        # from the wire message that holds logical message start-1 (it may merge with start)
+        # from the first wire message of the run that holds logical message start-1 (it may merge
+        # with start; the later wire messages of a run all carry the run's first message as label)
         p = bisect.bisect_right(wkey, (log_start[start - 1], 1 << 30)) - 1 if start > 0 else -1
+        if p >= 0:
+            p = bisect.bisect_left(wkey, (wkey[p][0], -1))
         if p < 0:
             wj, shape_from = 0, 0.0
         else:

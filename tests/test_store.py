@@ -57,16 +57,23 @@ TARGET_NAMES = ["anthropic", "openai-chat", "openai-responses", "gemini"]
 
 def long_conversation(loops: int, *, end_on_assistant: bool = False) -> list[dict[str, Any]]:
     """A system prompt, then user turns of up to 3 tool loops (thinking now and then, results
-    without a tool name, as Claude Code writes them)."""
+    without a tool name, as Claude Code writes them; every 5th loop makes two calls, answered in
+    two messages, the second with a note after its result)."""
     conv: list[dict[str, Any]] = [{"role": "system", "text": "be brief"}, {"role": "user", "text": "start"}]
     for i in range(loops):
         blocks: list[dict[str, Any]] = []
         if i % 4 == 1:
             blocks.append({"type": "thinking", "text": f"think {i}", "signature": f"sig{i}"})
         blocks.append({"type": "tool_use", "tool_use_id": f"t{i}", "tool_name": f"Tool{i % 3}", "tool_input": {"i": i}})
+        if i % 5 == 4:
+            blocks.append({"type": "tool_use", "tool_use_id": f"u{i}", "tool_name": "Other", "tool_input": {}})
         conv.append({"role": "assistant", "blocks": blocks})
         conv.append({"role": "tool", "blocks": [{"type": "tool_result", "tool_use_id": f"t{i}",
                                                  "text": f"result {i} " + "x" * (i % 7) * 20, "part_type": "string"}]})
+        if i % 5 == 4:
+            conv.append({"role": "tool", "blocks": [
+                {"type": "tool_result", "tool_use_id": f"u{i}", "text": f"other {i}", "part_type": "text"},
+                {"type": "text", "text": f"note {i}"}]})
         if i % 3 == 2:
             conv.append({"role": "user", "text": f"next {i}"})
     conv.append({"role": "assistant", "text": "done"})
@@ -149,6 +156,17 @@ def test_incremental_equals_naive_on_long_threads(data: st.DataObject) -> None:
     changes = data.draw(st.lists(st.tuples(st.integers(1, n_entries - 1), st.integers(0, loops),
                                            st.sampled_from(["replace", "drop", "rename"])), max_size=12))
     check_replay_against_naive(_deep_changes(conv, changes), data.draw(st.sampled_from(TARGET_NAMES)))
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+def test_a_compaction_that_keeps_messages_equal_to_the_ones_it_removes(target: str) -> None:
+    # the same exchange twice, then a compaction that keeps only the second: several changed
+    # ranges in one call, the second undoing the first's difference (found by fuzzing)
+    from tests.test_targets import CONVERSATION
+
+    df = make_blocks(CONVERSATION * 2, compactions=[(28, 13)]).collect()
+    check_replay_against_naive(df.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call"))),
+                               target)
 
 
 class _Numbered:
