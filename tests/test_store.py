@@ -85,10 +85,14 @@ def long_conversation(loops: int, *, end_on_assistant: bool = False) -> list[dic
 # ------------------------------------------------------------------ incremental = naive, deep changes
 
 
-def _deep_changes(conv: list[dict[str, Any]], changes: list[tuple[int, int, str]]) -> pl.DataFrame:
+CHANGES = ["replace", "rename", "drop", "drop_block", "replace_any", "insert"]
+
+
+def _deep_changes(conv: list[dict[str, Any]], changes: list[tuple[int, int, str]],
+                  compactions: list[tuple[int, int]] | None = None) -> pl.DataFrame:
     """Apply (entry index, from call, kind) changes to the blocks of conv, as layers do."""
-    b = make_blocks(conv)
-    for entry, k, kind in changes:
+    b = make_blocks(conv, compactions=compactions or [])
+    for j, (entry, k, kind) in enumerate(changes):
         where = pl.col("entry_id") == f"e{entry:04d}"
         if kind == "replace":  # a tombstone: the content changes, the message stays
             b, _ = replace_where(b, where & (pl.col("block_type") == "tool_result"),
@@ -97,8 +101,23 @@ def _deep_changes(conv: list[dict[str, Any]], changes: list[tuple[int, int, str]
         elif kind == "rename":  # a tool call's name (Gemini names results after their call)
             b, _ = replace_where(b, where & (pl.col("block_type") == "tool_use"), {"tool_name": pl.lit(f"Renamed{k}")},
                                  action="replace", reason="test", from_call=pl.lit(k))
-        else:  # a whole message dropped (snip)
+        elif kind == "replace_any":  # every block of the message
+            b, _ = replace_where(b, where, {"text": pl.lit(f"changed at {k}")}, action="replace", reason="test",
+                                 from_call=pl.lit(k))
+        elif kind == "drop":  # a whole message dropped (snip)
             b, _ = drop_where(b, where, reason="test", from_call=pl.lit(k))
+        elif kind == "drop_block":  # one block of it
+            b, _ = drop_where(b, where & (pl.col("block_pos") == 0), reason="test", from_call=pl.lit(k))
+        else:  # a message inserted after it from call k on (a synthetic result, a header)
+            df = b.collect()
+            src = df.filter(where).sort("block_pos", "part_pos", "first_call").head(1)
+            new = src.with_columns(
+                entry_id=pl.lit(f"ins{j}"), msg_key=pl.lit(f"ins{j}"), order_key=pl.col("order_key") + 1 + j,
+                role=pl.lit(["user", "tool", "assistant"][j % 3]), block_type=pl.lit("text"),
+                part_type=pl.lit(None, pl.String), text=pl.lit(f"inserted {j}"), first_call=pl.lit(k, pl.Int32),
+                last_call=pl.lit(None, pl.Int32), is_call=pl.lit(False), tool_use_id=pl.lit(None, pl.String),
+                tool_name=pl.lit(None, pl.String), tool_input=pl.lit(None, pl.String))
+            b = pl.concat([df, new.select(df.columns)]).lazy()
         b = b.collect().lazy()  # each change reads its input twice: keep the plan flat
     df = b.collect()
     return df.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
@@ -153,9 +172,11 @@ def test_incremental_equals_naive_on_long_threads(data: st.DataObject) -> None:
     loops = data.draw(st.integers(20, 70))
     conv = long_conversation(loops, end_on_assistant=data.draw(st.booleans()))
     n_entries = len(conv)
-    changes = data.draw(st.lists(st.tuples(st.integers(1, n_entries - 1), st.integers(0, loops),
-                                           st.sampled_from(["replace", "drop", "rename"])), max_size=12))
-    check_replay_against_naive(_deep_changes(conv, changes), data.draw(st.sampled_from(TARGET_NAMES)))
+    changes = data.draw(st.lists(st.tuples(st.integers(0, n_entries - 1), st.integers(0, loops),
+                                           st.sampled_from(CHANGES)), max_size=12))
+    at = data.draw(st.integers(2, n_entries - 2))
+    compactions = data.draw(st.sampled_from([[], [(at, data.draw(st.integers(1, at)))]]))
+    check_replay_against_naive(_deep_changes(conv, changes, compactions), data.draw(st.sampled_from(TARGET_NAMES)))
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)
