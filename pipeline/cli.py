@@ -1,7 +1,14 @@
-"""The `ctxreplay` command line. Thin: parse flags, call the runner, print the result."""
+"""The `ctxreplay` command line. Thin: parse flags, call the runner, print the result.
+
+Exit codes: 0 done; 1 done, but --strict found problems; 2 could not run (one paragraph on
+stderr, never a traceback: an unexpected exception is reported as an internal error whose
+traceback goes to a file); 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,22 +16,33 @@ from typing import Any
 import click
 import orjson
 
-from pipeline.errors import CtxReplayError
+from pipeline.cli_report import report
+from pipeline.clicommon import CONTEXT, Failure, Interrupted, fail
+from pipeline.errors import CtxReplayError, internal_error
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-class Failure(click.ClickException):
-    """Could not run: one paragraph on stderr, exit 2."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"ctxreplay: {self.format_message()}", err=True)
+_fail = fail
 
 
-def _fail(exc: Exception) -> Failure:
-    return Failure(str(exc))
+class _Main(click.Group):
+    """The command group, with the last-resort handler: whatever a command raises ends as one
+    paragraph on stderr and an exit code, never as a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except CtxReplayError as exc:
+            raise _fail(exc) from exc
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as Unix tools do
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted; the output directory still holds the last complete run and the "
+                              "ledger is as it was before this run") from None
+        except Exception as exc:
+            raise _fail(internal_error(exc)) from exc
 
 
 def _progress(quiet: bool, json_: bool) -> Any:
@@ -38,7 +56,7 @@ def _default_paths() -> list[Path]:
     return [p for p in (home / ".claude" / "projects", home / ".openclaw" / "agents") if p.is_dir()]
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=_Main, context_settings=CONTEXT)
 @click.version_option(package_name="ctxreplay", prog_name="ctxreplay")
 def main() -> None:
     """Replay, call by call, what an AI agent sent to its model, from session transcripts on disk."""
@@ -52,19 +70,22 @@ def main() -> None:
               help="Output directory.")
 @click.option("--ledger", "ledger_path", type=click.Path(path_type=Path),
               help="Ledger file (default: OUT/ledger.duckdb).")
-@click.option("--target", default="anthropic", show_default=True, help="Wire shape of the assembled requests.")
+@click.option("--target", help="Wire shape of the assembled requests (default: the spec's [pipeline] target, "
+                               "else anthropic).")
 @click.option("--all-calls", is_flag=True, help="Also write every call's request to requests/<thread_key>.jsonl.")
 @click.option("--json", "json_", is_flag=True, help="Print the summary as one JSON document on stdout.")
 @click.option("--strict", is_flag=True, help="Exit 1 when lines were quarantined or requests violate the target.")
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
-        ledger_path: Path | None, target: str, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
+        ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
         quiet: bool) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
-    ~/.openclaw/agents, where they exist.
+    ~/.openclaw/agents, where they exist. The outputs of OUT change all at once when the run ends
+    (an interrupted run leaves the previous ones); a second run on the same OUT or ledger while
+    one runs is refused.
 
     \b
     Example:
@@ -103,13 +124,16 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
         sys.exit(1)
 
 
+SHOW_SKIPPED = 5
+
+
 def _human(s: dict[str, Any]) -> str:
     lines = [
         f"ctxreplay: pipeline '{s['pipeline']}' ({s['pipeline_sha256'][:12]}), target {s['target']}",
-        f"  read {s['files']} files, {s['lines']:,} lines: {s['message_lines']:,} message, "
-        f"{s['other_lines']:,} other, {s['quarantined_lines']:,} quarantined",
-        f"  {s['sessions']} sessions, {s['threads']} threads, {s['calls']:,} calls "
-        f"({s['recorded_calls']:,} recorded + {s['pending_calls']} pending)",
+        (f"  read {s['files']} files, {s['lines']:,} lines: {s['message_lines']:,} message, "
+         f"{s['other_lines']:,} other, {s['quarantined_lines']:,} quarantined"),
+        (f"  {s['sessions']} sessions, {s['threads']} threads, {s['calls']:,} calls "
+         f"({s['recorded_calls']:,} recorded + {s['pending_calls']} pending)"),
     ]
     if s["decisions"]:
         lines.append("  decisions: " + ", ".join(f"{k} {v:,}" for k, v in s["decisions"].items()))
@@ -124,7 +148,14 @@ def _human(s: dict[str, Any]) -> str:
                      f"was replayed. See them with: ctxreplay ledger {s['out_dir']} --quarantine")
     if s["recovered_lines"]:
         lines.append(f"  recovered {len(s['recovered_lines'])} line(s) holding more than one JSON object")
-    lines.append(f"  wrote {s['out_dir']}/calls.parquet, requests/, summary.json; ledger {s['ledger']}")
+    skipped = s.get("skipped_files") or []
+    if skipped:
+        lines.append(f"  skipped {len(skipped)} file(s) that are not transcripts:")
+        lines += [f"    {x['file']}: {x['reason']}" for x in skipped[:SHOW_SKIPPED]]
+        if len(skipped) > SHOW_SKIPPED:
+            lines.append(f"    ... and {len(skipped) - SHOW_SKIPPED} more (all in {s['out_dir']}/summary.json)")
+    lines.append(f"  wrote {s['out_dir']}/calls.parquet, requests/, summary.json (run {s['run_id']}); "
+                 f"ledger {s['ledger']}")
     lines.append(f"  took {s['seconds']:.2f} s")
     return "\n".join(lines)
 
@@ -133,11 +164,16 @@ def _human(s: dict[str, Any]) -> str:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.argument("thread_key")
 @click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
-@click.option("--target", default=None, help="Wire shape; must be the run's own (the default).")
+@click.option("--target", default=None,
+              help="Wire shape (default: the run's own, as stored; another one is shaped anew from the blocks).")
 @click.option("--canonical", is_flag=True,
               help="Print exactly the hashed bytes (no newline): `| sha256sum` gives its request_sha256.")
 def request(out_dir: Path, thread_key: str, call: int | None, target: str | None, canonical: bool) -> None:
     """Print one call's request from a run's output directory, rebuilt from its request store.
+
+    It reads the run OUT shows (OUT/current): byte for byte the request whose sha256 is in
+    calls.parquet, in the run's own target, with no stage or shaping run again (`--target` another
+    wire shape: shaped anew from the run's final blocks).
 
     \b
     Example:
@@ -147,8 +183,8 @@ def request(out_dir: Path, thread_key: str, call: int | None, target: str | None
 
     try:
         data = request_json(out_dir, thread_key, call, target)
-    except CtxReplayError as exc:
-        raise _fail(exc) from exc
+    except FileNotFoundError:  # a newer run was published and the one we read removed: read that
+        data = request_json(out_dir, thread_key, call, target)
     if canonical:
         click.echo(data, nl=False)
         return
@@ -174,9 +210,10 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
     import polars as pl
 
     from pipeline.ledger import Ledger
+    from pipeline.outdir import resolve_run
 
     if quarantine:
-        q_path = out_dir / "quarantine.parquet"
+        q_path = resolve_run(out_dir) / "quarantine.parquet"
         if not q_path.is_file():
             raise Failure(f"{out_dir}: no quarantine.parquet here; run `ctxreplay run ... --out {out_dir}` first")
         q = pl.read_parquet(q_path)
@@ -273,6 +310,8 @@ def _toml(doc: dict[str, Any]) -> str:
         out += ["", "[[stage]]"] + [f"{k} = {val(v)}" for k, v in st.items() if v is not None]
     return "\n".join(out)
 
+
+main.add_command(report)  # pipeline/cli_report.py
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,6 +1,17 @@
-"""Exceptions that carry facts; cli.py maps them to exit codes."""
+"""Exceptions that carry facts; cli.py maps them to exit codes.
+
+Every error a user can see derives from `CtxReplayError` (exit 2, one paragraph on stderr). An
+exception that is not one is a bug: `internal_error` writes its traceback to a file and gives the
+one paragraph that names that file.
+"""
 
 from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+import traceback
+from pathlib import Path
 
 
 class CtxReplayError(Exception):
@@ -17,9 +28,49 @@ class InputError(CtxReplayError):
     """An input path cannot be read or is not a transcript."""
 
 
+class NothingToDo(InputError):
+    """The inputs hold no transcript line at all (an empty directory, only skipped files)."""
+
+
 class LedgerError(CtxReplayError):
     """The ledger cannot be opened or conflicts with this run."""
 
 
+class OutputError(CtxReplayError):
+    """The output directory cannot be written (a file in its place, no permission, disk full)."""
+
+
+class LockError(CtxReplayError):
+    """Another ctxreplay run holds the output directory or the ledger."""
+
+
+class StageFailed(CtxReplayError):
+    """A stage raised instead of returning a StageResult (a bug in that stage)."""
+
+
 class CheckFailed(CtxReplayError):
     """A count or invariant check failed: a bug in ctxreplay, never bad input."""
+
+
+def write_traceback(exc: BaseException) -> Path | None:
+    """Write `exc`'s traceback to a new file in the temp directory; None when even that fails."""
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"ctxreplay-traceback-{stamp}-{os.getpid()}-", suffix=".txt")
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write("".join(traceback.format_exception(exc)))
+        return Path(name)
+    except OSError:
+        return None
+
+
+def internal_error(exc: BaseException, where: str = "") -> CheckFailed:
+    """A one-paragraph CheckFailed for an exception that is a bug, its traceback kept in a file."""
+    path = write_traceback(exc)
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    kept = f"the traceback was written to {path}" if path else "the traceback could not be written to a file"
+    place = f" {where}" if where else ""
+    err = CheckFailed(f"internal error{place} ({type(exc).__name__}: {first}): this is a bug in ctxreplay; {kept}. "
+                      f"Please report it with that file")
+    err.traceback_file = path  # type: ignore[attr-defined]
+    return err

@@ -1,8 +1,10 @@
 """The content-replacement ledger: an embedded DuckDB file (default OUT/ledger.duckdb).
 
-Tables: `decisions` (append-only, namespaced by spec_sha256), `runs` (one row per completed run),
-`specs` (resolved spec per sha256), `token_cache` (token counts by text sha256 and counter).
-A run writes everything in one transaction: a crash leaves the ledger as before or after the run.
+Tables: `decisions` (append-only, namespaced by spec_sha256), `runs` (one row per completed run,
+with the `run_id` of its outputs), `specs` (resolved spec per sha256), `token_cache` (token counts
+by text sha256 and counter). A run writes everything in one transaction: a crash leaves the ledger
+as before or after the run. Two runs never share a ledger at once: the runner holds a lock on it
+(pipeline/outdir.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
+from pipeline import crashpoints
 from pipeline.errors import LedgerError
 from schemas.check import conform, polars_schema, to_arrow
 from schemas.decisions import DECISIONS, STAGE_DECISION
@@ -40,7 +43,10 @@ CREATE TABLE IF NOT EXISTS specs (spec_sha256 VARCHAR PRIMARY KEY, resolved VARC
 CREATE TABLE IF NOT EXISTS token_cache (
     counter VARCHAR NOT NULL, sha256 VARCHAR NOT NULL, tokens BIGINT NOT NULL, PRIMARY KEY (counter, sha256)
 );
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS run_id VARCHAR;
 """
+RUN_COLUMNS = ("run_seq", "spec_sha256", "spec_name", "started_at", "finished_at", "input_files", "versions",
+               "counts", "run_id")
 
 
 class Ledger:
@@ -56,15 +62,22 @@ class Ledger:
             raise LedgerError(msg) from exc
         if not read_only:
             try:
+                # in one transaction, so that a crash never leaves half the tables
+                self.con.execute("BEGIN TRANSACTION")
                 self.con.execute(_DDL)
                 row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
                 if not row:
                     self.con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
                 elif row[0][0] != str(SCHEMA_VERSION):
+                    self.con.execute("ROLLBACK")
+                    self.con.close()
                     raise LedgerError(f"{self.path}: ledger schema version {row[0][0]}, this ctxreplay writes "
                                       f"{SCHEMA_VERSION}; use a new --ledger file")
+                self.con.execute("COMMIT")
             except duckdb.Error as exc:
-                raise LedgerError(f"{self.path}: not a usable ctxreplay ledger: {exc}") from exc
+                self.con.close()
+                raise LedgerError(f"{self.path}: not a usable ctxreplay ledger: {exc}. Pass another file with "
+                                  f"--ledger") from exc
         self._pending: list[pa.Table] = []
         self._pending_tokens: list[pa.Table] = []
 
@@ -112,27 +125,37 @@ class Ledger:
     def commit_run(self, run: dict[str, Any], spec_resolved: dict[str, Any]) -> None:
         """Write the queued decisions, the spec and the run row in one transaction."""
         con = self.con
-        con.execute("BEGIN TRANSACTION")
+        crashpoints.point("ledger")
         try:
+            con.execute("BEGIN TRANSACTION")
             for i, t in enumerate(self._pending):
                 con.register(f"_new{i}", t)
                 con.execute(f"INSERT INTO decisions SELECT {', '.join(DECISIONS.names)} FROM _new{i}")
                 con.unregister(f"_new{i}")
+                crashpoints.point("ledger")
             for i, t in enumerate(self._pending_tokens):
                 con.register(f"_tok{i}", t)
                 con.execute(f"INSERT OR IGNORE INTO token_cache SELECT counter, sha256, tokens FROM _tok{i}")
                 con.unregister(f"_tok{i}")
+                crashpoints.point("ledger")
             con.execute("INSERT OR IGNORE INTO specs VALUES (?, ?)",
                         [run["spec_sha256"], orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
             seq = con.execute("SELECT coalesce(max(run_seq), -1) + 1 FROM runs").fetchall()[0][0]
-            con.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
+            con.execute(f"INSERT INTO runs ({', '.join(RUN_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
                 seq, run["spec_sha256"], run.get("spec_name"), run.get("started_at"), run.get("finished_at"),
                 orjson.dumps(run.get("input_files", [])).decode(), orjson.dumps(run.get("versions", {})).decode(),
-                orjson.dumps(run.get("counts", {})).decode(),
+                orjson.dumps(run.get("counts", {})).decode(), run.get("run_id"),
             ])
+            crashpoints.point("ledger")
             con.execute("COMMIT")
-        except Exception:
-            con.execute("ROLLBACK")
+        except Exception as exc:
+            try:
+                con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # the failed statement may have ended the transaction already
+            if isinstance(exc, duckdb.Error):
+                raise LedgerError(f"{self.path}: the run could not be written to the ledger ({exc}); the ledger "
+                                  f"is as it was before the run, and so are the outputs") from exc
             raise
         finally:
             self._pending = []
@@ -164,6 +187,7 @@ class Ledger:
         return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
 
     def runs(self) -> pl.DataFrame:
+        """One row per completed run (older ledgers, opened read-only, may lack `run_id`)."""
         return pl.from_arrow(self.con.sql("SELECT * FROM runs ORDER BY run_seq").to_arrow_table())  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ token cache

@@ -11,6 +11,8 @@ from typing import Any
 
 import polars as pl
 
+from pipeline.errors import CtxReplayError
+
 ENTRY_POINT_GROUP = "ctxreplay.stages"
 
 
@@ -52,7 +54,9 @@ class Stage:
 STAGES: dict[str, Stage] = {}
 
 
-class UnknownStage(KeyError):
+class UnknownStage(CtxReplayError, KeyError):
+    """No stage of that name is registered (a KeyError too, for callers that look names up)."""
+
     def __init__(self, name: str, known: list[str]) -> None:
         self.name, self.known = name, known
         close = difflib.get_close_matches(name, known, n=1)

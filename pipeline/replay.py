@@ -82,10 +82,16 @@ def thread_key_expr() -> pl.Expr:
 
 @dataclass
 class CallInfo:
-    """What the replay needs of recorded call k: its index and the model it asked."""
+    """What the replay needs of recorded call k: its index and the model it asked.
+
+    `reported` is False for an inherited call: a recorded request on the thread's path that another
+    thread reports (a branch's shared history). The replay walks it like any call, so the stages'
+    state and the prefix comparison follow the path, but its row is not output.
+    """
 
     call: int
     model: str | None = None
+    reported: bool = True
 
 
 @dataclass
@@ -751,10 +757,23 @@ def call_skeleton(blocks: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def thread_calls(skeleton: pl.DataFrame) -> dict[tuple[str, str], list[CallInfo]]:
+def call_counts(blocks: pl.DataFrame) -> dict[tuple[str, str], int]:
+    """Calls per thread, inherited ones included (= the pending call's index: the largest first_call),
+    from the loaded blocks."""
+    df = blocks.group_by("session_id", "thread_id").agg(n=pl.col("first_call").max())
+    return {(sid, tid): int(n) for sid, tid, n in df.iter_rows()}
+
+
+def thread_calls(skeleton: pl.DataFrame, counts: dict[tuple[str, str], int] | None = None,
+                 ) -> dict[tuple[str, str], list[CallInfo]]:
+    """CallInfo 0..n-1 per thread: the reported calls of the skeleton, and (with `counts`, calls per
+    thread) the inherited calls between them (`reported = False`)."""
     out: dict[tuple[str, str], list[CallInfo]] = defaultdict(list)
     for sid, tid, call, model in skeleton.select("session_id", "thread_id", "call", "model").iter_rows():
         out[(sid, tid)].append(CallInfo(call, model))
+    for key, n in (counts or {}).items():
+        have = {c.call for c in out[key]}
+        out[key].extend(CallInfo(k, None, reported=False) for k in range(n) if k not in have)
     for key, lst in out.items():
         lst.sort(key=lambda c: c.call)
         if [c.call for c in lst] != list(range(len(lst))):

@@ -27,6 +27,8 @@ from pipeline.registry import Stage, UnknownStage, get_stage
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "data" / "pipelines"
 PIPELINE_KEYS = {"name", "description", "target", "window_tokens"}
+DEFAULT_TARGET = "anthropic"
+DEFAULT_WINDOW_TOKENS = 200_000
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,30 @@ class PipelineSpec:
     source: str  # file path or preset:<name>
     stages: tuple[ResolvedStage, ...]
     settings: dict[str, Any]
+
+    @property
+    def target(self) -> str | None:
+        """The spec's `[pipeline] target`, when it sets one."""
+        t = self.settings.get("target")
+        return str(t).replace("_", "-") if t is not None else None
+
+    @property
+    def window_tokens(self) -> int:
+        return int(self.settings.get("window_tokens", DEFAULT_WINDOW_TOKENS))
+
+    def for_target(self, target: str) -> PipelineSpec:
+        """This spec as run for `target`. Stages decide per target (sanitize, pairing), so a run for
+        another target than the default gets its own ledger namespace: the target is written into
+        the settings (and the hash) unless the spec already says it or it is the default."""
+        target = target.replace("_", "-")
+        if self.target is not None:
+            if self.target != target:
+                raise SpecError(f"{self.source} sets [pipeline] target = '{self.target}', but --target is "
+                                f"'{target}': drop --target to use the spec's target, or change the spec")
+            return self
+        if target == DEFAULT_TARGET:
+            return self
+        return dataclasses.replace(self, settings={**self.settings, "target": target})
 
     def resolved(self) -> dict[str, Any]:
         """The resolved spec, defaults filled in (what the hash covers)."""
@@ -189,6 +215,7 @@ def parse_spec(text: str, *, source: str) -> PipelineSpec:
             close = difflib.get_close_matches(k, sorted(PIPELINE_KEYS), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
             raise SpecError(f"{source} [pipeline]: unknown key '{k}'.{hint} Keys: {', '.join(sorted(PIPELINE_KEYS))}")
+    _check_settings(head, source)
     raw_stages = doc.get("stage", [])
     if not isinstance(raw_stages, list):
         raise SpecError(f"{source}: 'stage' must be an array of tables: write [[stage]], not [stage]")
@@ -206,6 +233,27 @@ def parse_spec(text: str, *, source: str) -> PipelineSpec:
     name = str(head.get("name", Path(source).stem))
     settings = {k: v for k, v in head.items() if k not in ("name", "description")}
     return PipelineSpec(name=name, source=source, stages=tuple(resolved), settings=settings)
+
+
+def _check_settings(head: dict[str, Any], source: str) -> None:
+    """The [pipeline] keys' types and ranges, checked before any data is read."""
+    where = f"{source} [pipeline]"
+    for key in ("name", "description"):
+        if key in head and not isinstance(head[key], str):
+            raise SpecError(f"{where}: {key} must be a string; got {head[key]!r} ({type(head[key]).__name__})")
+    if "window_tokens" in head:
+        w = head["window_tokens"]
+        if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
+            raise SpecError(f"{where}: window_tokens must be a positive whole number of tokens "
+                            f"(the model's context window, e.g. 200000); got {w!r} ({type(w).__name__})")
+    if "target" in head:
+        from pipeline.targets import target_names
+
+        t, names = head["target"], target_names()
+        if not isinstance(t, str) or t.replace("_", "-") not in names:
+            close = difflib.get_close_matches(str(t), names, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise SpecError(f"{where}: target must be one of {', '.join(names)}; got {t!r}.{hint}")
 
 
 def preset_names() -> list[str]:

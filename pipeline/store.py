@@ -118,17 +118,30 @@ def _write(path: Path, table: pa.Table, **kw: Any) -> None:
 # ------------------------------------------------------------------------------------ reading
 
 
-def _need(out_dir: Path, name: str) -> Path:
-    path = out_dir / name
+def run_dir(out_dir: Path) -> Path:
+    """The directory of the run OUT shows (OUT/current), resolved once so that every file read
+    comes from one run; or out_dir itself when it holds a store of its own."""
+    from pipeline.outdir import CURRENT, resolve_run
+
+    if not (out_dir / CURRENT).is_symlink() and (out_dir / CALL_MESSAGES_FILE).is_file():
+        return out_dir
+    return resolve_run(out_dir)
+
+
+def _need(run: Path, name: str) -> Path:
+    """run/name, or an error that says which run lacks it and what to do (`run` is a run directory;
+    the advice names the OUT it belongs to)."""
+    path = run / name
     if not path.is_file():
-        raise StoreError(f"{out_dir}: no {name} here; run `ctxreplay run ... --out {out_dir}` first "
-                         f"(a run made before the request store existed wrote none: run it again)")
+        out = run.parent.parent if run.parent.name == ".runs" else run
+        raise StoreError(f"{out}: the run shown there has no {name} (made before the request store existed, "
+                         f"or damaged); run `ctxreplay run ... --out {out}` again")
     return path
 
 
 def read_call_messages(out_dir: Path, key: str | None = None) -> pl.DataFrame:
     """call_messages.parquet (of one thread when key is given; a missing thread is an error that
-    names the closest one)."""
+    names the closest one). `out_dir` is a run directory (see run_dir)."""
     path = _need(out_dir, CALL_MESSAGES_FILE)
     if key is None:
         return pl.read_parquet(path)
@@ -159,13 +172,15 @@ def _messages(out_dir: Path, shas: list[str]) -> dict[str, bytes]:
 
 
 def request_json(out_dir: Path, key: str, call: int | None = None, target: str | None = None) -> bytes:
-    """The canonical JSON of one call's request (call None: the pending one), from the store."""
+    """The canonical JSON of one call's request (call None: the pending one), from the store of
+    the run OUT shows. With another `target` than the run's, the request is shaped anew from the
+    run's final blocks in that target (its sha256 is then not the one in calls.parquet)."""
+    out_dir = run_dir(out_dir)
     rows = read_call_messages(out_dir, key)
-    run_target = rows.get_column("target")[0]
-    if target is not None and target != run_target:
-        raise StoreError(f"{out_dir} was replayed for target '{run_target}', not '{target}': its requests are "
-                         f"stored in that wire shape. Leave out --target, or run again with --target {target}")
     k, held = _at_call(rows, key, call)
+    _refuse_inherited(out_dir, rows, key, k)
+    if target is not None and target.replace("_", "-") != rows.get_column("target")[0]:
+        return _in_other_target(out_dir, key, k, target)
     shas = held.get_column("sha256").to_list()
     if held.get_column("slot").null_count() != 1:
         raise StoreError(f"{out_dir}: {CALL_MESSAGES_FILE} holds no single envelope for thread '{key}' call {k}; "
@@ -176,6 +191,45 @@ def request_json(out_dir: Path, key: str, call: int | None = None, target: str |
     except KeyError as exc:
         raise StoreError(f"{out_dir}: {MESSAGES_FILE} lacks message {exc.args[0]} of thread '{key}' call {k}; "
                          f"the output directory is damaged: run again") from exc
+
+
+def _refuse_inherited(out_dir: Path, rows: pl.DataFrame, key: str, k: int) -> None:
+    """A branch walks the calls of the history it shares with another thread (they are in the
+    store, so its requests build on them), but that thread reports them: calls.parquet has no row
+    for them here, and `request` points to the thread that does."""
+    path = out_dir / "calls.parquet"
+    if not path.is_file():
+        return
+    own = pl.from_arrow(pq.read_table(path, columns=["thread_key", "call"], filters=[("thread_key", "=", key)]))
+    assert isinstance(own, pl.DataFrame)
+    calls = set(own.get_column("call").to_list())
+    if own.height and k not in calls:
+        pending = int(rows.get_column("last_call").max()) - 1  # type: ignore[arg-type]
+        sid = rows.get_column("session_id")[0]
+        listed = ", ".join(str(c) for c in sorted(calls) if c != pending) or "none"
+        raise StoreError(f"call {k} of thread '{key}' is history it shares with another thread of session {sid}, "
+                         f"which reports that request; this thread's own calls are {listed} and {pending} (pending)")
+
+
+def _in_other_target(run: Path, key: str, k: int, target_name: str) -> bytes:
+    """Call k's request shaped in another target than the run's: the thread's final blocks replayed
+    (the stages are not run again; their decisions are in the blocks)."""
+    from pipeline.replay import CallInfo, replay_thread, thread_key_expr, thread_rows
+    from pipeline.targets import get_target
+
+    target = get_target(target_name)
+    blocks = pl.read_parquet(_need(run, "blocks.parquet")).filter(thread_key_expr() == key)
+    calls = pl.read_parquet(_need(run, "calls.parquet")).filter(pl.col("thread_key") == key)
+    models = dict(zip(calls["call"].to_list(), calls["model"].to_list(), strict=True))
+    n = int(calls.filter(pl.col("is_pending"))["call"].max() or 0)  # type: ignore[arg-type]
+    infos = [CallInfo(c, models.get(c), reported=c in models) for c in range(n)]
+    (_, part), = list(thread_rows(blocks))
+    rows = part.to_dicts()
+    for res in replay_thread(rows, [0] * len(rows), infos, target, materialize=lambda kk, p: kk == k):
+        if res.call == k:
+            assert res.request_json is not None
+            return res.request_json
+    raise StoreError(f"thread '{key}': call {k} not found")
 
 
 def request(out_dir: Path, key: str, call: int | None = None, target: str | None = None) -> dict[str, Any]:
@@ -213,7 +267,9 @@ def iter_call_lists(rows: pl.DataFrame) -> Iterator[tuple[str, int, list[str], s
 
 
 def iter_request_json(out_dir: Path) -> Iterator[tuple[str, int, bytes]]:
-    """(thread_key, call, canonical JSON) of every call of a run, rebuilt from the store."""
+    """(thread_key, call, canonical JSON) of every call of a run (a branch's inherited calls too),
+    rebuilt from the store of the run OUT shows."""
+    out_dir = run_dir(out_dir)
     rows = read_call_messages(out_dir)
     msgs = pq.read_table(_need(out_dir, MESSAGES_FILE), columns=["sha256", "canonical_json"])
     data = dict(zip(msgs.column("sha256").to_pylist(), msgs.column("canonical_json").to_pylist(), strict=True))
@@ -225,6 +281,7 @@ def iter_request_json(out_dir: Path) -> Iterator[tuple[str, int, bytes]]:
 def call_message_frame(out_dir: Path, key: str, call: int | None = None) -> pl.DataFrame:
     """Call k's messages in request order: position, sha256, role, n_blocks, tokens and cum_tokens
     (the tokens of messages 0..position, each with its MESSAGE_OVERHEAD_TOKENS)."""
+    out_dir = run_dir(out_dir)
     _, held = _at_call(read_call_messages(out_dir, key), key, call)
     order = held.filter(pl.col("slot").is_not_null()).select("sha256").with_row_index("position")
     info = pl.read_parquet(_need(out_dir, MESSAGES_FILE), columns=["sha256", "role", "n_blocks", "tokens"])

@@ -143,7 +143,8 @@ def replay_all_calls(blocks: pl.DataFrame, target_name: str, rows: list[dict[str
     from pipeline.targets import get_target
 
     rows = replay_rows(blocks) if rows is None else rows
-    n = blocks.filter(pl.col("is_call"))["msg_key"].n_unique()
+    # calls of the path: inherited ones (is_call false) count too
+    n = max(blocks.filter(pl.col("is_call"))["msg_key"].n_unique(), int(blocks["first_call"].max() or 0))
     calls = [CallInfo(k, model="m") for k in range(n)]
     return list(replay_thread(rows, [1] * len(rows), calls, get_target(target_name), materialize=lambda k, p: True))
 

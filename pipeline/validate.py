@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pipeline.targets import Violation
+from pipeline.targets import ANTHROPIC_RESULT_PART_TYPES, NATIVE_BLOCK_TYPES, Violation
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 ANTHROPIC_TOOL_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
@@ -25,6 +25,25 @@ STRICT_ID = re.compile(r"^[A-Za-z0-9]{1,40}$")
 ANTHROPIC_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 ANTHROPIC_MAX_IMAGE_B64 = 5_242_880
 ANTHROPIC_MAX_IMAGES = 100
+
+# The block / item / part types each API takes (`unsupported_block_type` for any other): the
+# portable shapes every target writes plus the provider's own (pipeline.targets.NATIVE_BLOCK_TYPES).
+ANTHROPIC_BLOCK_TYPES = frozenset({"text", "image", "thinking", "redacted_thinking", "tool_use", "tool_result"}) \
+    | NATIVE_BLOCK_TYPES["anthropic"]
+OPENAI_CHAT_PART_TYPES = {
+    "user": frozenset({"text", "image_url", "input_audio", "file"}),
+    "assistant": frozenset({"text", "refusal"}),
+    "system": frozenset({"text"}), "developer": frozenset({"text"}), "tool": frozenset({"text"}),
+}
+RESPONSES_PART_TYPES = frozenset({"input_text", "input_image", "input_file", "input_audio", "output_text", "refusal"})
+RESPONSES_ITEM_TYPES = frozenset({
+    "message", "function_call", "function_call_output", "reasoning", "item_reference", "custom_tool_call",
+    "custom_tool_call_output", "local_shell_call", "local_shell_call_output", "computer_call_output",
+    "mcp_approval_response",
+}) | (NATIVE_BLOCK_TYPES["openai_responses"] - RESPONSES_PART_TYPES)
+GEMINI_PART_DATA = frozenset({"text", "inlineData", "fileData", "functionCall", "functionResponse", "executableCode",
+                              "codeExecutionResult"})
+GEMINI_PART_META = frozenset({"thought", "thoughtSignature", "videoMetadata"})
 
 Bad = Callable[[int | None, int | None, str, str], None]
 
@@ -87,7 +106,10 @@ def validate_anthropic(request: dict[str, Any], *, thread_key: str, call: int,
             continue
         result_ids: Counter[str] = Counter()
         for j, b in enumerate(content):
-            t = b.get("type")
+            t = b.get("type") if isinstance(b, dict) else None
+            if t not in ANTHROPIC_BLOCK_TYPES:
+                bad(i, j, "unsupported_block_type", f"content block type {t!r} is not one the Messages API takes")
+                continue
             if t == "text" and not (b.get("text") or "").strip():
                 bad(i, j, "empty_text", "text content blocks must contain non-whitespace text")
             if t in ("thinking", "redacted_thinking"):
@@ -121,7 +143,11 @@ def validate_anthropic(request: dict[str, Any], *, thread_key: str, call: int,
                 if result_ids[str(rid)] == 2:
                     bad(i, j, "duplicate_tool_result", f"two tool_result blocks for {rid} in one message")
                 for part in b.get("content") if isinstance(b.get("content"), list) else []:
-                    if isinstance(part, dict) and part.get("type") == "image":
+                    pt = part.get("type") if isinstance(part, dict) else None
+                    if pt not in ANTHROPIC_RESULT_PART_TYPES:
+                        bad(i, j, "unsupported_block_type", f"tool_result content part type {pt!r} is not one the "
+                            f"Messages API takes ({', '.join(sorted(ANTHROPIC_RESULT_PART_TYPES))})")
+                    if pt == "image":
                         images += 1
                         _anthropic_image(i, j, part, bad)
         if role == "assistant":
@@ -167,6 +193,12 @@ def validate_openai_chat(request: dict[str, Any], *, thread_key: str, call: int)
     open_from: int | None = None
     for i, m in enumerate(msgs):
         role = m.get("role")
+        if isinstance(m.get("content"), list) and role in OPENAI_CHAT_PART_TYPES:
+            for j, part in enumerate(m["content"]):
+                pt = part.get("type") if isinstance(part, dict) else None
+                if pt not in OPENAI_CHAT_PART_TYPES[role]:
+                    bad(i, j, "unsupported_block_type", f"content part type {pt!r} in a {role} message (takes "
+                        f"{', '.join(sorted(OPENAI_CHAT_PART_TYPES[role]))})")
         if role == "tool":
             cid = m.get("tool_call_id")
             if cid in open_calls:
@@ -235,8 +267,11 @@ def validate_openai_responses(request: dict[str, Any], *, thread_key: str, call:
             elif isinstance(c, list):
                 for j, part in enumerate(c):
                     want = ("output_text", "refusal") if role == "assistant" else ("input_text", "input_image", "input_file")
-                    if part.get("type") not in want:
-                        bad(i, j, "bad_content_type", f"{part.get('type')!r} in a {role} message")
+                    pt = part.get("type") if isinstance(part, dict) else None
+                    if pt not in RESPONSES_PART_TYPES:
+                        bad(i, j, "unsupported_block_type", f"content part type {pt!r} is not one the Responses API takes")
+                    elif pt not in want:
+                        bad(i, j, "bad_content_type", f"{pt!r} in a {role} message")
         elif t == "function_call":
             cid = it.get("call_id")
             if not cid:
@@ -264,8 +299,8 @@ def validate_openai_responses(request: dict[str, Any], *, thread_key: str, call:
                     (nxt.get("type") == "message" and nxt.get("role") != "assistant"):
                 bad(i, None, "reasoning_not_followed",
                     "a reasoning item must be followed by another item of the same response")
-        else:
-            bad(i, None, "bad_item_type", f"item type {t!r}")
+        elif t not in RESPONSES_ITEM_TYPES:
+            bad(i, None, "unsupported_block_type", f"input item type {t!r} is not one the Responses API takes")
     for cid, i in calls.items():
         if not outputs.get(cid):
             bad(i, None, "function_call_unanswered", f"No tool output found for function call {cid}")
@@ -305,6 +340,12 @@ def validate_gemini(request: dict[str, Any], *, thread_key: str, call: int) -> l
             bad(i, None, "empty_parts", "a content needs at least one part")
             continue
         for j, p in enumerate(parts):
+            keys = set(p) if isinstance(p, dict) else set()
+            data = keys & GEMINI_PART_DATA
+            if len(data) != 1 or keys - GEMINI_PART_DATA - GEMINI_PART_META:
+                bad(i, j, "unsupported_block_type", f"a part needs exactly one of {', '.join(sorted(GEMINI_PART_DATA))}; "
+                    f"got keys {', '.join(sorted(map(str, keys))) or 'none'}")
+                continue
             if "text" in p and not p.get("text"):
                 bad(i, j, "empty_text", "empty text part")
             for key in ("functionCall", "functionResponse"):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import polars as pl
 import pyarrow as pa
 
+from pipeline.errors import CtxReplayError
 
-class SchemaMismatch(Exception):
-    """A frame does not match its declared schema."""
+
+class SchemaMismatch(CtxReplayError):
+    """A frame does not match its declared schema (exit 2: a stage or a writer broke the contract)."""
 
     def __init__(self, *, where: str, name: str, missing: list[str], extra: list[str],
                  wrong: list[tuple[str, str, str]]) -> None:

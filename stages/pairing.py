@@ -6,11 +6,15 @@ Per thread, vectorised over all threads of a batch:
    again later is a new pair. A result is matched to the latest earlier call occurrence with its id.
 2. Results that match no call (no id, or an id no earlier call carries) are re-attached when exactly
    one unresolved call of their frame (the latest tool-call assistant row before them) can own them:
-   names agree (an unrecorded name agrees with any; `unknown` with none), and for a result without
-   an id the frame has a single call; such a result also gets `is_error = true`. Otherwise it is
-   dropped as `orphan`.
-3. Duplicates: the first real result of a call (by position) is kept, later ones are dropped as
-   `duplicate`. A result whose call leaves the request (compaction) is dropped from then on.
+   names agree (an unrecorded name agrees with any; `unknown` with none), for a result without an
+   id the frame has a single call, and the call has no result of its own (by id) visible where the
+   orphan first is; such a result also gets `is_error = true` (no id). Otherwise it is dropped as
+   `orphan`: a result never answers a call that has its own result.
+3. Duplicates: a call's own result (by id) always wins; of several, the first by position is kept,
+   later ones are dropped as `duplicate`. A re-attached result seen before the call's own result
+   stands in for it only until then (dropped from the call that sees the own result, reason
+   `superseded`, like a synthetic one); another re-attached result of the same call is an `orphan`.
+   A result whose call leaves the request (compaction) is dropped from then on.
 4. Failed frames (assistant `stop_reason` error/aborted with tool calls), `failed_frame_policy`:
    `drop` drops the assistant row and its results (`failed_frame`); `keep_with_synthetic` treats
    them like any frame; `preserve` keeps them and never synthesises their missing results.
@@ -193,7 +197,7 @@ def _count_upto(frames: pl.LazyFrame, counts: pl.LazyFrame, *, at: str, out: str
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("pairing", version=1, params=Pairing)
+@stage("pairing", version=2, params=Pairing)
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
 
@@ -283,10 +287,11 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         .select(*THREAD, pl.col("msg_key").alias("_frame"), _pos=pl.col("_fok") * POS_SHIFT)
     )
     results = _latest_before(results, frames, by=THREAD, cols=["_frame"])
+    # a call is resolved from the first call that sees a result carrying its own id
     first_match = (
         results.filter(pl.col("_c_entry").is_not_null())
         .group_by(*THREAD, "_c_entry", "_c_bp")
-        .agg(pl.col("_pos").min().alias("_first_match"))
+        .agg(pl.col("_fr").min().alias("_first_match"))
     )
     owners = calls.filter(pl.col("_has_id") & ~pl.col("_drop_frame")).join(
         first_match, left_on=BLOCK, right_on=[*THREAD, "_c_entry", "_c_bp"], how="left",
@@ -301,7 +306,8 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     cand = (
         orphans.join(owners, on=[*THREAD, "_frame"], how="inner")
         .filter(
-            (pl.col("_first_match").is_null() | (pl.col("_first_match") > pl.col("_pos")))
+            # never a call whose own result is already visible where the orphan first is
+            (pl.col("_first_match").is_null() | (pl.col("_first_match") > pl.col("_fr")))
             & name_agrees
             & (pl.col("_rhas_id") | (pl.col("_m") == 1))
         )
@@ -320,33 +326,61 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         *THREAD, pl.col("entry_id").alias("_c_entry"), pl.col("block_pos").alias("_c_bp"),
         "_new_cid", "_cname", "_drop_frame", "_lc", "_fc",
     )
-    results = results.join(cinfo, on=[*THREAD, "_c_entry", "_c_bp"], how="left").with_columns(
-        _rank=pl.col("_pos").rank("ordinal").over([*THREAD, "_c_entry", "_c_bp"]),
+    results = results.join(cinfo, on=[*THREAD, "_c_entry", "_c_bp"], how="left")
+    # The call's own result (matched by its id) always wins over a re-attached one; a result that
+    # an earlier pass closed before its call leaves (a stand-in, see below) ranks after the others.
+    per_call = [*THREAD, "_c_entry", "_c_bp"]
+    results = results.with_columns(
+        _stand_in=(pl.col("_lr").is_not_null() & _lt_open(pl.col("_lr"), pl.col("_lc"))),
+    ).with_columns(
+        _rank=pl.struct(pl.col("_attached").cast(pl.Int8), pl.col("_stand_in").cast(pl.Int8), "_pos", "_fr")
+        .rank("ordinal").over(per_call),
+    ).with_columns(
+        _p_fr=pl.col("_fr").filter(pl.col("_rank") == 1).first().over(per_call),
+    ).with_columns(
+        # a re-attached result (or one an earlier pass made a stand-in) seen before the call's own
+        # result stands in for it until then, like a synthetic one: it never sits beside it
+        _interim=(pl.col("_rank") > 1) & (pl.col("_attached") | pl.col("_stand_in"))
+        & (pl.col("_fr") < pl.col("_p_fr")),
+    ).with_columns(
+        # one stand-in per call: the first candidate
+        _interim=pl.col("_interim")
+        & (pl.col("_rank") == pl.col("_rank").filter(pl.col("_interim")).min().over(per_call)),
     )
     results = results.with_columns(
         _drop_reason=pl.when(pl.col("_c_entry").is_null()).then(pl.lit("orphan"))
         .when(pl.col("_drop_frame")).then(pl.lit("failed_frame"))
+        .when(pl.col("_interim")).then(pl.lit("superseded"))
+        .when((pl.col("_rank") > 1) & pl.col("_attached")).then(pl.lit("orphan"))
         .when(pl.col("_rank") > 1).then(pl.lit("duplicate"))
         .when(pl.col("_lc").is_not_null() & (pl.col("_lr").is_null() | (pl.col("_lr") > pl.col("_lc"))))
         .then(pl.lit("orphan"))
         .otherwise(pl.lit(None, pl.String)),
     ).with_columns(
-        # a result whose call leaves the request (compaction, snip) goes with it, from then on
+        # a result whose call leaves the request (compaction, snip) goes with it, from then on; a
+        # stand-in goes when the call's own result arrives
         _drop_from=pl.when(pl.col("_drop_reason").is_not_null() & pl.col("_c_entry").is_not_null()
                            & ~pl.col("_drop_frame") & (pl.col("_rank") == 1))
-        .then(pl.col("_lc")).otherwise(pl.lit(None, pl.Int32)),
+        .then(pl.col("_lc"))
+        .when(pl.col("_interim") & ~pl.col("_drop_frame"))
+        .then(pl.min_horizontal(pl.col("_p_fr"), pl.col("_lc")))
+        .otherwise(pl.lit(None, pl.Int32)),
         _chosen=pl.col("_c_entry").is_not_null() & ~pl.col("_drop_frame").fill_null(False) & (pl.col("_rank") == 1),
-    )
+    ).with_columns(_interim=pl.col("_interim") & pl.col("_c_entry").is_not_null()
+                   & ~pl.col("_drop_frame").fill_null(False))
     results = materialize(results)
 
     # ---- per call: its chosen result, synthetic need, slot
     chosen = results.filter("_chosen").select(
         *THREAD, "_c_entry", "_c_bp", "_rok", pl.col("_pos").alias("_rpos"), "_fr", "_lr",
     )
+    # the first call that sees an answer (its own result, or a stand-in before it)
+    answered = results.filter(pl.col("_chosen") | pl.col("_interim")).group_by(per_call).agg(
+        _first_answer=pl.col("_fr").min())
     cf = calls.filter(pl.col("_has_id") & ~pl.col("_drop_frame")).join(
         chosen, left_on=BLOCK, right_on=[*THREAD, "_c_entry", "_c_bp"], how="left",
-    ).with_columns(_present=pl.col("_rok").is_not_null())
-    synth_end = pl.min_horizontal(pl.col("_fr"), pl.col("_lc"))
+    ).join(answered, left_on=BLOCK, right_on=per_call, how="left").with_columns(_present=pl.col("_rok").is_not_null())
+    synth_end = pl.min_horizontal(pl.col("_first_answer"), pl.col("_lc"))
     cf = cf.with_columns(
         _s_end=synth_end,
         _need=~pl.col("_no_synth") & _lt_open(pl.col("_fc"), synth_end),
@@ -371,7 +405,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     )
     # rows that would sit between the assistant row and its last slot
     dropped_blocks = results.filter(pl.col("_drop_reason").is_not_null() & pl.col("_drop_from").is_null()).select(BLOCK)
-    chosen_blocks = results.filter("_chosen").select(BLOCK)
+    chosen_blocks = results.filter(pl.col("_chosen") | pl.col("_interim")).select(BLOCK)
     dropped_msgs = calls.filter("_drop_frame").select(MSG).unique()
     others = (
         b.filter(pl.col("origin") != "pairing")
@@ -394,17 +428,17 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     res_upd = results.join(
         cf.select(*THREAD, pl.col("entry_id").alias("_c_entry"), pl.col("block_pos").alias("_c_bp"), "_slot"),
         on=[*THREAD, "_c_entry", "_c_bp"], how="left",
-    ).with_columns(
-        _u_id=pl.when("_chosen").then("_new_cid"),
-        _u_name=pl.when(pl.col("_chosen") & pl.col("_attached")).then(
+    ).with_columns(_answers=pl.col("_chosen") | pl.col("_interim")).with_columns(
+        _u_id=pl.when("_answers").then("_new_cid"),
+        _u_name=pl.when(pl.col("_answers") & pl.col("_attached")).then(
             pl.when(_blank("_rname")).then(pl.coalesce(pl.col("_cname").str.strip_chars(), pl.lit("unknown")))
             .otherwise(pl.col("_rname").str.strip_chars()))
-        .when(pl.col("_chosen") & pl.col("_rname").is_not_null()).then(
+        .when(pl.col("_answers") & pl.col("_rname").is_not_null()).then(
             pl.when(_blank("_rname")).then(
                 pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()))
             .otherwise(pl.col("_rname").str.strip_chars())),
-        _u_err=pl.when(pl.col("_chosen") & pl.col("_attached") & ~pl.col("_rhas_id")).then(pl.lit(True)),
-        _u_ok=pl.when("_chosen").then(pl.col("_slot")),
+        _u_err=pl.when(pl.col("_answers") & pl.col("_attached") & ~pl.col("_rhas_id")).then(pl.lit(True)),
+        _u_ok=pl.when("_answers").then(pl.col("_slot")),
         _u_reason=pl.when(pl.col("_attached")).then(pl.lit("reattached")).otherwise(pl.lit(None, pl.String)),
     ).select(*BLOCK, "_u_id", "_u_name", "_u_err", "_u_ok", "_u_reason", "_drop_reason", "_drop_from")
     call_upd = calls.select(*BLOCK, _u_cid=pl.when(~pl.col("_drop_frame")).then(pl.col("_new_cid")))

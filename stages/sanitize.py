@@ -8,10 +8,16 @@ Nine sub-steps, in the documented order, each a set of column expressions over t
 3. row filter `drop_rows_where` (default: assistant rows marked display-only);
 4. failed empty assistant turns get the text `[assistant turn failed before producing content]`,
    except for the calls where such a row is the last row of the request (there it is dropped);
+5a. foreign items: blocks of a type the target cannot carry (another provider's server-side tool
+   calls and results, hosted-tool items such as `web_search_call`, refusals, files; see
+   `pipeline.targets.NATIVE_BLOCK_TYPES`) become text when they hold text (`foreign_items =
+   "to_text"`), else are dropped; for Anthropic, tool-result parts of a foreign type become text;
 5. thinking policy and foreign-provider thinking; a row left empty gets
    `[assistant reasoning omitted]`; a kept thinking block is never edited;
 6. invalid tool calls (missing id or input, bad or disallowed name): dropped or marked; a row with
-   signed thinking and an invalid call is dropped whole;
+   signed thinking and an invalid call is dropped whole; the results of a call this stage drops
+   go with it (never left to answer another call); a name valid once trimmed is written trimmed,
+   on the call and on its results;
 7. non-model fields of tool results (`details`, UI metadata in `extra_json`) are stripped;
 8. normalised usage columns u_* and usage_stale (`normalized_usage`, no decisions: raw usage is
    never changed);
@@ -37,6 +43,7 @@ from pipeline.calls import THINKING_TYPES, THREAD, TOOL_CALL_TYPES
 from pipeline.marks import (
     MSG_NO,
     OPEN,
+    THREAD_NO,
     Insert,
     alive,
     cover_end,
@@ -48,7 +55,12 @@ from pipeline.marks import (
     text_row,
 )
 from pipeline.registry import StageContext, StageResult, stage
-from pipeline.targets import target_family
+from pipeline.targets import (
+    ANTHROPIC_RESULT_PART_TYPES,
+    PORTABLE_BLOCK_TYPES,
+    native_block_types,
+    target_family,
+)
 
 FAILED_TURN_TEXT = "[assistant turn failed before producing content]"
 REASONING_OMITTED_TEXT = "[assistant reasoning omitted]"
@@ -86,6 +98,8 @@ class Sanitize:
     """A call with a bad or disallowed name: drop it, or replace it by a text marker naming the tool."""
     scrub_magic: Literal["anthropic", "always", "off"] = "anthropic"
     """Replace refusal/redacted-thinking trigger strings: for Anthropic targets, always, or never."""
+    foreign_items: Literal["to_text", "drop"] = "to_text"
+    """Blocks of a type the target cannot carry (another provider's server tools, hosted-tool items, refusals): keep their text as text (else drop), or drop them."""
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -96,8 +110,9 @@ def row_family_expr() -> pl.Expr:
     api = pl.col("api").str.to_lowercase()
     provider = pl.col("provider").str.to_lowercase()
     return (
-        pl.when(pl.col("source_format") == "claude_code").then(pl.lit("anthropic"))
+        pl.when(pl.col("source_format").is_in(["claude_code", "anthropic_request"])).then(pl.lit("anthropic"))
         .when(pl.col("source_format") == "codex").then(pl.lit("openai_responses"))
+        .when(pl.col("source_format") == "openai_chat_request").then(pl.lit("openai_chat"))
         .when(api.is_not_null() & (api == "anthropic-messages")).then(pl.lit("anthropic"))
         .when(api.is_not_null() & api.str.starts_with("bedrock")).then(pl.lit("anthropic"))
         .when(api.is_not_null() & api.str.contains("responses")).then(pl.lit("openai_responses"))
@@ -160,7 +175,7 @@ def normalized_usage(blocks: pl.LazyFrame) -> pl.LazyFrame:
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("sanitize", version=1, params=Sanitize)
+@stage("sanitize", version=2, params=Sanitize)
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
     thinking policy, invalid tool calls, non-model tool-result fields, magic strings.
@@ -192,6 +207,8 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     w = mark_drop(w, pl.col("_filtered"), "row_filter")
     # 4. failed empty assistant turns
     w, failed_insert = _failed_turns(w)
+    # 5a. items the target cannot carry
+    w = _foreign_items(w, params, ctx.target or "anthropic")
     # 5. thinking
     w, omitted_insert = _thinking(w, params, family)
     # 6. invalid tool calls
@@ -312,11 +329,51 @@ def _thinking(w: pl.LazyFrame, params: Sanitize, family: str) -> tuple[pl.LazyFr
     return w, insert
 
 
+_TEXT_NULLS = ("part_type", "signature", "tool_use_id", "tool_name", "tool_input", "is_error", "image_media_type",
+               "image_bytes", "image_width", "image_height", "image_data", "extra_json")
+
+
+def foreign_expr(target: str) -> pl.Expr:
+    """A block of a type this target cannot carry: not portable, and not one of the target's
+    provider-specific types coming from its own API family."""
+    family = target_family(target)
+    bt = pl.col("block_type")
+    native = bt.is_in(sorted(native_block_types(target))) & (row_family_expr() == family).fill_null(False)
+    return ~bt.is_in(sorted(PORTABLE_BLOCK_TYPES)) & ~native
+
+
+def _foreign_items(w: pl.LazyFrame, params: Sanitize, target: str) -> pl.LazyFrame:
+    """Sub-step 5a: blocks the target cannot carry become text (when they hold text and the policy
+    is to_text) or are dropped, reason `foreign_item`. For Anthropic, whose tool results carry their
+    parts as they are, a part of a type it does not take (or from another provider) becomes text."""
+    foreign = foreign_expr(target) & alive()
+    if params.foreign_items == "to_text":
+        w = w.with_columns(_f_text=(foreign & ~is_blank("text")).fill_null(False))
+        values = {"block_type": pl.lit("text"), **{c: pl.lit(None, BLOCK_SCHEMA[c]) for c in _TEXT_NULLS}}
+        w = mark_replace(w, pl.col("_f_text"), values, "foreign_item")
+        foreign = foreign & ~pl.col("_f_text")
+    w = mark_drop(w, foreign, "foreign_item")
+    if target_family(target) == "anthropic":
+        part = pl.col("extra_json").str.json_path_match("$.part.type")
+        own = part.is_in(sorted(ANTHROPIC_RESULT_PART_TYPES)) & (row_family_expr() == "anthropic")
+        foreign_part = (
+            (pl.col("block_type") == "tool_result") & (pl.col("part_type") == "other") & ~own.fill_null(False)
+            & alive() & pl.col("text").is_not_null()
+        )
+        w = mark_replace(w, foreign_part, {"part_type": pl.lit("text"), "extra_json": pl.lit(None, pl.String)},
+                         "foreign_item")
+    return w
+
+
 def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
     """Sub-step 6: invalid tool calls are dropped (or marked); a row with signed thinking and an
-    invalid call is dropped whole; a row left empty disappears with its blocks."""
+    invalid call is dropped whole; a row left empty disappears with its blocks. The results that
+    answer a call dropped here (or before: a filtered row) are dropped with it, so no later layer
+    can take them for another call's result; a call whose name is valid only once trimmed gets the
+    trimmed name, and so do its results."""
     is_call = pl.col("block_type").is_in(list(TOOL_CALL_TYPES))
-    name = pl.col("tool_name").str.strip_chars()
+    raw_name = pl.col("tool_name")
+    name = raw_name.str.strip_chars()
     missing = is_blank("tool_use_id") | is_blank("tool_input") | (pl.col("tool_input").str.strip_chars() == "null")
     bad_name = name.is_null() | ~name.str.contains(TOOL_NAME_PATTERN).fill_null(False)
     if params.allowed_tools is not None:
@@ -329,7 +386,25 @@ def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
         _row_invalid=pl.col("_invalid").any().over(MSG_NO),
         _row_signed=(pl.col("block_type").is_in(list(THINKING_TYPES)) & alive() & signed_expr()).any().over(MSG_NO),
     )
+    # per call occurrence (the latest earlier call with the result's id, in thread order): does the
+    # call leave the request here, is its name trimmed
+    has_id = ~is_blank("tool_use_id")
+    is_result = (pl.col("block_type") == "tool_result") & has_id
+    w = w.with_columns(
+        _call_gone=pl.when(is_call & has_id).then(
+            ~alive() | pl.col("_invalid") | (pl.col("_row_invalid") & pl.col("_row_signed"))),
+        _call_trim=pl.when(is_call & has_id).then(
+            alive() & ~pl.col("_invalid") & (raw_name != name).fill_null(False)),
+    ).with_columns(
+        _call_gone=pl.col("_call_gone").forward_fill().over([THREAD_NO, "tool_use_id"]),
+        _call_trim=pl.col("_call_trim").forward_fill().over([THREAD_NO, "tool_use_id"]),
+    )
     w = mark_drop(w, pl.col("_row_invalid") & pl.col("_row_signed"), "invalid_tool_call_in_signed_row")
+    w = mark_drop(w, is_result & pl.col("_call_gone").fill_null(False), "call_dropped")
+    trim_result = is_result & pl.col("_call_trim").fill_null(False) & pl.col("part_type").ne_missing("tool_reference") \
+        & (raw_name != name).fill_null(False)
+    w = mark_replace(w, (is_call & pl.col("_call_trim").fill_null(False) & ~pl.col("_invalid")) | trim_result,
+                     {"tool_name": name}, "tool_name")
     if params.unknown_tool_policy == "mark":
         w = w.with_columns(_markable=pl.col("_invalid") & ~pl.col("_missing") & ~is_blank("tool_name") & alive())
         values = text_row(pl.format("[tool call to unavailable tool omitted: {}]", name), origin="sanitize")

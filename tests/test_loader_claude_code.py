@@ -97,11 +97,12 @@ def test_rewind_branch_is_a_thread_of_its_own(tmp_path: Path) -> None:
     assert calls.filter(pl.col("thread_id") == "main")["msg_key"].to_list() == ["m1|r1", "m3|r3"]
     branch = calls.filter(pl.col("thread_id") != "main")
     assert branch["thread_id"].to_list() == ["branch-u2"] and branch["msg_key"].to_list() == ["m2|r2"]
-    # the branch call sees its own ancestry: u1, a1 (context, not a call), u2
+    # the branch call sees its own ancestry: u1, a1 (main reports that request), u2; calls are
+    # numbered along the path (a1 is its call 0, a2 its call 1), as they were before the rewind
     b = df.filter(pl.col("thread_id") == "branch-u2").sort("order_key")
     assert b["entry_id"].to_list() == ["u1", "a1", "u2", "a2"]
     assert b.filter(pl.col("entry_id") == "a1")["is_call"].to_list() == [False]
-    assert b.filter(pl.col("entry_id") == "a2")["first_call"].to_list() == [1]
+    assert b.filter(pl.col("entry_id") == "a2")["first_call"].to_list() == [2]
 
 
 def test_bad_lines_are_quarantined_and_glued_lines_recovered(tmp_path: Path) -> None:

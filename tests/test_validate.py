@@ -162,7 +162,7 @@ def test_openai_responses_accepts_a_paired_request() -> None:
     ([M, {"type": "reasoning", "summary": []}, M], ["reasoning_not_followed"]),
     ([M, {"type": "reasoning", "summary": []}], ["reasoning_not_followed"]),
     ([{"type": "message", "role": "user", "content": [{"type": "output_text", "text": "x"}]}], ["bad_content_type"]),
-    ([M, {"type": "custom_thing"}], ["bad_item_type"]),
+    ([M, {"type": "custom_thing"}], ["unsupported_block_type"]),
 ])
 def test_openai_responses_rules(items: list, expected: list[str]) -> None:
     assert resp(*items) == expected

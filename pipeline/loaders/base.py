@@ -125,6 +125,9 @@ class Message:
     stop_reason: str | None = None
     usage: dict[str, int | None] | None = None  # input, output, cache_read, cache_write, cache_write_5m, cache_write_1h
     is_call: bool | None = None  # None: assistant messages are calls
+    # a recorded request on this thread's path that an earlier thread reports (a branch's shared
+    # history): a call of this thread for numbering and the stages' state, not reported here
+    inherited: bool = False
     is_sidechain: bool = False
     is_meta: bool = False
     is_compact_summary: bool = False
@@ -338,12 +341,18 @@ def _row_base(t: Thread, m: Message, pos: int) -> dict[str, Any]:
 
 
 def call_ranges(t: Thread) -> tuple[list[bool], list[int], list[int | None]]:
-    """Per message: is it a call, first call that sees it, first call that no longer does."""
+    """Per message: is it a call this thread reports, first call that sees it, first call that no
+    longer does.
+
+    Calls are numbered along the thread's whole path: an inherited message (a recorded request that
+    another thread reports) starts a call like any other, so a branch numbers its calls as the path
+    it shares did, and every layer decides the shared history exactly as it did there.
+    """
     n = len(t.messages)
     is_call = [
-        (m.is_call if m.is_call is not None else m.role == "assistant") for m in t.messages
+        (m.is_call if m.is_call is not None else m.role == "assistant") and not m.inherited for m in t.messages
     ]
-    starts = [i for i in range(n) if is_call[i]]  # call k starts at message starts[k]
+    starts = [i for i in range(n) if is_call[i] or t.messages[i].inherited]  # call k starts at starts[k]
     import bisect
 
     def calls_starting_at_or_before(p: int) -> int:

@@ -7,8 +7,11 @@ compaction agent's request continues the main conversation).
 Threads: for each file, the first thread is the ancestry of its last message entry (the main
 chain; `compact_boundary` entries are crossed through `logicalParentUuid`); every later message
 entry not yet covered is a branch tip, and becomes a thread of its own when its ancestry holds a
-model request (message.id, requestId) no earlier thread holds. Inherited requests are context,
-not calls, so each recorded request is replayed exactly once. Parallel tool calls put sibling
+model request (message.id, requestId) no earlier thread holds. Inherited requests (the history a
+branch shares with an earlier thread) stay calls of the branch, numbered as on its path, so what
+the layers decide for the shared history does not depend on which thread a later rewind makes the
+main one; but only the thread that claimed a request reports it, so each recorded request is output
+exactly once. Parallel tool calls put sibling
 tool_use entries and their results off the parentUuid chain; they are recovered the way Claude
 Code does on resume (entries sharing the message id of an on-chain assistant entry, and the
 tool_result entries that answer them).
@@ -351,7 +354,10 @@ def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dic
             own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
             for m in msgs:
                 if m.role == "assistant":
-                    m.is_call = m.msg_key not in claimed
+                    # a request another thread reports stays a call of this path (its numbering and
+                    # the layers' state follow the path), but only its owner reports it
+                    m.inherited = m.msg_key in claimed
+                    m.is_call = not m.inherited
             if not own and not first_thread:
                 stats["branches_without_calls"] += 1
                 continue

@@ -449,7 +449,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
             if m.role != "assistant" or m.is_call is False:
                 continue
             if m.entry_id in claimed:
-                m.is_call = False  # inherited context: replayed as a call in an earlier thread
+                m.inherited = True  # reported by an earlier thread; still a call of this path
             else:
                 own.append(m.entry_id)
         if not own and not first:

@@ -112,6 +112,38 @@ class Target(Protocol):
 
 TARGETS: dict[str, Target] = {}
 
+# Block types (the blocks table's `block_type`) that every target shapes: text, images, client tool
+# calls and their results, and thinking (which the sanitize layer keeps or drops per provider; a
+# target without a wire form for it leaves it out). `empty` stands for a message recorded without
+# content.
+PORTABLE_BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking",
+                                  "empty"})
+
+# Provider-specific block types by API family (pipeline.targets.target_family): a target carries
+# them only when they come from its own family (server-side tools and their results, documents,
+# OpenAI's hosted-tool items, refusals, files). Anything else that is not portable is foreign to
+# the target: the sanitize layer converts it to text or drops it, with a decision, and the
+# target's validator reports one that reaches a request (`unsupported_block_type`).
+NATIVE_BLOCK_TYPES: dict[str, frozenset[str]] = {
+    "anthropic": frozenset({
+        "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+        "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result",
+        "mcp_tool_use", "mcp_tool_result", "container_upload", "document", "search_result",
+    }),
+    "openai_responses": frozenset({
+        "web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call", "computer_call",
+        "mcp_call", "mcp_list_tools", "mcp_approval_request", "refusal", "input_file",
+    }),
+}
+
+# What an Anthropic tool_result's content list may hold (a part of another type is foreign).
+ANTHROPIC_RESULT_PART_TYPES = frozenset({"text", "image", "document", "search_result", "tool_reference"})
+
+
+def native_block_types(target: str) -> frozenset[str]:
+    """The provider-specific block types a target carries (from its own API family)."""
+    return NATIVE_BLOCK_TYPES.get(target_family(target), frozenset())
+
 
 def register(target: Target) -> Target:
     TARGETS[target.name] = target

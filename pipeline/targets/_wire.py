@@ -59,3 +59,21 @@ def tool_input_object(r: dict[str, Any]) -> Any:
     except orjson.JSONDecodeError:
         v = t
     return v if isinstance(v, dict) else {"input": v}
+
+
+def raw_item(r: dict[str, Any]) -> dict[str, Any]:
+    """A block the target has no wire form for, as it was recorded (its raw object, kept in
+    extra_json, when that names its type; else its block type and text), so the request shows it
+    and the target's validator reports it (`unsupported_block_type`)."""
+    e = r.get("extra_json")
+    if e:
+        try:
+            v = orjson.loads(e)
+        except orjson.JSONDecodeError:
+            v = None
+        if isinstance(v, dict) and v.get("type"):
+            return v
+    out: dict[str, Any] = {"type": r.get("block_type")}
+    if r.get("text") is not None:
+        out["text"] = r.get("text")
+    return out

@@ -20,7 +20,6 @@ import orjson
 from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import BOOTSTRAP, label, split, tool_input_object
 
-
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 
 

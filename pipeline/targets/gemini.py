@@ -8,21 +8,18 @@ args}}` (args an object; a freeform tool's raw input becomes `{"input": ...}`), 
 `{"functionResponse": {id, name, response: {"output"|"error": text}}}` (the name from the result,
 else from its call, else `unknown`). Thinking is not replayed (Gemini's thought signatures are not
 kept in the blocks). Ids are made strict by the pairing layer (`tool_id_mode = auto`). A message
-with no wire content is left out. The model name is kept in the body, like the other targets,
-though Gemini takes it from the URL.
+with no wire content is left out; a request with nothing recorded before it is the bootstrap turn
+alone. A block of a type Gemini has no form for (another provider's item, which the sanitize layer
+converts or drops) is passed as recorded, for the validator to report. The model name is kept in
+the body, like the other targets, though Gemini takes it from the URL.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from pipeline.targets._wire import BOOTSTRAP, label, result_text, split, tool_input_object
-
-
-
-
-
+from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
+from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split, tool_input_object
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:
@@ -49,8 +46,7 @@ def _parts(msgs: list[LogicalMessage], i: int,
     for g in group_blocks(m.rows):
         r = g[0]
         t = r["block_type"]
-        if sent is not None and (t in ("text", "image", "tool_result") or (t == "tool_use" and m.role == "assistant")):
-            sent.extend(g)
+        before = len(responses) + len(parts)
         if t == "text":
             parts.append({"text": r.get("text") or ""})
         elif t == "image":
@@ -68,6 +64,11 @@ def _parts(msgs: list[LogicalMessage], i: int,
             if r.get("tool_use_id"):
                 fr["id"] = r.get("tool_use_id")
             responses.append({"functionResponse": fr})
+        elif t not in PORTABLE_BLOCK_TYPES:
+            # no Gemini form (another provider's item): as recorded, for the validator to report
+            parts.append(raw_item(r))
+        if sent is not None and len(responses) + len(parts) > before:
+            sent.extend(g)
     return responses, parts
 
 
@@ -114,8 +115,9 @@ class Gemini:
         return out
 
     def empty_messages(self) -> list[dict[str, Any]]:
-        """No stand-in: a request with no recorded message stays empty (the validator reports it)."""
-        return []
+        """The stand-in for a request with no recorded message (a history that starts with the model's
+        turn has nothing before its first call): the `(session bootstrap)` user turn."""
+        return [{"role": "user", "parts": [{"text": BOOTSTRAP}]}]
 
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         env: dict[str, Any] = {"model": model}

@@ -4,15 +4,17 @@ Each tool result is its own `tool` message; assistant tool calls become `tool_ca
 arguments as a JSON string; thinking is not part of this wire shape and is left out. In a run of
 tool-result messages the `tool` messages come first and the run's other blocks (text, images) follow
 as one user message, so no `tool` message is cut off from its call (layer-semantics §10). A message
-with no wire content (an empty or aborted assistant turn, an empty user row) is left out.
+with no wire content (an empty or aborted assistant turn, an empty user row) is left out. A block
+of another provider's type (which the sanitize layer converts or drops) is passed as recorded (an
+assistant message then has a list of content parts), for the validator to report.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from pipeline.targets._wire import BOOTSTRAP, label, result_text, split
+from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
+from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
 
 
 def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -24,7 +26,9 @@ def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
                 "image_url": {"url": f"data:{r.get('image_media_type')};base64,{r.get('image_data') or ''}"}}
     if t in ("empty", "thinking", "redacted_thinking"):
         return None
-    return {"type": "text", "text": r.get("text") or ""}
+    if t in PORTABLE_BLOCK_TYPES:
+        return {"type": "text", "text": r.get("text") or ""}
+    return raw_item(r)  # another provider's item, as recorded, for the validator to report
 
 
 def _has_results(m: LogicalMessage) -> bool:
@@ -56,12 +60,19 @@ class OpenAIChat:
                 groups = group_blocks(m.rows)
                 texts = [g[0] for g in groups if g[0]["block_type"] == "text"]
                 uses = [g[0] for g in groups if g[0]["block_type"] == "tool_use"]
+                foreign_rows = [g[0] for g in groups if g[0]["block_type"] not in PORTABLE_BLOCK_TYPES]
                 text = "".join(r.get("text") or "" for r in texts)
                 calls = [{"id": r.get("tool_use_id"), "type": "function",
                           "function": {"name": r.get("tool_name"), "arguments": r.get("tool_input") or "{}"}}
                          for r in uses]
-                if text or calls:
-                    msg = Wire({"role": "assistant", "content": text if text or not calls else None}, texts + uses)
+                # another provider's item (the sanitize layer converts or drops them) is passed as
+                # recorded, beside the text (content becomes a list of parts), for the validator
+                foreign = [raw_item(r) for r in foreign_rows]
+                if text or calls or foreign:
+                    msg = Wire({"role": "assistant", "content": text if text or not calls else None},
+                               texts + uses + foreign_rows)
+                    if foreign:
+                        msg["content"] = ([{"type": "text", "text": text}] if text else []) + foreign
                     if calls:
                         msg["tool_calls"] = calls
                     items.append(msg)

@@ -7,15 +7,19 @@ call → a `function_call` item (`call_id`, `name`, `arguments` as a JSON string
 `instructions`. Reasoning is not replayed: a reasoning item's encrypted content belongs to the
 response and model that produced it (it must be followed by an item of that same response, and is
 dropped on a model switch), and the blocks keep neither its item id nor its response, so leaving it
-out is the only shape the API is sure to accept. A message with no wire content is left out.
+out is the only shape the API is sure to accept. A refusal is an assistant `refusal` part; the API's
+hosted-tool items (`web_search_call`, `image_generation_call`, ...) recorded by a Responses client go
+back as they were recorded; a block of another provider's type (which the sanitize layer converts
+or drops) is passed as recorded, for the validator to report. A message with no wire content is
+left out; a request with nothing recorded before it is a `(session bootstrap)` user message.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from pipeline.targets._wire import label, result_text, split
+from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
+from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
 
 
 def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -25,7 +29,9 @@ def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
                 "image_url": f"data:{r.get('image_media_type')};base64,{r.get('image_data') or ''}"}
     if t in ("empty", "thinking", "redacted_thinking", "tool_use", "tool_result"):
         return None
-    return {"type": "input_text", "text": r.get("text") or ""}
+    if t == "text":
+        return {"type": "input_text", "text": r.get("text") or ""}
+    return raw_item(r)  # a file part as recorded; another provider's item for the validator to report
 
 
 def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
@@ -33,23 +39,33 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     groups = group_blocks(m.rows)
     if m.role == "assistant":
-        text: list[dict[str, Any]] = []
+        text: list[dict[str, Any]] = []  # rows
+        refusals: list[dict[str, Any]] = []  # rows
 
         def flush() -> None:
-            if text:
-                items.append(Wire({"type": "message", "role": "assistant",
-                                   "content": [{"type": "output_text", "text": "".join(r.get("text") or "" for r in text)}]},
-                                  list(text)))
+            if text or refusals:
+                content = ([{"type": "output_text", "text": "".join(r.get("text") or "" for r in text)}] if text else []) \
+                    + [{"type": "refusal", "refusal": r.get("text") or ""} for r in refusals]
+                items.append(Wire({"type": "message", "role": "assistant", "content": content}, text + refusals))
                 text.clear()
+                refusals.clear()
 
         for g in groups:
             r = g[0]
-            if r["block_type"] == "text":
+            t = r["block_type"]
+            if t == "text":
                 text.append(r)
-            elif r["block_type"] == "tool_use":
+            elif t == "refusal":
+                refusals.append(r)
+            elif t == "tool_use":
                 flush()
                 items.append(Wire({"type": "function_call", "call_id": r.get("tool_use_id"), "name": r.get("tool_name"),
                                    "arguments": r.get("tool_input") or "{}"}, [r]))
+            elif t not in PORTABLE_BLOCK_TYPES:
+                # a hosted-tool item (web_search_call, ...) as the API returned it; another
+                # provider's item as recorded, for the validator to report
+                flush()
+                items.append(Wire(raw_item(r), [r]))
         flush()
         return items
     parts: list[dict[str, Any]] = []
@@ -91,8 +107,9 @@ class OpenAIResponses:
         return out
 
     def empty_messages(self) -> list[dict[str, Any]]:
-        """No stand-in: a request with no recorded message stays empty (the validator reports it)."""
-        return []
+        """The stand-in for a request with no recorded message (a history that starts with the
+        assistant has nothing before its first call): the `(session bootstrap)` user message."""
+        return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": BOOTSTRAP}]}]
 
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         env: dict[str, Any] = {"model": model}

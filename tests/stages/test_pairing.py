@@ -414,3 +414,162 @@ def test_an_open_synthetic_result_is_closed_when_its_real_result_is_visible() ->
     assert reasons(d) == [("drop", "superseded")] and d["from_call"].to_list() == [2]
     cols = ["entry_id", "block_pos", "part_pos", "first_call"]
     assert again.blocks.collect().sort(cols).equals(first.collect().sort(cols))
+
+
+# ----------------------------------------------------------------------------- a result only answers its own call
+# (issue 8, defect 2: sanitize drops one of several calls of a message; its result must not be
+# re-labelled to another call of the message that has a result of its own)
+
+
+def run_chain(messages: list[dict[str, Any]], ctx: StageContext = ANTHROPIC) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """sanitize, then pairing (the default order): what pairing sees has the invalid calls dropped."""
+    s = run_stage("sanitize", make_blocks(messages), {}, ctx=ctx)
+    res = run_stage("pairing", s.blocks, {}, ctx=ctx)
+    return res.blocks.collect(), res.decisions.collect()
+
+
+def test_result_of_a_call_sanitize_dropped_is_an_orphan_not_another_calls_result() -> None:
+    no_input = {"type": "tool_use", "tool_use_id": "A", "tool_name": "Read"}
+    ok = {"type": "tool_use", "tool_use_id": "B", "tool_name": "Read", "tool_input": {"p": 1}}
+    msgs = [user(), {"role": "assistant", "blocks": [no_input, ok]}, result("A", "error for A", name="Read"),
+            result("B", "content of B", name="Read"), {"role": "assistant", "text": "done"}]
+    blocks, decisions = run_chain(msgs)
+    assert [t for t in seq(blocks, 1) if t[1] in ("tool_use", "tool_result")] == [
+        ("assistant", "tool_use", "B", None), ("tool", "tool_result", "B", "content of B")]
+    assert decisions.height == 0  # sanitize dropped A's result with A (reason call_dropped)
+    dropped = run_stage("sanitize", make_blocks(msgs), {}, ctx=ANTHROPIC).decisions.collect()
+    assert sorted(zip(dropped["entry_id"], dropped["reason"])) == [("e0001", "invalid_tool_call"),
+                                                                   ("e0002", "call_dropped")]
+    # pairing alone, given A's result without A (as it was before sanitize dropped results too):
+    # an orphan, dropped; B keeps its own result
+    blocks, decisions = run([user(), call("B", name="Read"), result("A", "error for A", name="Read"),
+                             result("B", "content of B", name="Read"), {"role": "assistant", "text": "done"}])
+    assert [t[3] for t in seq(blocks, 1) if t[1] == "tool_result"] == ["content of B"]
+    assert reasons(decisions) == [("drop", "orphan")]
+    assert decisions["entry_id"].to_list() == ["e0002"]  # A's result, never B's
+
+
+def test_a_reattached_result_stands_in_only_until_the_calls_own_result_arrives() -> None:
+    for orphan_id in ("other", None):
+        msgs = [user(), call("B", name="Read"), result(orphan_id, "stand-in", name="Read"),
+                {"role": "assistant", "text": "waiting"}, result("B", "real B", name="Read"),
+                {"role": "assistant", "text": "done"}]
+        blocks, decisions = run(msgs)
+        assert [t[3] for t in seq(blocks, 1) if t[1] == "tool_result"] == ["stand-in"]
+        for k in (2, 3):
+            assert [t[3] for t in seq(blocks, k) if t[1] == "tool_result"] == ["real B"], k
+        assert ("drop", "superseded") in reasons(decisions) and ("drop", "duplicate") not in reasons(decisions)
+        again = run_stage("pairing", blocks.lazy(), {}, ctx=ANTHROPIC)
+        assert again.decisions.collect().height == 0
+
+
+def test_an_orphan_seen_with_the_calls_own_result_is_dropped() -> None:
+    # the orphan comes first, but the call's own result is visible at the same call
+    blocks, decisions = run([user(), call("B", name="Read"), result("zzz", "not B's", name="Read"),
+                             result("B", "B's", name="Read")])
+    assert [t[3] for t in seq(blocks, 1) if t[1] == "tool_result"] == ["B's"]
+    assert reasons(decisions) == [("drop", "orphan")]
+
+
+@st.composite
+def tempting_transcripts(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Frames whose calls all share one name, with calls that sanitize drops (no input), orphans
+    and id-less results of that name, results that come late (after another assistant message),
+    duplicates and reused ids: every chance to answer a call with another call's result."""
+    msgs: list[dict[str, Any]] = [user("start")]
+    late: list[dict[str, Any]] = []
+    n = 0
+    for _ in range(draw(st.integers(1, 4))):
+        ids = draw(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=3, unique=True))
+        blocks = []
+        for i in ids:
+            b: dict[str, Any] = {"type": "tool_use", "tool_use_id": i, "tool_name": "Read"}
+            if draw(st.integers(0, 3)):
+                b["tool_input"] = {"i": i}
+            blocks.append(b)
+        msgs.append({"role": "assistant", "blocks": blocks})
+        kept: list[dict[str, Any]] = []
+        for i in draw(st.permutations(ids)):
+            n += 1
+            r = result(i, f"result {n} for {i}", name="Read")
+            fate = draw(st.sampled_from(["ok", "ok", "late", "missing", "dup"]))
+            if fate == "ok":
+                kept.append(r)
+            elif fate == "late":
+                late.append(r)
+            elif fate == "dup":
+                kept += [r, result(i, f"duplicate {n} for {i}", name="Read")]
+        for _ in range(draw(st.integers(0, 2))):
+            n += 1
+            kept.insert(draw(st.integers(0, len(kept))),
+                        result(draw(st.sampled_from([None, "zzz", "call_9"])), f"orphan {n}", name="Read"))
+        msgs += kept
+        if late and draw(st.booleans()):
+            msgs.append({"role": "assistant", "text": "meanwhile"})
+            msgs.append(late.pop(0))
+        if draw(st.booleans()):
+            msgs.append(user("next"))
+    return msgs
+
+
+def shown_results(blocks: pl.DataFrame, k: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(call row, result row shown right after it) for every tool call visible at call k."""
+    rows = visible(blocks, k).join(blocks.select("entry_id", "block_pos", "part_pos", "first_call", "origin"),
+                                   on=["entry_id", "block_pos", "part_pos", "first_call"], how="left",
+                                   suffix="_b").filter(pl.col("part_pos") == 0).to_dicts()
+    out = []
+    i = 0
+    while i < len(rows):
+        if rows[i]["role"] != "assistant":
+            i += 1
+            continue
+        j = i
+        calls = []
+        while j < len(rows) and rows[j]["entry_id"] == rows[i]["entry_id"]:
+            if rows[j]["block_type"] == "tool_use":
+                calls.append(rows[j])
+            j += 1
+        out += list(zip(calls, rows[j:j + len(calls)], strict=True))
+        i = j + len(calls)
+    return out
+
+
+def check_own_results(before: pl.DataFrame, after: pl.DataFrame) -> None:
+    """At every call, the result shown after each kept call is the first result recorded with that
+    call's own id (per occurrence) when one is visible at that call; otherwise a synthetic one or a
+    re-attached orphan, never the result of another call."""
+    shift = 1 << 20
+    b = before.filter(pl.col("part_pos") == 0).with_columns(_pos=pl.col("order_key") * shift + pl.col("block_pos"))
+    calls = b.filter(pl.col("block_type") == "tool_use").sort("_pos").to_dicts()
+    results = b.filter(pl.col("block_type") == "tool_result").sort("_pos").to_dicts()
+    call_id = {(c["entry_id"], c["block_pos"]): c["tool_use_id"] for c in calls}
+    own: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    owned: set[str] = set()
+    for r in results:
+        owner = [c for c in calls if c["tool_use_id"] == r["tool_use_id"] and c["_pos"] < r["_pos"]]
+        if r["tool_use_id"] is not None and owner:
+            own.setdefault((owner[-1]["entry_id"], owner[-1]["block_pos"]), []).append(r)
+            owned.add(r["entry_id"])
+    n = int(after["first_call"].max())
+    for k in range(n + 1):
+        for c, shown in shown_results(after, k):
+            assert shown["block_type"] == "tool_result", (k, c, shown)
+            key = (c["entry_id"], c["block_pos"])
+            mine = [r for r in own.get(key, []) if r["first_call"] <= k and (r["last_call"] is None or r["last_call"] > k)]
+            if mine:
+                assert (shown["entry_id"], shown["text"]) == (mine[0]["entry_id"], mine[0]["text"]), \
+                    f"call {k}: {call_id[key]} shows {shown['text']!r}, recorded {mine[0]['text']!r}"
+            else:
+                assert shown["origin"] == "pairing" or shown["entry_id"] not in owned, \
+                    f"call {k}: {call_id[key]} shows another call's result {shown['text']!r}"
+
+
+@settings(max_examples=int(os.environ.get("PAIRING_EXAMPLES", "60")))
+@given(tempting_transcripts(), st.sampled_from(["anthropic", "openai-chat", "gemini"]))
+def test_property_every_kept_call_shows_its_own_recorded_result(msgs: list[dict[str, Any]], target: str) -> None:
+    ctx = StageContext(target=target)
+    before = run_stage("sanitize", make_blocks(msgs), {}, ctx=ctx).blocks.collect()
+    after = run_stage("pairing", before.lazy(), {}, ctx=ctx).blocks.collect()
+    check_own_results(before, after)
+    n = int(after["first_call"].max())
+    check_paired(after, n)

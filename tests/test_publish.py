@@ -1,0 +1,148 @@
+"""The output directory (issue 8, defect 4): a run is staged and published all at once; readers
+go through `current`; what interrupted runs and older versions left behind is cleaned."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+import pipeline.runner as runner_mod
+from pipeline.cli import main
+from pipeline.errors import CtxReplayError, OutputError
+from pipeline.outdir import resolve_run
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
+from pipeline.tokens import CHARS4_COUNTER
+from tests.crashkit import SAMPLES, leftovers, out_state
+
+CC = SAMPLES / "claude-projects"
+SID = "5f0c1d2e-3a4b-4c5d-8e9f-0a1b2c3d4e5f"
+
+
+def _run(out: Path, preset: str = "identity", **kw: object) -> runner_mod.RunResult:
+    return run([CC], load_spec(preset=preset), RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, **kw))
+
+
+def test_outputs_are_links_through_current_into_one_run(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    first = _run(out)
+    assert os.readlink(out / "current") == f".runs/{first.summary['run_id']}"
+    for name in ("calls.parquet", "blocks.parquet", "decisions.parquet", "quarantine.parquet", "summary.json",
+                 "requests"):
+        assert os.readlink(out / name) == f"current/{name}"
+    assert (out / "ledger.duckdb").is_file() and not (out / "ledger.duckdb").is_symlink()
+    second = _run(out, preset="default")
+    shown = out_state(out)
+    assert shown.run_id == second.summary["run_id"] != first.summary["run_id"]
+    assert sorted(p.name for p in (out / ".runs").iterdir()) == [shown.run_id]  # the old run is gone
+    assert json.loads((out / "summary.json").read_text())["pipeline"] == "default"
+
+
+def test_an_interrupted_run_leaves_the_previous_run_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "o"
+    _run(out)
+    before = out_state(out)
+
+    def interrupted(*a: object, **k: object) -> None:
+        # the replay has written requests/ into the staging directory when Ctrl-C comes
+        staging = k["out_dir"]
+        assert isinstance(staging, Path) and staging.parent.name == ".runs"
+        (staging / "requests").mkdir()
+        (staging / "requests" / "x.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_mod, "replay_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(out, preset="default")
+    assert out_state(out) == before
+    assert leftovers(out, before.run_id) == []  # the staging directory went with the interrupt
+    assert not (out / "requests" / "x.json").exists()
+
+
+def test_a_failed_write_keeps_the_previous_outputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "o"
+    _run(out)
+    before = out_state(out)
+
+    def disk_full(*a: object, **k: object) -> None:
+        raise OSError(28, "No space left on device", str(a[1]))
+
+    monkeypatch.setattr(runner_mod.pq, "write_table", disk_full)
+    with pytest.raises(OutputError, match=r"cannot write the outputs in .*: No space left on device \(.*calls.parquet"
+                                          r"\)\. The previous outputs are kept"):
+        _run(out, preset="default")
+    monkeypatch.undo()
+    assert out_state(out) == before and leftovers(out, before.run_id) == []
+
+
+def test_stale_staging_and_old_temp_files_are_removed_by_the_next_run(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    _run(out)
+    (out / ".runs" / "20260101T000000000000Z-1-dead00").mkdir()  # a killed run's staging
+    (out / ".runs" / "20260101T000000000000Z-1-dead00" / "blocks.parquet").write_bytes(b"x" * 1000)
+    os.symlink(".runs/20260101T000000000000Z-1-dead00", out / ".current.20260101T000000000000Z-1-dead00")
+    (out / ".blocks.parquet.k3j4h5g6").write_bytes(b"x" * 100_000)  # what versions before staging left
+    res = _run(out)
+    assert sorted(res.summary["stale_outputs_removed"]) == [
+        ".blocks.parquet.k3j4h5g6", ".current.20260101T000000000000Z-1-dead00", ".runs/20260101T000000000000Z-1-dead00"]
+    assert leftovers(out, res.summary["run_id"]) == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ledger.duckdb.lock", ".lock", ".runs"]
+
+
+def test_an_output_directory_of_an_older_version_is_taken_over(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    old = _run(tmp_path / "old")
+    out.mkdir()
+    # the layout before staging: real files and a real requests/ directory in OUT
+    for name in ("calls.parquet", "blocks.parquet", "decisions.parquet", "quarantine.parquet", "summary.json"):
+        (out / name).write_bytes((tmp_path / "old" / name).read_bytes())
+    (out / "requests").mkdir()
+    (out / "requests" / "stale.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")  # not ctxreplay's: left alone
+    # a reader of the old layout still works
+    assert resolve_run(out) == out
+    r = CliRunner().invoke(main, ["request", str(out), SID, "--call", "1"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = _run(out)
+    shown = out_state(out)
+    assert shown.run_id == res.summary["run_id"] and shown.calls == out_state(tmp_path / "old").calls
+    assert not (out / "requests" / "stale.json").exists()
+    assert (out / "notes.txt").read_text() == "mine"
+    assert old.summary["run_id"] != shown.run_id
+
+
+def test_readers_see_one_run(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    with pytest.raises(CtxReplayError, match="no ctxreplay run here"):
+        resolve_run(out)
+    _run(out)
+    run_dir = resolve_run(out)
+    assert run_dir.parent.name == ".runs" and (run_dir / "blocks.parquet").is_file()
+    q = CliRunner().invoke(main, ["ledger", str(out), "--quarantine", "--json"], catch_exceptions=False)
+    assert q.exit_code == 0 and json.loads(q.stdout) == []
+    calls = pl.read_parquet(out / "calls.parquet")
+    assert calls.height == 10
+
+
+def test_a_ledger_from_before_run_ids_gets_the_column(tmp_path: Path) -> None:
+    import duckdb
+
+    from pipeline.ledger import Ledger
+
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR); INSERT INTO meta VALUES "
+                "('schema_version', '1'); CREATE TABLE runs (run_seq BIGINT NOT NULL, spec_sha256 VARCHAR NOT NULL, "
+                "spec_name VARCHAR, started_at VARCHAR, finished_at VARCHAR, input_files VARCHAR, versions VARCHAR, "
+                "counts VARCHAR); INSERT INTO runs VALUES (0, 'x', 'old', NULL, NULL, '[]', '{}', '{}')")
+    con.close()
+    res = _run(tmp_path / "o", ledger_path=path)
+    led = Ledger(path, read_only=True)
+    runs = led.runs()
+    led.close()
+    assert runs.select("run_seq", "run_id").rows() == [(0, None), (1, res.summary["run_id"])]
