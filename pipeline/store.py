@@ -176,6 +176,8 @@ def request_json(out_dir: Path, key: str, call: int | None = None, target: str |
     the run OUT shows. With another `target` than the run's, the request is shaped anew from the
     run's final blocks in that target (its sha256 is then not the one in calls.parquet)."""
     out_dir = run_dir(out_dir)
+    if not (out_dir / CALL_MESSAGES_FILE).is_file() and (out_dir / "blocks.parquet").is_file():
+        return _without_store(out_dir, key, call, target)  # a run made before the request store
     rows = read_call_messages(out_dir, key)
     k, held = _at_call(rows, key, call)
     _refuse_inherited(out_dir, rows, key, k)
@@ -209,6 +211,28 @@ def _refuse_inherited(out_dir: Path, rows: pl.DataFrame, key: str, k: int) -> No
         listed = ", ".join(str(c) for c in sorted(calls) if c != pending) or "none"
         raise StoreError(f"call {k} of thread '{key}' is history it shares with another thread of session {sid}, "
                          f"which reports that request; this thread's own calls are {listed} and {pending} (pending)")
+
+
+def _without_store(run: Path, key: str, call: int | None, target: str | None) -> bytes:
+    """A run made before the request store: the request shaped from its blocks, in its target."""
+    from pipeline.outdir import read_summary
+
+    calls = pl.read_parquet(_need(run, "calls.parquet"), columns=["thread_key", "call", "is_pending"])
+    own = calls.filter(pl.col("thread_key") == key)
+    if own.height == 0:
+        keys = sorted(set(calls.get_column("thread_key").to_list()))
+        close = difflib.get_close_matches(key, keys, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise StoreError(f"{run}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
+                         f"{' ...' if len(keys) > 10 else ''}")
+    pending = int(own.filter(pl.col("is_pending"))["call"].max() or 0)  # type: ignore[arg-type]
+    k = pending if call is None else call
+    if not 0 <= k <= pending:
+        raise StoreError(f"thread '{key}' has calls 0..{pending} ({pending} is the pending call); got --call {call}")
+    if k not in set(own.get_column("call").to_list()):
+        raise StoreError(f"call {k} of thread '{key}' is history it shares with another thread, which reports "
+                         f"that request")
+    return _in_other_target(run, key, k, target or read_summary(run).get("target") or "anthropic")
 
 
 def _in_other_target(run: Path, key: str, k: int, target_name: str) -> bytes:

@@ -386,9 +386,14 @@ def test_request_command_prints_the_stored_bytes(tmp_path: Path) -> None:
     key = calls["thread_key"][0]
     other = cli.invoke(main, ["request", str(out), key, "--target", "gemini"])  # shaped anew in that target
     assert other.exit_code == 0 and "contents" in orjson.loads(other.stdout)
-    (run_dir(out) / "call_messages.parquet").unlink()  # a damaged run directory
+    (run_dir(out) / "messages.parquet").unlink()  # a damaged run directory
     gone = cli.invoke(main, ["request", str(out), key])
-    assert gone.exit_code == 2 and "no call_messages.parquet" in gone.stderr and f"--out {out}" in gone.stderr
+    assert gone.exit_code == 2 and "no messages.parquet" in gone.stderr and f"--out {out}" in gone.stderr
+    # a run made before the request store: shaped from its blocks, the same bytes
+    (run_dir(out) / "call_messages.parquet").unlink()
+    last = calls.row(-1, named=True)
+    old = cli.invoke(main, ["request", str(out), last["thread_key"], "--call", str(last["call"]), "--canonical"])
+    assert old.exit_code == 0 and hashlib.sha256(old.stdout_bytes).hexdigest() == last["request_sha256"]
 
 
 @pytest.mark.corpus
