@@ -33,11 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import polars as pl  # noqa: E402
+import polars as pl
 
-from pipeline.runner import RunOptions, run  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
-from pipeline.tokens import CHARS4_COUNTER  # noqa: E402
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
+from pipeline.tokens import CHARS4_COUNTER
 
 SID = "9b1f0000-0000-4000-8000-0000000b4eac"
 

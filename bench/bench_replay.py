@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.runner import RunOptions, run  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
-from pipeline.store import iter_request_json  # noqa: E402
+from pipeline.store import iter_request_json
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER  # noqa: E402
 
 SID = "9b1f0000-0000-4000-8000-00000000beef"
