@@ -164,30 +164,31 @@ def _human(s: dict[str, Any]) -> str:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.argument("thread_key")
 @click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
-@click.option("--target", help="Wire shape (default: the target the run used, from its summary.json).")
-def request(out_dir: Path, thread_key: str, call: int | None, target: str | None) -> None:
-    """Print one call's assembled request (canonical JSON) from a run's output directory.
+@click.option("--target", default=None,
+              help="Wire shape (default: the run's own, as stored; another one is shaped anew from the blocks).")
+@click.option("--canonical", is_flag=True,
+              help="Print exactly the hashed bytes (no newline): `| sha256sum` gives its request_sha256.")
+def request(out_dir: Path, thread_key: str, call: int | None, target: str | None, canonical: bool) -> None:
+    """Print one call's request from a run's output directory, rebuilt from its request store.
 
-    It reads the run OUT shows (OUT/current) and, unless --target says otherwise, assembles in
-    that run's target, so its sha256 is the one in calls.parquet.
+    It reads the run OUT shows (OUT/current): byte for byte the request whose sha256 is in
+    calls.parquet, in the run's own target, with no stage or shaping run again (`--target` another
+    wire shape: shaped anew from the run's final blocks).
 
     \b
     Example:
       ctxreplay request ctxreplay-out 8d1e0b7c-... --call 3
     """
-    from pipeline.outdir import read_summary, resolve_run
-    from pipeline.runner import assemble_call
-
-    def assemble() -> dict[str, Any]:
-        run_dir = resolve_run(out_dir)  # once: every file read comes from the same run
-        chosen = target or read_summary(run_dir).get("target") or "anthropic"
-        return assemble_call(run_dir, thread_key, call, chosen)
+    from pipeline.store import request_json
 
     try:
-        req = assemble()
+        data = request_json(out_dir, thread_key, call, target)
     except FileNotFoundError:  # a newer run was published and the one we read removed: read that
-        req = assemble()
-    click.echo(orjson.dumps(req, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
+        data = request_json(out_dir, thread_key, call, target)
+    if canonical:
+        click.echo(data, nl=False)
+        return
+    click.echo(orjson.dumps(orjson.loads(data), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
 
 
 @main.command(context_settings=CONTEXT)
