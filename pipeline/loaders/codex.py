@@ -40,11 +40,13 @@ from pipeline.loaders.base import (
     FileLoad,
     Message,
     Thread,
+    bad,
     content_items,
     iter_json_lines,
     json_text,
     num,
     parse_ts,
+    path_str,
     session_id_from_name,
 )
 
@@ -56,7 +58,7 @@ OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output", "local_shell_
                 "tool_search_output"}
 _META_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions",
                   "<turn_aborted>", "<user_shell_command>")
-_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.S)
+_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
@@ -178,7 +180,7 @@ class _Response:
 
 def load(path: Path) -> tuple[list[Thread], FileLoad]:
     path = Path(path)
-    spath = str(path)
+    spath = path_str(path)
     load = FileLoad(spath, FORMAT)
     msgs: list[Message] = []
     compactions: list[Compaction] = []
@@ -205,16 +207,16 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
         for k, o in enumerate(objs):
             eid = f"L{line_no}.{k}" if glued else f"L{line_no}"
             if not isinstance(o, dict):
-                kinds.append(f"!expected a JSON object, got {type(o).__name__}")
+                kinds.append(bad("not_an_object", f"expected a JSON object, got {type(o).__name__}"))
                 continue
             t = o.get("type")
             if not isinstance(t, str) or not t:
-                kinds.append("!line has no 'type' field "
-                             "(expected session_meta, response_item, event_msg, ...)")
+                kinds.append(bad("no_type", "line has no 'type' field "
+                                 "(expected session_meta, response_item, event_msg, ...)"))
                 continue
             p = o.get("payload")
             if not isinstance(p, dict):
-                kinds.append(f"!'{t}' line has no 'payload' object")
+                kinds.append(bad("no_payload", f"'{t[:100]}' line has no 'payload' object"))
                 continue
             ts = parse_ts(o.get("timestamp"))
             if t == "session_meta":
@@ -308,7 +310,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
             m = _item_message(p, eid, spath, line_no, raw, ts, model, provider, call_names)
             if m is None:
                 if it == "message":
-                    kinds.append(f"!response_item message has no usable 'role' (got {p.get('role')!r})")
+                    kinds.append(bad("no_role", "response_item message has no usable 'role' "
+                                         f"(got {repr(p.get('role'))[:100]})"))
                 else:
                     kinds.append(f"response_item:{it}")
                 continue
@@ -319,7 +322,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
     close()
     load.check()
     if session_id is None:
-        session_id = path.name.split(".jsonl")[0] or path.stem
+        session_id = path_str(path.name).split(".jsonl")[0] or path_str(path.stem)
     if not msgs:
         return [], load
     return [Thread(session_id, "main", FORMAT, spath, msgs, compactions)], load

@@ -19,6 +19,7 @@ does not (or is not such a request), every line is quarantined with the reason. 
 
 from __future__ import annotations
 
+import base64
 import bisect
 import json
 import re
@@ -28,15 +29,20 @@ from typing import Any
 import orjson
 
 from pipeline.loaders.base import (
+    MAX_DEPTH,
     Block,
     FileLoad,
     Message,
     QuarantineRow,
     Thread,
     content_items,
+    displayable,
     file_load,
     json_text,
-    read_nonblank_lines,
+    line_digest,
+    nonblank_lines,
+    parse_document,
+    path_str,
     session_id_from_name,
 )
 from pipeline.loaders.claude_code import anthropic_content_blocks
@@ -49,8 +55,8 @@ _OPENAI_KEYS = {"tool_calls", "tool_call_id", "function_call"}
 _OPENAI_PARTS = {"image_url", "input_audio", "file"}
 _ANTHROPIC_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking", "document",
                      "server_tool_use", "web_search_tool_result", "search_result", "container_upload"}
-_OPENAI_MODEL = re.compile(r"^(gpt-|o[134](-|$)|chatgpt-|ft:gpt)", re.I)
-_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.S)
+_OPENAI_MODEL = re.compile(r"^(gpt-|o[134](-|$)|chatgpt-|ft:gpt)", re.IGNORECASE)
+_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
 _decoder = json.JSONDecoder()
 
 
@@ -266,34 +272,54 @@ def _anthropic_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[s
 # ---------------------------------------------------------------- load
 
 
+def counted_load(path: Path, fmt: str, data: bytes) -> FileLoad:
+    """A whole-document file's accounting record: its non-blank lines counted (and digested)."""
+    load = file_load(path, fmt, data, 0)
+    for i, raw in nonblank_lines(data):
+        load.lines += 1
+        load.digests[i] = line_digest(raw)
+    return load
+
+
 def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]:
     """Load one request file; `data`: its bytes when the caller has read them already."""
     path = Path(path)
-    spath = str(path)
-    data, nonblank = read_nonblank_lines(path, data)
-    load = file_load(path, FORMAT, data, len(nonblank))
-    text = data.decode("utf-8", errors="surrogateescape")
+    if data is None:
+        data = path.read_bytes()
+    load = counted_load(path, FORMAT, data)
+    spath = load.path
+    doc, text, bad_bytes = parse_document(data)
 
-    def refuse(reason: str) -> tuple[list[Thread], FileLoad]:
-        for i, ln in nonblank:
-            load.quarantine.append(QuarantineRow(spath, i, ln, reason))
+    def refuse(reason: str, code: str) -> tuple[list[Thread], FileLoad]:
+        for i, raw in nonblank_lines(data):
+            b64 = base64.b64encode(raw).decode("ascii") if bad_bytes else None
+            load.quarantine.append(QuarantineRow(spath, i, displayable(raw), reason, code, b64))
         load.check()
         return [], load
 
     body_start = 1 if text.startswith("\ufeff") else 0
-    try:
-        doc = orjson.loads(text[body_start:].encode("utf-8", errors="surrogateescape"))
-    except orjson.JSONDecodeError as exc:
-        reason = f"not one JSON document: {exc}"
-        if any("\udc80" <= ch <= "\udcff" for ch in text):
-            reason += " (the file is not valid UTF-8)"
-        return refuse(reason)
+    if doc is None:
+        try:
+            orjson.loads(text[body_start:])
+            reason, code = f"not one JSON document: nested deeper than {MAX_DEPTH} levels", "too_deep"
+        except orjson.JSONDecodeError as exc:
+            reason, code = f"not one JSON document: {exc}", "invalid_json"
+            if "depth" in str(exc):
+                code = "too_deep"
+        if bad_bytes:
+            reason += " (the file is not valid UTF-8; the exact bytes are kept in raw_base64)"
+            code = "invalid_utf8"
+        return refuse(reason, code)
     fmt = classify(doc)
     if fmt is None:
         got = type(doc).__name__ if not isinstance(doc, dict) else "an object with keys " + ", ".join(
             sorted(map(str, doc))[:8])
         return refuse("expected one request object with a 'messages' list "
-                      f"(Anthropic Messages or OpenAI chat); got {got}")
+                      f"(Anthropic Messages or OpenAI chat); got {got}", "not_a_request")
+    if bad_bytes:
+        load.stats["invalid_utf8_replaced"] += bad_bytes
+        load.recovered.append({"file": spath, "line": 1, "note": f"{bad_bytes} byte sequence(s) that are not "
+                               "UTF-8 inside JSON strings replaced by U+FFFD"})
     load.format = fmt
     load.message_lines = load.lines
     load.check()
@@ -355,7 +381,7 @@ def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]
                             raw_line=raw, parent_id=prev, model=model if assistant else None,
                             provider=provider if assistant else None, api=api if assistant else None))
         prev = eid
-    session_id = session_id_from_name(path) or path.name.split(".json")[0] or path.stem
+    session_id = session_id_from_name(path) or path_str(path.name).split(".json")[0] or path_str(path.stem)
     if not msgs:
         return [], load
     return [Thread(session_id, "main", fmt, spath, msgs)], load
