@@ -92,19 +92,26 @@ def discover(paths: list[Path]) -> tuple[list[Path], list[dict[str, str]]]:
     return uniq, skipped
 
 
-def _first_objects(path: Path, limit: int = 5) -> list[Any]:
-    """The first JSON values of a file's first non-blank lines (None for a line that does not parse).
+def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
+    """The first JSON values of a file, one per non-blank line (None for a line that does not parse),
+    up to `limit` values that parse, within the first `scan` non-blank lines (so a file whose first
+    lines are broken is still recognised).
 
     Raises OSError when the file cannot be read."""
     objs: list[Any] = []
+    parsed_n = 0
     with open(path, "rb") as fh:
-        for raw in fh:
+        for n, raw in enumerate(fh):
             if not raw.strip():
                 continue
             text, _ = decode_line(raw.rstrip(b"\n"))
+            if n == 0:
+                text = text.removeprefix("\ufeff")
             parsed = parse_json_line(text)
-            objs.append(parsed.objs[0] if parsed.objs and not parsed.error else None)
-            if len(objs) >= limit:
+            ok = bool(parsed.objs) and not parsed.error
+            objs.append(parsed.objs[0] if ok else None)
+            parsed_n += ok
+            if parsed_n >= limit or len(objs) >= scan:
                 break
     return objs
 
@@ -126,7 +133,7 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
         try:
             if f.name.endswith(".json"):
                 data = f.read_bytes()
-                doc, _, _ = parse_document(data)
+                doc, _, bad_bytes = parse_document(data)
                 if f.name.endswith(".meta.json") and isinstance(doc, dict) and "agentType" in doc:
                     load = request.counted_load(f, "claude_code_meta", data)
                     load.other_lines["subagent_meta"] = load.lines
@@ -137,8 +144,12 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
                     per_file.append((ld, t))
                     loads.append(ld)
                     continue
-                skipped.append({"file": path_str(f), "reason": "a JSON document that is not a request "
-                                "(no 'messages' list) nor a subagent .meta.json sidecar"})
+                if doc is None:
+                    why = ("an empty .json file" if not data.strip() else "a .json file that does not parse as "
+                           "one JSON document" + (" (it holds bytes that are not UTF-8)" if bad_bytes else ""))
+                else:
+                    why = "a JSON document that is not a request (no 'messages' list) nor a subagent .meta.json sidecar"
+                skipped.append({"file": path_str(f), "reason": why})
                 continue
             first = _first_objects(f)
             if not first:

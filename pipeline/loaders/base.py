@@ -284,10 +284,31 @@ class ParsedLine:
     too_deep: int = 0  # values left out for nesting deeper than MAX_DEPTH
 
 
+_NUMBER_PREFIX = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?")
+_ESCAPE_PREFIX = re.compile(r"u[0-9a-fA-F]{0,4}")
+_NUMBER_TAIL = re.compile(r"(\.[0-9]*)?([eE][-+]?[0-9]*)?")
+
+
+def _cut_short(exc: json.JSONDecodeError, text: str) -> bool:
+    """Whether the JSON error is the end of the text coming too early (the text is a prefix of valid
+    JSON: a line cut by a crash mid-write) rather than a wrong character."""
+    if exc.msg.startswith("Unterminated string"):
+        return True
+    tail = text[exc.pos:].rstrip()
+    if not tail:
+        return True
+    if exc.msg.startswith("Invalid \\uXXXX"):
+        return _ESCAPE_PREFIX.fullmatch(tail) is not None
+    if exc.msg == "Expecting value":
+        return any(w.startswith(tail) for w in ("null", "true", "false")) or bool(_NUMBER_PREFIX.fullmatch(tail))
+    if exc.msg.startswith("Expecting"):  # a number cut after its dot or exponent sign: `1.`, `1e`, `1E+`
+        return bool(_NUMBER_TAIL.fullmatch(tail))
+    return False
+
+
 def _json_error(exc: json.JSONDecodeError, text: str) -> tuple[str, str]:
     reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
-    cut = exc.msg.startswith("Unterminated string") or exc.pos >= len(text.rstrip())
-    return ("truncated_json" if cut else "invalid_json"), reason
+    return ("truncated_json" if _cut_short(exc, text) else "invalid_json"), reason
 
 
 def depth_exceeds(obj: Any, limit: int = MAX_DEPTH) -> bool:
@@ -370,14 +391,17 @@ def parse_json_line(text: str) -> ParsedLine:
     what orjson reads (no lone surrogates, no NaN); a value only the standard library reads because
     of a lone surrogate escape is kept with U+FFFD in its place. Values nested deeper than
     MAX_DEPTH are left out (counted in `too_deep`)."""
+    too_deep = ("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels")
     try:
         objs = [orjson.loads(text)]
         out = ParsedLine(objs)
         _check_depth(text, objs, out)
+        if not objs:
+            out.error = too_deep
         return out
     except orjson.JSONDecodeError as exc:
         if "depth" in str(exc) or "recursion" in str(exc).lower():
-            return ParsedLine([], ("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels"), too_deep=1)
+            return ParsedLine([], too_deep, too_deep=1)
     out = ParsedLine([])
     pos, n = 0, len(text)
     while pos < n:
@@ -391,7 +415,7 @@ def parse_json_line(text: str) -> ParsedLine:
             out.error = _json_error(exc, text)
             break
         except RecursionError:
-            out.error = ("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels")
+            out.error = too_deep
             out.too_deep += 1
             break
         except ValueError as exc:  # NaN / Infinity
@@ -407,7 +431,7 @@ def parse_json_line(text: str) -> ParsedLine:
         pos = end
     _check_depth(text, out.objs, out)
     if not out.objs and out.error is None and out.too_deep:
-        out.error = ("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels")
+        out.error = too_deep
     return out
 
 
@@ -461,6 +485,9 @@ def iter_json_lines(path: Path, load: FileLoad, data: bytes | None = None) -> It
         load.lines += 1
         load.digests[i] = line_digest(raw_b)
         text, bad_bytes = decode_line(raw_b)
+        if i == 1 and text.startswith("\ufeff"):
+            text = text[1:]  # a byte order mark (some Windows editors write one)
+            load.stats["byte_order_marks"] += 1
         raw = displayable(raw_b) if bad_bytes else text
         parsed = parse_json_line(text)
         if bad_bytes and (parsed.error or not parsed.objs):
@@ -539,6 +566,25 @@ def parse_ts(value: Any) -> datetime | None:
     except (ValueError, OverflowError, OSError):
         return None
     return None
+
+
+def one_of(value: Any, options: set[str] | frozenset[str]) -> bool:
+    """`value in options` for a value read from JSON (a list or an object is in no set of names)."""
+    return isinstance(value, str) and value in options
+
+
+def arguments_json(args: Any) -> tuple[str, bool]:
+    """Tool-call arguments sent as JSON text (Codex, OpenAI chat) → (canonical JSON of what they hold,
+    True); text that is not JSON, or nests deeper than MAX_DEPTH, is kept as a JSON string (False)."""
+    if not isinstance(args, str):
+        return json_text(args), True
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        return json_text(args), False
+    if depth_exceeds(parsed, MAX_DEPTH):
+        return json_text(args), False
+    return json_text(parsed), True
 
 
 def json_text(obj: Any) -> str:

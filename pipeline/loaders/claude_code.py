@@ -34,6 +34,7 @@ from pipeline.loaders.base import (
     iter_json_lines,
     json_text,
     num,
+    one_of,
     parse_ts,
     path_str,
     session_id_from_name,
@@ -54,9 +55,9 @@ def sniff(first_objects: list[Any], path: Path) -> str | None:
         if not isinstance(o, dict):
             continue
         t = o.get("type")
-        if t in MESSAGE_TYPES and isinstance(o.get("message"), dict) and ("uuid" in o or "sessionId" in o):
+        if one_of(t, MESSAGE_TYPES) and isinstance(o.get("message"), dict) and ("uuid" in o or "sessionId" in o):
             return FORMAT
-        if t in KNOWN_OTHER and ("sessionId" in o or "leafUuid" in o or "snapshot" in o or "uuid" in o):
+        if one_of(t, KNOWN_OTHER) and ("sessionId" in o or "leafUuid" in o or "snapshot" in o or "uuid" in o):
             return FORMAT
     return None
 

@@ -32,19 +32,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from pipeline.loaders.base import (
     Block,
     Compaction,
     FileLoad,
     Message,
     Thread,
+    arguments_json,
     bad,
     content_items,
     iter_json_lines,
     json_text,
     num,
+    one_of,
     parse_ts,
     path_str,
     session_id_from_name,
@@ -63,7 +63,7 @@ _DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
     for o in first_objects:
-        if isinstance(o, dict) and o.get("type") in ROLLOUT_TYPES and isinstance(o.get("payload"), dict):
+        if isinstance(o, dict) and one_of(o.get("type"), ROLLOUT_TYPES) and isinstance(o.get("payload"), dict):
             return FORMAT
     return None
 
@@ -149,11 +149,8 @@ def _assistant_blocks(p: dict[str, Any]) -> list[Block]:
     if t == "function_call":
         args = p.get("arguments")
         extra = {k: v for k, v in p.items() if k not in ("type", "name", "arguments", "call_id")}
-        try:
-            parsed = orjson.loads(args) if isinstance(args, str) else args
-            tool_input = json_text(parsed)
-        except orjson.JSONDecodeError:
-            tool_input = json_text(args)
+        tool_input, ok = arguments_json(args)
+        if not ok:
             extra["arguments_not_json"] = True
         return [Block("tool_use", tool_use_id=p.get("call_id"), tool_name=p.get("name"),
                       tool_input=tool_input, extra=extra or None)]
@@ -292,7 +289,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                 kinds.append(t)
                 continue
             it = p.get("type")
-            if it == "message" and p.get("role") == "assistant" or it in ASSISTANT_ITEMS:
+            if it == "message" and p.get("role") == "assistant" or one_of(it, ASSISTANT_ITEMS):
                 if current is None:
                     current = _Response(Message(entry_id=eid, role="assistant", blocks=[], source_file=spath,
                                                 source_line=line_no, raw_line=raw, timestamp=ts, model=model,
@@ -348,11 +345,11 @@ def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any,
             return Message(role="assistant", blocks=blocks, model=model, provider=provider,
                            api="openai-responses", is_call=False, **base)
         return None
-    if it in OUTPUT_ITEMS:
+    if one_of(it, OUTPUT_ITEMS):
         cid = p.get("call_id") if isinstance(p.get("call_id"), str) else None
         return Message(role="tool", blocks=_output_parts(p.get("output"), tool_use_id=cid,
                                                           tool_name=call_names.get(cid or "")), **base)
-    if it in ASSISTANT_ITEMS:
+    if one_of(it, ASSISTANT_ITEMS):
         # inside a replacement history: part of the past, not a call recorded here
         return Message(role="assistant", blocks=_assistant_blocks(p), model=model, provider=provider,
                        api="openai-responses", is_call=False, **base)

@@ -44,6 +44,7 @@ from pipeline.loaders.base import (
     iter_json_lines,
     json_text,
     num,
+    one_of,
     parse_ts,
     path_str,
     session_id_from_name,
@@ -71,19 +72,24 @@ ENTRY_TYPES = {"message", "model_change", "thinking_level_change", "compaction",
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
-    """The session header decides; when the first line is unreadable, pi-shaped entries do."""
+    """The session header decides; when the first line is unreadable or damaged, pi-shaped entries do."""
     objs = [o for o in first_objects if isinstance(o, dict) and "payload" not in o]  # payload: Codex
     if not objs:
         return None
     o = objs[0]
     if o.get("type") == "session":
         return FORMAT if o.get("version") is not None else FORMAT_LEGACY
-    if first_objects and isinstance(first_objects[0], dict):
-        return None  # a readable first line that is not a pi header
-    pi = [e for e in objs if e.get("type") in ENTRY_TYPES
+    pi = [e for e in objs if one_of(e.get("type"), ENTRY_TYPES)
           and (e.get("type") != "message" or isinstance(e.get("message"), dict) and "role" in e["message"])]
     if not pi:
         return None
+    if first_objects and isinstance(first_objects[0], dict):
+        # a readable first line that is not a pi header (a damaged one?): pi only when every other
+        # entry read is pi-shaped
+        shaped = {id(e) for e in pi}
+        rest = [e for e in objs if e is not first_objects[0]]
+        if len(rest) < 2 or any(id(e) not in shaped for e in rest):
+            return None
     return FORMAT if any("parentId" in e for e in pi) else FORMAT_LEGACY
 
 

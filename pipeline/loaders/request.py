@@ -35,12 +35,14 @@ from pipeline.loaders.base import (
     Message,
     QuarantineRow,
     Thread,
+    arguments_json,
     content_items,
     displayable,
     file_load,
     json_text,
     line_digest,
     nonblank_lines,
+    one_of,
     parse_document,
     path_str,
     session_id_from_name,
@@ -69,10 +71,10 @@ def classify(doc: Any) -> str | None:
     msgs = [m for m in doc["messages"] if isinstance(m, dict)]
     parts = [b for m in msgs if isinstance(m.get("content"), list)
              for b in m["content"] if isinstance(b, dict)]
-    if any(m.get("role") in _OPENAI_ROLES or _OPENAI_KEYS & m.keys() for m in msgs) or any(
-            b.get("type") in _OPENAI_PARTS for b in parts):
+    if any(one_of(m.get("role"), _OPENAI_ROLES) or _OPENAI_KEYS & m.keys() for m in msgs) or any(
+            one_of(b.get("type"), _OPENAI_PARTS) for b in parts):
         return FORMAT_OPENAI
-    if "system" in doc or any(b.get("type") in _ANTHROPIC_BLOCKS
+    if "system" in doc or any(one_of(b.get("type"), _ANTHROPIC_BLOCKS)
                               or (b.get("type") == "image" and "source" in b) for b in parts):
         return FORMAT
     model = doc.get("model")
@@ -207,10 +209,8 @@ def _tool_call_block(tc: Any) -> Block:
     extra = {k: v for k, v in tc.items() if k not in ("id", "function", "type")}
     if tc.get("type") not in (None, "function"):
         extra["type"] = tc.get("type")
-    try:
-        tool_input = json_text(orjson.loads(args)) if isinstance(args, str) else json_text(args)
-    except orjson.JSONDecodeError:
-        tool_input = json_text(args)
+    tool_input, ok = arguments_json(args)
+    if not ok:
         extra["arguments_not_json"] = True
     return Block("tool_use", tool_use_id=tc.get("id"), tool_name=fn.get("name"), tool_input=tool_input,
                  extra=extra or None)
