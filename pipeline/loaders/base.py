@@ -492,8 +492,8 @@ def iter_json_lines(path: Path, load: FileLoad, data: bytes | None = None) -> It
         parsed = parse_json_line(text)
         if bad_bytes and (parsed.error or not parsed.objs):
             load.quarantine.append(QuarantineRow(
-                spath, i, raw, f"{bad_bytes} byte sequence(s) that are not UTF-8 where JSON was expected; "
-                "the exact bytes are kept in raw_base64", "invalid_utf8",
+                spath, i, raw, "bytes that are not UTF-8 where JSON was expected; the exact bytes are kept in "
+                "raw_base64", "invalid_utf8",
                 base64.b64encode(raw_b).decode("ascii")))
             continue
         if bad_bytes:
