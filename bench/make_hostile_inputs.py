@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import io
 import json
 import os
@@ -303,7 +304,7 @@ def flip_field(lines: list[Line], rng: random.Random) -> None:
         return
     o = obj(lines[i])
     c, k = rng.choice(paths_in(o))
-    c[k] = rng.choice(WEIRD_VALUES)
+    c[k] = copy.deepcopy(rng.choice(WEIRD_VALUES))
     _set(lines, i, dump(o), None)
 
 

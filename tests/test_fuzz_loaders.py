@@ -14,6 +14,7 @@ The long run: `CTXREPLAY_FUZZ_EXAMPLES=20000 pytest -m slow tests/test_fuzz_load
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import random
@@ -32,10 +33,12 @@ from bench.make_hostile_inputs import (
     EXPECTED_CODE,
     KEPT,
     MUTATIONS,
+    WEIRD_VALUES,
     Line,
     Seed,
     corpus_seeds,
     mutate,
+    paths_in,
     render,
     seed_files,
 )
@@ -44,6 +47,7 @@ from pipeline.loaders.base import QUARANTINE_CODES
 from schemas.blocks import BLOCKS
 from schemas.check import check_frame
 
+ROOT = Path(__file__).resolve().parent.parent
 SEEDS = seed_files()
 NAMES = sorted(MUTATIONS)
 
@@ -178,6 +182,39 @@ def fuzz_files(seeds: list[Seed], max_files: int = 1) -> st.SearchStrategy[list[
 @given(fuzz_files(SEEDS))
 def test_fuzz_fixture_lines(files: list[tuple[str, list[Line]]]) -> None:
     run_case(files)
+
+
+REQUEST = json.loads((ROOT / "tests" / "fixtures" / "loaders" / "request" /
+                      "7e8f9a0b-1c2d-4e3f-8a4b-5c6d7e8f9a0b.json").read_text())
+
+
+@settings(deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from(["anthropic", "openai"]))
+def test_fuzz_request_documents(rng: random.Random, flavour: str) -> None:
+    """A request JSON document with values flipped, dropped or made hostile anywhere."""
+    doc = json.loads(json.dumps(REQUEST))
+    if flavour == "openai":
+        doc = {"model": "gpt-5", "messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r"}, {"role": "assistant", "content": "done"}]}
+    for _ in range(rng.randint(1, 4)):
+        spots = paths_in(doc)
+        if not spots:
+            break
+        c, k = rng.choice(spots)
+        if rng.random() < 0.3:
+            del c[k]
+        else:
+            c[k] = copy.deepcopy(rng.choice([*WEIRD_VALUES, '{"a":' * 300 + "1" + "}" * 300, [[[[[[]]]]]]]))
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "7e8f9a0b-1c2d-4e3f-8a4b-5c6d7e8f9a0b.json"
+        p.write_bytes(json.dumps(doc, ensure_ascii=False, indent=rng.choice([None, 2])).encode("utf-8", "surrogatepass"))
+        res = load_paths([p])
+        for ld in res.loads:
+            ld.check()
+        check_frame(pl.from_arrow(res.blocks), BLOCKS, where="fuzzed request")  # type: ignore[arg-type]
 
 
 @pytest.mark.corpus

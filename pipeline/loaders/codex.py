@@ -296,7 +296,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                                                 provider=provider, api="openai-responses"))
                 blocks = _assistant_blocks(p)
                 for b in blocks:
-                    if b.block_type == "tool_use" and b.tool_use_id and b.tool_name:
+                    if b.block_type == "tool_use" and isinstance(b.tool_use_id, str) and b.tool_use_id \
+                            and isinstance(b.tool_name, str) and b.tool_name:
                         call_names[b.tool_use_id] = b.tool_name
                 current.msg.blocks.extend(blocks)
                 current.lines.extend([(eid, line_no, raw, spath)] * len(blocks))

@@ -234,9 +234,10 @@ def _openai_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[str,
         blocks.extend(_openai_parts(m.get("content")))
         if isinstance(m.get("refusal"), str) and m["refusal"]:
             blocks.append(Block("refusal", text=m["refusal"]))
-        for tc in m.get("tool_calls") or []:
+        tcs = m.get("tool_calls")
+        for tc in [] if tcs is None else tcs if isinstance(tcs, list) else [tcs]:
             b = _tool_call_block(tc)
-            if b.tool_use_id and b.tool_name:
+            if isinstance(b.tool_use_id, str) and b.tool_use_id and isinstance(b.tool_name, str) and b.tool_name:
                 call_names[b.tool_use_id] = b.tool_name
             blocks.append(b)
         if isinstance(m.get("function_call"), dict):
@@ -260,10 +261,11 @@ def _anthropic_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[s
         return None
     blocks = anthropic_content_blocks(m.get("content"))
     for b in blocks:
-        if b.block_type == "tool_use" and b.tool_use_id and b.tool_name:
-            call_names[b.tool_use_id] = b.tool_name
+        tid = b.tool_use_id if isinstance(b.tool_use_id, str) else ""
+        if b.block_type == "tool_use" and tid and isinstance(b.tool_name, str) and b.tool_name:
+            call_names[tid] = b.tool_name
         elif b.block_type == "tool_result" and b.tool_name is None and b.part_type != "tool_reference":
-            b.tool_name = call_names.get(b.tool_use_id or "")
+            b.tool_name = call_names.get(tid)
     if role == "user" and blocks and all(b.block_type == "tool_result" for b in blocks):
         return "tool", blocks
     return role, blocks
