@@ -457,8 +457,9 @@ def random_bytes(lines: list[Line], rng: random.Random) -> None:
 
 def blank_lines(lines: list[Line], rng: random.Random) -> None:
     """Lines holding only whitespace (not counted as lines)."""
+    first = 1 if lines and lines[0].data.startswith(b"\xef\xbb\xbf") else 0  # a BOM stays first
     for _ in range(rng.randrange(1, 4)):
-        lines.insert(rng.randrange(0, len(lines) + 1),
+        lines.insert(rng.randrange(first, len(lines) + 1),
                      Line(rng.choice([b"", b"   ", b"\t", b"\r", "\u00a0\u2003".encode()]), None, True))
 
 

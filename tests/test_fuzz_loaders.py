@@ -94,7 +94,8 @@ def check(res: LoadResult, written: dict[str, list[Line]], counts: Counter[str] 
             counts.update(f"code:{r.code}" for r in ld.quarantine)
         if ld.format == "unknown":  # the damage hid what the file is: every line kept in quarantine
             assert set(q) == {i for i, ln in enumerate(lines, 1) if ln.data.decode("utf-8", "replace").strip()}
-            assert {r.code for r in ld.quarantine} <= {"unknown_format", "invalid_utf8"}
+            assert {r.code for r in ld.quarantine} <= {"unknown_format", "invalid_utf8", "truncated_json",
+                                                       "invalid_json", "too_deep"}
             continue
         dup_file = ld.other_lines.get("duplicate_entry", 0) == ld.lines - ld.quarantined_lines and ld.lines
         for i, ln in enumerate(lines, 1):

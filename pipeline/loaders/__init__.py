@@ -32,6 +32,7 @@ from pipeline.loaders.base import (
     decode_line,
     displayable,
     file_load,
+    nonblank_lines,
     parse_document,
     parse_json_line,
     path_str,
@@ -197,8 +198,9 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
 
 
 def _unknown_format(f: Path, data: bytes, first: list[Any]) -> FileLoad:
-    """A file of no known format: every line quarantined (exact bytes kept when not UTF-8)."""
-    lines = [(i, ln.rstrip(b"\r")) for i, ln in enumerate(data.split(b"\n"), start=1) if ln.strip()]
+    """A file of no known format: every non-blank line quarantined (exact bytes kept when not UTF-8);
+    a line that is not JSON at all gets the parse error's code, the others `unknown_format`."""
+    lines = [(i, ln.rstrip(b"\r")) for i, ln in nonblank_lines(data)]
     ld = file_load(f, "unknown", data, len(lines))
     reason = ("unrecognised transcript format: not Claude Code, OpenClaw/pi, Codex rollout or a request "
               "JSON (first line has keys " + _keys(next((o for o in first if o is not None), None)) + ")")
@@ -211,7 +213,12 @@ def _unknown_format(f: Path, data: bytes, first: list[Any]) -> FileLoad:
                 spath, i, displayable(raw), "bytes that are not UTF-8 in a file of no known transcript format; "
                 "the exact bytes are kept in raw_base64", "invalid_utf8", base64.b64encode(raw).decode("ascii")))
             continue
-        ld.quarantine.append(QuarantineRow(spath, i, raw.decode("utf-8"), reason, "unknown_format"))
+        text = raw.decode("utf-8")
+        parsed = parse_json_line(text.removeprefix("\ufeff") if i == 1 else text)
+        if not parsed.objs and parsed.error:  # not JSON at all: say why, as for any other file
+            ld.quarantine.append(QuarantineRow(spath, i, text, parsed.error[1], parsed.error[0]))
+        else:
+            ld.quarantine.append(QuarantineRow(spath, i, text, reason, "unknown_format"))
     return ld
 
 
