@@ -128,20 +128,25 @@ def _output_parts(output: Any, *, tool_use_id: str | None, tool_name: str | None
     return [Block("tool_result", text=json_text(output), part_type="other", extra={"part": output}, **common)]
 
 
+def _text(v: Any) -> str:
+    """A text field as text (null: empty; any other JSON value: its JSON text)."""
+    return v if isinstance(v, str) else "" if v is None else json_text(v)
+
+
 def _assistant_blocks(p: dict[str, Any]) -> list[Block]:
     t = p.get("type")
     if t == "message":
         return _message_blocks(p.get("content"))
     if t == "reasoning":
         summary = p.get("summary") if isinstance(p.get("summary"), list) else []
-        texts = [s.get("text", "") if isinstance(s, dict) else str(s) for s in summary]
+        texts = [_text(s.get("text", "")) if isinstance(s, dict) else str(s) for s in summary]
         extra: dict[str, Any] = {}
         if len(summary) != 1:
             extra["summary"] = summary
         if p.get("content") is not None:
             extra["content"] = p.get("content")
             if not texts and isinstance(p["content"], list):
-                texts = [c.get("text", "") for c in p["content"] if isinstance(c, dict)]
+                texts = [_text(c.get("text", "")) for c in p["content"] if isinstance(c, dict)]
         if p.get("id"):
             extra["id"] = p["id"]
         return [Block("thinking", text="\n\n".join(texts), signature=p.get("encrypted_content"),
@@ -337,7 +342,7 @@ def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any,
         role = p.get("role")
         blocks = _message_blocks(p.get("content"))
         if role == "user":
-            first = next((b.text for b in blocks if b.block_type == "text" and b.text), "") or ""
+            first = next((b.text for b in blocks if b.block_type == "text" and isinstance(b.text, str) and b.text), "")
             is_meta = first.lstrip().startswith(_META_PREFIXES)
             return Message(role="user", blocks=blocks, is_meta=is_meta, **base)
         if role in ("developer", "system"):
