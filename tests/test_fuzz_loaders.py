@@ -8,7 +8,8 @@ UTF-8, glue lines, duplicate ids, make parent cycles, huge strings, deep nesting
 of range, odd timestamps and tool inputs that are not objects.
 
 The long run: `CTXREPLAY_FUZZ_EXAMPLES=20000 pytest -m slow tests/test_fuzz_loaders.py -k long`
-(counts to the file named by CTXREPLAY_FUZZ_REPORT, when set).
+(counts to the file named by CTXREPLAY_FUZZ_REPORT, when set, every 500 examples and at the end;
+CTXREPLAY_FUZZ_SECONDS bounds the wall-clock time, CTXREPLAY_FUZZ_CLI_EVERY how often the CLI runs).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -169,7 +171,7 @@ def fuzz_files(seeds: list[Seed], max_files: int = 1) -> st.SearchStrategy[list[
     @st.composite
     def case(draw: Any) -> list[tuple[str, list[Line]]]:
         rng = draw(st.randoms(use_true_random=False))
-        out = []
+        out: list[tuple[str, list[Line]]] = []
         for _ in range(rng.randint(1, max_files)):
             seed = rng.choice(seeds)
             names = [rng.choice(NAMES) for _ in range(rng.randint(1, 4))]
@@ -246,6 +248,9 @@ def test_fuzz_long(corpus: Path) -> None:
 
     examples = int(os.environ.get("CTXREPLAY_FUZZ_EXAMPLES", "2000"))
     cli_every = int(os.environ.get("CTXREPLAY_FUZZ_CLI_EVERY", "50"))
+    # optional wall-clock budget: examples after it do nothing (hypothesis cannot stop early)
+    deadline = time.monotonic() + float(os.environ.get("CTXREPLAY_FUZZ_SECONDS", "inf"))
+    report_path = os.environ.get("CTXREPLAY_FUZZ_REPORT")
     seeds = SEEDS + corpus_seeds(corpus, random.Random(11), window=40)
     counts: Counter[str] = Counter()
     cli_failures: list[str] = []
@@ -254,7 +259,12 @@ def test_fuzz_long(corpus: Path) -> None:
               suppress_health_check=list(HealthCheck))
     @given(fuzz_files(seeds, max_files=3))
     def inner(files: list[tuple[str, list[Line]]]) -> None:
+        if time.monotonic() > deadline:
+            return
         counts["examples"] += 1
+        if report_path and counts["examples"] % 500 == 0:  # a partial report, in case the run is cut
+            Path(report_path).write_text(json.dumps({"partial": True, "counts": dict(sorted(counts.items())),
+                                                     "cli_failures": cli_failures}, indent=1) + "\n")
         rng = random.Random(counts["examples"])  # not hypothesis's: drawing late can end an example
         counts["files"] += len(files)
         with tempfile.TemporaryDirectory() as d:
@@ -281,7 +291,7 @@ def test_fuzz_long(corpus: Path) -> None:
     counts["cli_failures"] = len(cli_failures)
     report = {"counts": dict(sorted(counts.items())), "cli_failures": cli_failures}
     print(json.dumps(report, indent=1))
-    if os.environ.get("CTXREPLAY_FUZZ_REPORT"):
-        Path(os.environ["CTXREPLAY_FUZZ_REPORT"]).write_text(json.dumps(report, indent=1) + "\n")
+    if report_path:
+        Path(report_path).write_text(json.dumps(report, indent=1) + "\n")
     assert counts["examples"] >= min(examples, 100)
     assert not cli_failures, cli_failures[:5]
