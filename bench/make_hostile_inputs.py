@@ -46,7 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS_DIR = ROOT / "tests" / "fixtures" / "loaders"
 
-KEPT = "kept"
+KEPT = "kept"  # the line is never quarantined
+PARSED = "parsed"  # the line is read as JSON: quarantined, if at all, only for what it says (no_role, ...)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Line:
     """One physical line of a file being mutated (bytes without the line break)."""
 
     data: bytes
-    expect: str | None = None  # quarantine code it must get, KEPT (never quarantined), None (no claim)
+    expect: str | None = None  # quarantine code it must get, KEPT, PARSED, or None (no claim)
     touched: bool = False
 
 
@@ -198,13 +199,14 @@ def _value_string_starts(d: bytes) -> list[int]:
 
 
 def non_utf8_in_string(lines: list[Line], rng: random.Random) -> None:
-    """Bytes that are not UTF-8 inside a JSON string value: the entry is kept (U+FFFD)."""
+    """Bytes that are not UTF-8 inside a JSON string value: the line is read (U+FFFD in their place;
+    a role or type so changed may still make the entry unusable)."""
     i = fresh(lines, rng, lambda ln: bool(_value_string_starts(ln.data)))
     if i is None:
         return
     d = lines[i].data
     at = rng.choice(_value_string_starts(d))
-    _set(lines, i, d[:at] + rng.choice(BAD_BYTES) + d[at:], KEPT)
+    _set(lines, i, d[:at] + rng.choice(BAD_BYTES) + d[at:], PARSED)
 
 
 def surrogate_escape(lines: list[Line], rng: random.Random) -> None:
@@ -214,7 +216,7 @@ def surrogate_escape(lines: list[Line], rng: random.Random) -> None:
         return
     d = lines[i].data
     at = rng.choice(_value_string_starts(d))
-    _set(lines, i, d[:at] + rng.choice([b"\\ud800", b"\\udfff", b"\\udc80x", b"\\ud83d"]) + d[at:], KEPT)
+    _set(lines, i, d[:at] + rng.choice([b"\\ud800", b"\\udfff", b"\\udc80x", b"\\ud83d"]) + d[at:], PARSED)
 
 
 def not_an_object(lines: list[Line], rng: random.Random) -> None:

@@ -35,6 +35,7 @@ from bench.make_hostile_inputs import (
     EXPECTED_CODE,
     KEPT,
     MUTATIONS,
+    PARSED,
     WEIRD_VALUES,
     Line,
     Seed,
@@ -51,6 +52,7 @@ from schemas.check import check_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = seed_files()
+PARSE_CODES = {"invalid_utf8", "truncated_json", "invalid_json", "too_deep"}
 NAMES = sorted(MUTATIONS)
 
 
@@ -103,6 +105,8 @@ def check(res: LoadResult, written: dict[str, list[Line]], counts: Counter[str] 
         for i, ln in enumerate(lines, 1):
             if ln.expect == KEPT:
                 assert i not in q, (path, i, q[i].code, q[i].reason)
+            elif ln.expect == PARSED:
+                assert i not in q or q[i].code not in PARSE_CODES, (path, i, q[i].code, q[i].reason)
             elif ln.expect is not None and not dup_file:
                 assert i in q and q[i].code == ln.expect, (path, i, ln.expect, q.get(i))
     blocks = pl.from_arrow(res.blocks)

@@ -108,6 +108,8 @@ def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
             text, _ = decode_line(raw.rstrip(b"\n"))
             if n == 0:
                 text = text.removeprefix("\ufeff")
+            if not text.strip():
+                continue  # blank once decoded (no-break spaces, ...): not a line, as in every loader
             parsed = parse_json_line(text)
             ok = bool(parsed.objs) and not parsed.error
             objs.append(parsed.objs[0] if ok else None)
