@@ -143,14 +143,18 @@ def _human(s: dict[str, Any]) -> str:
         lines.append(f"  {s['violations']} violation(s) of the {s['target']} rules (recorded in the ledger): "
                      + ", ".join(f"{k} {v}" for k, v in s["violations_by_rule"].items()))
     if s["quarantined_lines"]:
-        reasons = ", ".join(f"{k}: {v}" for k, v in s["quarantine_reasons"].items())
+        reasons = ", ".join(f"{k}: {v}" for k, v in (s.get("quarantine_codes") or s["quarantine_reasons"]).items())
         lines.append(f"  {s['quarantined_lines']} of {s['lines']:,} lines quarantined ({reasons}); everything else "
                      f"was replayed. See them with: ctxreplay ledger {s['out_dir']} --quarantine")
-    if s["recovered_lines"]:
-        lines.append(f"  recovered {len(s['recovered_lines'])} line(s) holding more than one JSON object")
+    glued = sum(1 for r in s["recovered_lines"] if "objects" in r)
+    if glued:
+        lines.append(f"  recovered {glued} line(s) holding more than one JSON object")
+    if len(s["recovered_lines"]) > glued:
+        lines.append(f"  {len(s['recovered_lines']) - glued} line(s) read with a repair or a note (bytes that are "
+                     "not UTF-8 replaced, a copy of a session read once, ...): recovered_lines in summary.json")
     skipped = s.get("skipped_files") or []
     if skipped:
-        lines.append(f"  skipped {len(skipped)} file(s) that are not transcripts:")
+        lines.append(f"  skipped {len(skipped)} file(s):")
         lines += [f"    {x['file']}: {x['reason']}" for x in skipped[:SHOW_SKIPPED]]
         if len(skipped) > SHOW_SKIPPED:
             lines.append(f"    ... and {len(skipped) - SHOW_SKIPPED} more (all in {s['out_dir']}/summary.json)")
@@ -223,7 +227,8 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
         else:
             click.echo(f"{q.height} quarantined line(s)")
             for r in rows.iter_rows(named=True):
-                click.echo(f"{r['file']}:{r['line']}: {r['reason']}\n    {r['raw'][:200]}")
+                code = f"[{r['code']}] " if r.get("code") else ""
+                click.echo(f"{r['file']}:{r['line']}: {code}{r['reason']}\n    {r['raw'][:200]}")
         return
     path = ledger_path or out_dir / "ledger.duckdb"
     if not path.is_file():

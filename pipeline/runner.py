@@ -373,7 +373,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         t_replay = time.perf_counter()
         calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
         quarantine = pa.Table.from_pylist(
-            [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason} for q in loaded.quarantine],
+            [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
+              "raw_base64": q.raw_base64} for q in loaded.quarantine],
             schema=QUARANTINE)
         crashpoints.phase("write")
         messages_t, call_messages_t = replay_stats.pop("store_tables")
@@ -509,6 +510,7 @@ def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, target: s
     if message_lines + other_lines + quarantined != lines:
         raise CheckFailed(f"line accounting failed: {message_lines} + {other_lines} + {quarantined} != {lines}")
     q_reasons = Counter(q.reason for q in loaded.quarantine)
+    q_codes = Counter(q.code for q in loaded.quarantine)
     formats = Counter(ld.format for ld in loaded.loads)
     total_bytes = sum(ld.bytes for ld in loaded.loads)
     pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
@@ -525,6 +527,7 @@ def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, target: s
         "other_lines_by_kind": dict(sorted(other_kinds.items())),
         "quarantined_lines": quarantined,
         "quarantine_reasons": dict(sorted(q_reasons.items())),
+        "quarantine_codes": dict(sorted(q_codes.items())),
         "recovered_lines": [r for ld in loaded.loads for r in ld.recovered],
         "skipped_files": loaded.skipped,
         "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
