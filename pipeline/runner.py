@@ -61,6 +61,7 @@ from pipeline.spec import DEFAULT_TARGET, PipelineSpec
 from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE, store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from pipeline.words import plural
 from schemas.blocks import BLOCKS
 from schemas.calls import CALLS
 from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
@@ -324,7 +325,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
     started = _now()
     t_start = time.perf_counter()
     say = opts.progress or (lambda s: None)
-    say(f"loading {len(paths)} path(s)")
+    say(f"loading {plural(len(paths), 'path')}")
     crashpoints.phase("load")
     try:
         with _gc_paused():
@@ -427,11 +428,11 @@ def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
     empty = sum(1 for ld in loaded.loads if ld.lines == 0)
     parts = []
     if empty:
-        parts.append(f"{empty} empty file(s)")
+        parts.append(f"{plural(empty, 'empty file')}")
     skipped = loaded.skipped
     if skipped:
         first = "; ".join(f"{s['file']}: {s['reason']}" for s in skipped[:3])
-        parts.append(f"{len(skipped)} file(s) skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
+        parts.append(f"{plural(len(skipped), 'file')} skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
     found = ", ".join(parts) if parts else "no files there"
     raise NothingToDo(f"no transcripts found under {where}: {found}. Pass the files or directories that hold "
                       f"session transcripts (*.jsonl), e.g. ~/.claude/projects")
