@@ -140,6 +140,7 @@ def decisions_from(
     after_len: pl.Expr | None = None,
     replacement: pl.Expr | None = None,
     from_call: pl.Expr | None = None,
+    cache_epoch: pl.Expr | None = None,
 ) -> pl.LazyFrame:
     """Decision rows for the blocks in `changed` (a blocks-shaped frame); returns STAGE_DECISION."""
     lit = lambda v: pl.lit(v) if isinstance(v, str) else v  # noqa: E731
@@ -154,7 +155,7 @@ def decisions_from(
             before_len=before_len if before_len is not None else pl.lit(None, pl.Int64),
             after_len=after_len if after_len is not None else pl.lit(None, pl.Int64),
             replacement=replacement if replacement is not None else pl.lit(None, pl.String),
-            cache_epoch=pl.col("cache_epoch"),
+            cache_epoch=cache_epoch if cache_epoch is not None else pl.col("cache_epoch"),
         ),
         STAGE_DECISION,
     )

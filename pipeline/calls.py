@@ -12,26 +12,24 @@ import polars as pl
 
 from pipeline import tokens
 from pipeline.blockops import BLOCK_SCHEMA, drop_where, replace_where
+
+# re-exported for the stages that import them from here (pipeline.constants is their home)
+from pipeline.constants import (  # noqa: F401
+    BLOCK_KEY,
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    PART_KEY,
+    SERVER_TOOL_CALL_TYPES,
+    THINKING_TYPES,
+    THREAD,
+    TOOL_CALL_TYPES,
+    VERSION_KEY,
+    chars4_tokens,
+)
 from pipeline.registry import StageContext
 from schemas.blocks import CONTENT_COLUMNS
 from schemas.check import conform
 from schemas.decisions import STAGE_DECISION
-
-THREAD = ["session_id", "thread_id"]
-BLOCK_KEY = ["session_id", "thread_id", "entry_id", "block_pos"]
-PART_KEY = [*BLOCK_KEY, "part_pos"]
-VERSION_KEY = [*PART_KEY, "first_call"]
-
-MESSAGE_OVERHEAD_TOKENS = 3
-NO_CALL = 2**31 - 1  # stands for an open last_call in the scans
-
-# Block types as the loaders write them. A thinking block of any provider is `thinking` or
-# `redacted_thinking`; a client tool call (answered by a `tool_result` row) is `tool_use`.
-# `server_tool_use` (a call the provider ran itself, its result in the same assistant message) is
-# deliberately not a tool call here: nothing pairs, validates or clears it.
-THINKING_TYPES = ("thinking", "redacted_thinking")
-TOOL_CALL_TYPES = ("tool_use",)
-SERVER_TOOL_CALL_TYPES = ("server_tool_use",)
 
 
 def visible_at(call: pl.Expr | str) -> pl.Expr:
@@ -67,7 +65,7 @@ def row_tokens_expr(ctx: StageContext) -> pl.Expr:
 def text_tokens(texts: list[str], ctx: StageContext) -> list[int]:
     """Tokens of a few literal texts (placeholders, markers) with the same counter."""
     if ctx.count_tokens is None:
-        return [(len(t) + 3) // 4 for t in texts]
+        return [chars4_tokens(len(t)) for t in texts]
     return [int(x) for x in ctx.count_tokens(pl.Series(texts, dtype=pl.String)).to_list()]
 
 
