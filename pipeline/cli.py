@@ -118,7 +118,8 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     if strict and result.found_problems:
         if not json_:
             click.echo(f"--strict: {s['quarantined_lines']} quarantined line(s), {s['violations']} violation(s), "
-                       f"{s['conflicts']} ledger conflict(s)", err=True)
+                       f"{s['conflicts']} ledger conflict(s), {len(s.get('stage_failures') or [])} plug-in "
+                       f"stage failure(s)", err=True)
             for v in result.violations[:20]:
                 click.echo(f"  {v}", err=True)
         sys.exit(1)
@@ -142,6 +143,9 @@ def _human(s: dict[str, Any]) -> str:
     if s["violations"]:
         lines.append(f"  {s['violations']} violation(s) of the {s['target']} rules (recorded in the ledger): "
                      + ", ".join(f"{k} {v}" for k, v in s["violations_by_rule"].items()))
+    for f in s.get("stage_failures") or []:
+        lines.append(f"  plug-in stage '{f['stage']}' (#{f['position']}, {f['owner']}) skipped for "
+                     f"{len(f['sessions'])} session(s) ({f['kind']}): {f['message']}")
     if s["quarantined_lines"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in s["quarantine_reasons"].items())
         lines.append(f"  {s['quarantined_lines']} of {s['lines']:,} lines quarantined ({reasons}); everything else "

@@ -252,11 +252,12 @@ def finish(
     void); dropped later, it ends at that call. A version with a later replacement
     (`mark_replace_from`, or `_late_from` set by the stage with `late_values`) ends at that call and
     a new version starts there. Each working row is exploded into its output rows and decision
-    rows, so the working plan is referenced twice (blocks, decisions), never more.
+    rows, collected once: the working plan runs once for both outputs.
     """
     w = _rehash_replaced(w)
     x = _explode(w, inserts)
-    x = _new_content(x, inserts, late_values, set(w.collect_schema().names()))
+    # collected once: the blocks and the decisions are both made from it
+    x = _new_content(x, inserts, late_values, set(w.collect_schema().names())).collect().lazy()
     return StageResult(sort_blocks(_blocks_out(x, inserts)), _decisions_out(x, inserts, replace_action).sort(DECISION_KEY))
 
 

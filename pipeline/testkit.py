@@ -1,7 +1,9 @@
 """Helpers for stage tests and golden cases (also for third-party stage authors).
 
 `make_blocks` builds a blocks frame from a short message-level description, so tests state only
-what matters; `run_stage` runs one registered stage with params given as a dict.
+what matters; `run_stage` runs one registered stage with params given as a dict, as the runner
+does (its frozen decisions in `ledger` re-applied first); `run_golden_dir` checks a golden case
+directory (docs/writing-a-stage.md).
 """
 
 from __future__ import annotations
@@ -12,12 +14,10 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.blockops import empty_decisions
 from pipeline.loaders.base import Block, Compaction, Message, Thread, json_text, threads_to_blocks
 from pipeline.registry import StageContext, StageResult, get_stage
 from pipeline.spec import resolve_params
-from schemas.blocks import BLOCKS
-from schemas.check import check_frame
+from schemas.check import conform, polars_schema
 from schemas.decisions import STAGE_DECISION
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -59,19 +59,39 @@ def make_thread(messages: Iterable[Mapping[str, Any]], *, session_id: str = "s1"
                   [Compaction(at, keep) for at, keep in compactions])
 
 
+def make_context(*, peers: Mapping[str, Mapping[str, Any]] | None = None, **kw: Any) -> StageContext:
+    """A StageContext for a test: `kw` are its fields; `peers` maps the names of stages a stage
+    reads (e.g. snip reads tombstone) to their params as dicts, `{}` for none (None: the stage runs
+    alone and a stage it reads takes its defaults)."""
+    from pipeline.registry import StageRef
+
+    refs = None
+    if peers is not None:
+        refs = []
+        for name, params in peers.items():
+            st = get_stage(name)
+            refs.append(StageRef(st, resolve_params(st, dict(params), where=f"test peer ({name})")))
+    return StageContext(peers=tuple(refs) if refs is not None else None, **kw)
+
+
 def make_blocks(messages: Iterable[Mapping[str, Any]], **kw: Any) -> pl.LazyFrame:
     return pl.from_arrow(threads_to_blocks([make_thread(messages, **kw)])).lazy()  # type: ignore[union-attr]
 
 
 def run_stage(name: str, blocks: pl.LazyFrame, params: Mapping[str, Any] | None = None, *,
               ledger: pl.LazyFrame | None = None, ctx: StageContext | None = None) -> StageResult:
-    """Run one stage and check both outputs against their schemas."""
+    """Run one stage as the runner runs it, in-process: the frozen decisions among `ledger` (earlier
+    decisions of this stage, STAGE_DECISION columns) re-applied first, then the stage; both outputs
+    checked against their schemas (a failure is a `StageFailed`). The decisions returned are the
+    re-applied ones, the conflicts and the stage's own."""
+    from pipeline.stagerun import reapply_and_run
+
     st = get_stage(name)
     p = resolve_params(st, dict(params or {}), where=f"test ({name})")
-    res = st.fn(blocks, p, ledger if ledger is not None else empty_decisions(), ctx or StageContext())
-    check_frame(res.blocks, BLOCKS, where=f"after stage '{name}'")
-    check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{name}'")
-    return res
+    earlier = conform(ledger, STAGE_DECISION).collect() if ledger is not None else \
+        pl.DataFrame(schema=polars_schema(STAGE_DECISION))
+    out, decisions = reapply_and_run(st, blocks.lazy().collect(), p, earlier, ctx or StageContext(), name, 1)
+    return StageResult(out.lazy(), decisions.lazy())
 
 
 def view(blocks: pl.LazyFrame | pl.DataFrame) -> pl.DataFrame:

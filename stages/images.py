@@ -43,18 +43,28 @@ import polars as pl
 from PIL import Image, ImageOps
 
 from pipeline.blockops import sha256_hex
-from pipeline.marks import MSG_NO, THREAD_NO, alive, cover_end, finish, mark_replace, start_marks
+from pipeline.constants import IMAGE_OMITTED_TEXT as OMITTED
+from pipeline.constants import IMAGE_STALE_TEXT as STALE
+from pipeline.constants import NO_IMAGE_INPUT_TEXT as NO_IMAGE_INPUT
+from pipeline.constants import polars_format
+from pipeline.marks import (
+    MSG_NO,
+    THREAD_NO,
+    alive,
+    cover_end,
+    finish,
+    mark_replace,
+    mark_replace_from,
+    start_marks,
+)
 from pipeline.registry import StageContext, StageResult, stage
 
-OMITTED = "[image omitted: {reason}]"
-STALE = "[image data removed - already processed by model]"
-NO_IMAGE_INPUT = "image content omitted because you do not support image input"
 SIDES = (1800, 1600, 1400, 1200, 1000, 800)
 QUALITIES = (85, 75, 65, 55, 45, 35)
 SUPPORTED = ("image/jpeg", "image/png", "image/gif", "image/webp")
 MIB = 1024 * 1024
 # Part of the result key and of what the layer's output depends on: another Pillow may encode
-# other bytes. (The registry's `version` is an int; the runner should add this to the digest.)
+# other bytes (declared on the registration: the spec's config digest includes it).
 ENCODER_VERSION = f"Pillow {PIL.__version__}"
 
 
@@ -394,7 +404,7 @@ def _as_text(text: pl.Expr) -> dict[str, pl.Expr]:
     }
 
 
-@stage("images", version=1, params=Images)
+@stage("images", version=1, params=Images, encoder_version=ENCODER_VERSION)
 def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap, re-encode or omit images (user, assistant and tool-result images); replace images of old
     turns when a request holds too many.
@@ -411,7 +421,7 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
     # an image given by URL (no inline data) is sent as it is
     by_url = pl.col("image_data").is_null() & pl.col("extra_json").str.contains('"url"', literal=True).fill_null(False)
     w = start_marks(blocks).with_columns(_is_image=is_image.fill_null(False) & alive() & ~by_url)
-    if not ctx.extra.get("supports_images", True):
+    if not ctx.supports_images:
         w = mark_replace(w, pl.col("_is_image"), _as_text(pl.lit(NO_IMAGE_INPUT)), "image_input_unsupported")
         return finish(w)
 
@@ -438,7 +448,7 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
     )
     w = mark_replace(
         w, pl.col("_status") == "omit",
-        _as_text(pl.format("[image omitted: {}]", pl.col("_reason"))), "image_omitted",
+        _as_text(pl.format(polars_format(OMITTED), pl.col("_reason"))), "image_omitted",
     )
 
     # per call: too many images in one request
@@ -456,9 +466,6 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
     ).map_batches(_stale_batch(params.max_images_per_request, params.keep_recent_image_turns), return_dtype=pl.Int32)
     w = w.with_columns(_stale_from=stale)
     # stale from its first call: replaced in place; from a later call: a new version from there
-    w = mark_replace(w, pl.col("_stale_from") <= pl.col("first_call"), _as_text(pl.lit(STALE)), "image_stale")
-    w = w.with_columns(
-        _late_from=pl.when(pl.col("_stale_from") > pl.col("first_call")).then(pl.col("_stale_from")).otherwise(None),
-        _late_reason=pl.lit("image_stale"),
-    )
-    return finish(w, late_values=_as_text(pl.lit(STALE)))
+    w = mark_replace_from(w, pl.col("_stale_from").is_not_null(), _as_text(pl.lit(STALE)), "image_stale",
+                          pl.col("_stale_from"))
+    return finish(w)

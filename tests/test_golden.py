@@ -13,8 +13,7 @@ import orjson
 import polars as pl
 import pytest
 
-from pipeline.registry import StageContext
-from pipeline.testkit import make_blocks, run_stage, view
+from pipeline.testkit import make_blocks, make_context, run_stage, view
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p for p in GOLDEN.glob("*/*") if (p / "input.jsonl").is_file())
@@ -46,7 +45,7 @@ def test_golden(case: Path, update_goldens: bool) -> None:
     cfg = tomllib.loads((case / "params.toml").read_text()) if (case / "params.toml").exists() else {}
     ctx_cfg = cfg.pop("context", {})
     compactions = [tuple(x) for x in cfg.pop("compactions", [])]
-    ctx = StageContext(**ctx_cfg)
+    ctx = make_context(**ctx_cfg)
     blocks = make_blocks(_read(case / "input.jsonl"), compactions=compactions)
     res = run_stage(stage, blocks, cfg, ctx=ctx)
     got_blocks = _rows(view(res.blocks))
