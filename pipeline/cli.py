@@ -257,26 +257,36 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
 @main.command(context_settings=CONTEXT)
 @click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
 def stages(json_: bool) -> None:
-    """List the registered stages with version, parameters, defaults and docs.
+    """List the registered stages: owner package and version, what each needs, and its parameters
+    with their defaults as a [[stage]] table you can paste into a spec. Plug-ins that failed to load
+    are listed at the end.
 
     \b
     Example:
       ctxreplay stages --json
     """
-    from pipeline.registry import load_stages, params_doc
+    from pipeline.registry import PLUGIN_ERRORS, describe, load_stages
 
     reg = load_stages()
-    out = [{"name": s.name, "version": s.version, "module": s.module, "doc": s.doc.splitlines()[0] if s.doc else "",
-            "params": params_doc(s.params)} for s in sorted(reg.values(), key=lambda s: s.name)]
+    out = [describe(s) for s in sorted(reg.values(), key=lambda s: (not s.is_builtin, s.name))]
+    errors = [{"entry_point": e.entry_point, "package": e.package, "message": e.message, "stage": e.stage}
+              for e in PLUGIN_ERRORS]
     if json_:
-        click.echo(orjson.dumps(out, option=orjson.OPT_SORT_KEYS, default=str).decode())
+        click.echo(orjson.dumps({"stages": out, "plugin_errors": errors}, option=orjson.OPT_SORT_KEYS,
+                                default=str).decode())
         return
     if not out:
         click.echo("no stages registered")
     for s in out:
-        click.echo(f"{s['name']} (v{s['version']}): {s['doc']}")
-        for p in s["params"]:
-            click.echo(f"    {p['name']} = {p['default']!r}  {p['doc']}")
+        owner = f"{s['owner']} {s['owner_version'] or ''}".strip() + (" (built-in)" if s["builtin"] else "")
+        click.echo(f"# {s['name']} v{s['version']}, from {owner}: {s['doc']}")
+        needs = [f"requires {', '.join(s['requires'])} earlier" if s["requires"] else "",
+                 f"reads {', '.join(s['reads'])}'s params" if s["reads"] else ""]
+        if any(needs):
+            click.echo("# " + "; ".join(x for x in needs if x))
+        click.echo(s["toml"] + "\n")
+    for e in errors:
+        click.echo(f"plug-in {e['package']} (entry point '{e['entry_point']}') was not loaded: {e['message']}")
 
 
 @main.command(context_settings=CONTEXT)

@@ -97,7 +97,7 @@ def _per_session(st: RegisteredStage, todo: pl.DataFrame, kept: pl.DataFrame, se
             continue
         try:
             out, dec = run(st, part, params, earlier.filter(pl.col("session_id") == sid), ctx, name, position,
-                           invoke=_with_budget(invoke, min(budget, left)))
+                           invoke=_with_budget(invoke, min(budget, left), budget))
             outs.append(out)
             decs.append(dec)
         except StageFailed as exc:
@@ -113,9 +113,10 @@ def _decision_schema() -> pl.Schema:
     return DECISION_SCHEMA
 
 
-def _with_budget(invoke: Invoke, budget: float) -> Invoke:
+def _with_budget(invoke: Invoke, budget: float, stated: float | None = None) -> Invoke:
+    """`invoke` with at most `budget` seconds; messages name the stage's budget (`stated`)."""
     def call(*args: Any) -> tuple[pl.DataFrame, pl.DataFrame]:
-        return invoke(*args, budget=budget)
+        return invoke(*args, budget=budget, stated=stated if stated is not None else budget)
 
     return call
 
@@ -141,7 +142,7 @@ def sendable(st: RegisteredStage, params: Any) -> bool:
 
 
 def _invoke_inline_timed(st: RegisteredStage, blocks: pl.DataFrame, params: Any, view: pl.DataFrame,
-                         ctx: StageContext, name: str, position: int, *, budget: float,
+                         ctx: StageContext, name: str, position: int, *, budget: float, stated: float,
                          ) -> tuple[pl.DataFrame, pl.DataFrame]:
     from pipeline.stagerun import invoke_inline
 
@@ -151,7 +152,7 @@ def _invoke_inline_timed(st: RegisteredStage, blocks: pl.DataFrame, params: Any,
     if took > budget:
         raise StageFailed(name, position, "timeout", kind="timeout",
                           message=f"stage '{name}' (#{position}, from {st.module}) ran {took:.1f} s, past its time "
-                                  f"budget of {budget:g} s (it runs in-process, so it could not be stopped earlier)")
+                                  f"budget of {stated:g} s (it runs in-process, so it could not be stopped earlier)")
     return out
 
 
@@ -168,14 +169,14 @@ def _mp_context() -> Any:
     if _CONTEXT is None:
         try:
             _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(["polars", "pyarrow", "pipeline.isolation"])
+            _CONTEXT.set_forkserver_preload(["polars", "pyarrow", "pipeline.isolation", "stages"])
         except ValueError:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT
 
 
 def invoke_in_worker(st: RegisteredStage, blocks: pl.DataFrame, params: Any, view: pl.DataFrame,
-                     ctx: StageContext, name: str, position: int, *, budget: float,
+                     ctx: StageContext, name: str, position: int, *, budget: float, stated: float,
                      ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Run the stage in a worker process, killed past `budget` seconds."""
     from pipeline.stagerun import check_result
@@ -193,7 +194,7 @@ def invoke_in_worker(st: RegisteredStage, blocks: pl.DataFrame, params: Any, vie
             if not parent.poll(budget):
                 raise StageFailed(name, position, "timeout", kind="timeout",
                                   message=f"stage '{name}' (#{position}, from {st.module}) ran past its time budget "
-                                          f"of {budget:g} s and was stopped")
+                                          f"of {stated:g} s and was stopped")
             try:
                 msg = parent.recv()
             except EOFError:
@@ -212,8 +213,9 @@ def invoke_in_worker(st: RegisteredStage, blocks: pl.DataFrame, params: Any, vie
             text = (f"stage '{name}' (#{position}, from {st.module}) returned {msg[1]}, not a "
                     f"StageResult(blocks, decisions) of polars frames; fix the stage")
             raise StageFailed(name, position, text, kind="result", message=text)
-        res = StageResult(pl.read_ipc(Path(folder) / "out_blocks.arrow", memory_map=False).lazy(),
-                          pl.read_ipc(Path(folder) / "out_decisions.arrow", memory_map=False).lazy())
+        # read into memory: the folder goes away when this block ends
+        res = StageResult(pl.read_ipc((Path(folder) / "out_blocks.arrow").read_bytes()).lazy(),
+                          pl.read_ipc((Path(folder) / "out_decisions.arrow").read_bytes()).lazy())
         return check_result(res, name, position, st.module)
 
 
@@ -275,8 +277,8 @@ def _worker_main(conn: Any, job: _Job) -> None:
         for part in job.qualname.split("."):
             obj = getattr(obj, part)
         folder = Path(job.folder)
-        blocks = pl.read_ipc(folder / "blocks.arrow", memory_map=False).lazy()
-        ledger = pl.read_ipc(folder / "ledger.arrow", memory_map=False).lazy()
+        blocks = pl.read_ipc((folder / "blocks.arrow").read_bytes()).lazy()
+        ledger = pl.read_ipc((folder / "ledger.arrow").read_bytes()).lazy()
         res = obj(blocks, pickle.loads(job.params), ledger, _child_context(job))
         frames = (pl.LazyFrame, pl.DataFrame)
         if not (isinstance(getattr(res, "blocks", None), frames) and isinstance(getattr(res, "decisions", None), frames)):

@@ -358,3 +358,46 @@ def params_doc(params: type) -> list[dict[str, Any]]:
 
 # the name before the contract had one (kept for plug-ins written against it)
 StageFn = Stage
+
+
+def toml_value(v: Any) -> str | None:
+    """A value as TOML (None: TOML has no null)."""
+    import json
+
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list | tuple):
+        items = [toml_value(x) for x in v]
+        return "[" + ", ".join(x for x in items if x is not None) + "]"
+    if isinstance(v, dict):
+        parts = [f"{k if k.replace('_', '').replace('-', '').isalnum() else json.dumps(k)} = {toml_value(x)}"
+                 for k, x in v.items() if x is not None]
+        return "{ " + ", ".join(parts) + " }" if parts else "{}"
+    return json.dumps(str(v))
+
+
+def defaults_toml(st: RegisteredStage) -> str:
+    """The stage's `[[stage]]` table with every parameter at its default, each with its doc as a
+    comment: valid TOML to paste into a spec (a parameter without a default value is commented out)."""
+    lines = ["[[stage]]", f"use = {toml_value(st.name)}"]
+    for p in params_doc(st.params):
+        value = toml_value(p["default"])
+        doc = f"  # {p['doc']}" if p["doc"] else ""
+        lines.append(f"{p['name']} = {value}{doc}" if value is not None else f"# {p['name']} = (unset){doc}")
+    return "\n".join(lines)
+
+
+def describe(st: RegisteredStage) -> dict[str, Any]:
+    """What `ctxreplay stages --json` says about one stage."""
+    return {
+        "name": st.name, "version": st.version, "owner": st.owner, "owner_version": st.owner_version,
+        "builtin": st.is_builtin, "module": st.module, "doc": " ".join(st.doc.split("\n\n")[0].split()),
+        "requires": list(st.requires), "reads": list(st.reads), "frozen": list(st.frozen),
+        "params": params_doc(st.params), "toml": defaults_toml(st),
+    }

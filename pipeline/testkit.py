@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -170,3 +171,59 @@ def check_replay_against_naive(blocks: pl.DataFrame, target_name: str) -> None:
                               None if len(new) >= len(old) else len(new))
             assert first_diff is not None and r.prefix_break_message <= first_diff, f"call {r.call}"
         prev = naive
+
+
+# ------------------------------------------------------------------ golden case directories
+
+DECISION_VIEW = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id", "from_call",
+                 "action", "reason", "before_sha256", "after_sha256", "replacement"]
+
+
+def _json_rows(df: pl.DataFrame) -> list[dict[str, Any]]:
+    import orjson
+
+    return [orjson.loads(orjson.dumps(r, default=str)) for r in df.to_dicts()]
+
+
+def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    import orjson
+
+    return [orjson.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def _write_jsonl(p: Path, rows: list[dict[str, Any]]) -> None:
+    import orjson
+
+    p.write_text("".join(orjson.dumps(r, option=orjson.OPT_SORT_KEYS).decode() + "\n" for r in rows),
+                 encoding="utf-8")
+
+
+def check_golden(case: Path, stage_name: str | None = None, *, update: bool = False) -> None:
+    """Run a stage on a golden case directory and compare with what is expected there.
+
+    The directory holds `input.jsonl` (one message per line, in the `make_thread` form),
+    `params.toml` (the stage's params; `compactions = [[at, keep_from], ...]` and a `[context]`
+    table of `make_context` keyword arguments are taken out first; a comment says what the case
+    shows), `expected_blocks.jsonl` (the `VIEW` columns) and `expected_decisions.jsonl`
+    (`DECISION_VIEW`), sorted by key. `stage_name` defaults to the name of the parent directory.
+    With `update`, the expected files are (re)written: review their diff like code. Also checks
+    that running the stage on its own output decides nothing and changes nothing (idempotence).
+    """
+    import tomllib
+
+    name = stage_name or case.parent.name
+    cfg = tomllib.loads((case / "params.toml").read_text()) if (case / "params.toml").exists() else {}
+    ctx = make_context(**cfg.pop("context", {}))
+    compactions = [tuple(x) for x in cfg.pop("compactions", [])]
+    blocks = make_blocks(_read_jsonl(case / "input.jsonl"), compactions=compactions)
+    res = run_stage(name, blocks, cfg, ctx=ctx)
+    got_blocks = _json_rows(view(res.blocks))
+    got_dec = _json_rows(res.decisions.collect().select(DECISION_VIEW).sort(DECISION_VIEW[:7]))
+    if update:
+        _write_jsonl(case / "expected_blocks.jsonl", got_blocks)
+        _write_jsonl(case / "expected_decisions.jsonl", got_dec)
+    assert got_blocks == _read_jsonl(case / "expected_blocks.jsonl"), f"{case}: blocks differ"
+    assert got_dec == _read_jsonl(case / "expected_decisions.jsonl"), f"{case}: decisions differ"
+    again = run_stage(name, res.blocks, cfg, ctx=ctx)
+    assert again.decisions.collect().height == 0, f"{case}: a second pass must decide nothing"
+    assert _json_rows(view(again.blocks)) == got_blocks, f"{case}: a second pass must change nothing"
