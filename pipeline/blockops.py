@@ -16,7 +16,7 @@ from schemas.blocks import BLOCKS, CONTENT_COLUMNS
 from schemas.check import conform, polars_schema
 from schemas.decisions import STAGE_DECISION
 
-# Fixed namespace for synthetic ids: never change it (layer-semantics §1).
+# Fixed namespace for synthetic ids: never change it (it is part of every synthetic row id).
 PIPELINE_NS = uuid.UUID("6f1c2a9e-5b7d-4c3e-9a41-7d2e8b0c5f13")
 
 BLOCK_SCHEMA = polars_schema(BLOCKS)
@@ -89,7 +89,7 @@ def new_rows(frame: pl.LazyFrame, *, keep: Iterable[str] = (), **values: pl.Expr
 
 
 def synthetic_id(session_id: str, layer: str, kind: str, source_id: str, occurrence: int) -> str:
-    """uuid5 over content, fixed namespace (layer-semantics §1)."""
+    """uuid5 over `session_id|layer|kind|source_id|occurrence` in the fixed namespace."""
     return str(uuid.uuid5(PIPELINE_NS, f"{session_id}|{layer}|{kind}|{source_id}|{occurrence}"))
 
 
@@ -143,7 +143,9 @@ def decisions_from(
     cache_epoch: pl.Expr | None = None,
 ) -> pl.LazyFrame:
     """Decision rows for the blocks in `changed` (a blocks-shaped frame); returns STAGE_DECISION."""
-    lit = lambda v: pl.lit(v) if isinstance(v, str) else v  # noqa: E731
+    def lit(v: str | pl.Expr) -> pl.Expr:
+        return pl.lit(v) if isinstance(v, str) else v
+
     return conform(
         changed.select(
             "session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id",

@@ -84,7 +84,7 @@ def firing_epoch(k: int, ep: list[int], last_epoch: int) -> int:
 def messages(blocks: pl.LazyFrame) -> pl.LazyFrame:
     """One row per message: order, visible span, role, flags, turn index.
 
-    A turn starts at a user message that carries no tool result (layer-semantics §1); rows before
+    A turn starts at a user message that carries no tool result (docs/layers.md); rows before
     the first such message are turn 0. Snip markers never start a turn.
     """
     m = blocks.group_by([*THREAD, "msg_key"]).agg(

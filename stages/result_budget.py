@@ -1,4 +1,4 @@
-"""L5a result_budget: cap each tool result, and the results of one assistant turn (layer-semantics §7).
+"""L5a result_budget: cap each tool result, and the results of one assistant turn (docs/layers.md).
 
 Decided once: a result is judged the first time it appears in a request (the version of each of
 its parts that starts there) and the decision applies from that call on, so the prefix that

@@ -1,4 +1,4 @@
-"""L5b snip: remove whole old turns when the request passes the high watermark (layer-semantics §8).
+"""L5b snip: remove whole old turns when the request passes the high watermark (docs/layers.md).
 
 Time in the blocks table: call k's request = the versions with first_call <= k < last_call. The
 per-call quantities (request tokens, latest user row, request time) are built columnar from

@@ -1,4 +1,4 @@
-"""L6 tombstone: clear the content of old tool results, keep ids, names and positions (layer-semantics §9).
+"""L6 tombstone: clear the content of old tool results, keep ids, names and positions (docs/layers.md).
 
 Per thread, a forward walk over the calls (inside `map_batches`; O((calls + results) log results):
 per-call deltas for the tokens already freed, a Fenwick tree over the visible, not yet cleared

@@ -1,4 +1,4 @@
-"""L3 images (layer-semantics §5) with Pillow: caps at first sight, resize ladder, omissions,
+"""L3 images (docs/layers.md) with Pillow: caps at first sight, resize ladder, omissions,
 decompression bombs, EXIF orientation, deterministic bytes, too many images per request."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""L5b snip (layer-semantics §8, §11, §13): watermarks, whole turns, protected rows, one marker."""
+"""L5b snip (docs/layers.md): watermarks, whole turns, protected rows, one marker."""
 
 from __future__ import annotations
 
