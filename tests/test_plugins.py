@@ -171,3 +171,31 @@ def test_an_entry_point_taking_a_core_name_is_refused_and_listed(tmp_path: Path)
         sys.modules.pop("evil_plugin", None)
         reload_plugins()
     assert not PLUGIN_ERRORS
+
+
+def test_an_in_process_plugin_past_its_budget_is_quarantined_when_it_returns(tmp_path: Path) -> None:
+    """A stage a worker cannot import (defined in a function) runs in-process: it cannot be stopped,
+    but past its budget its output is not used."""
+    import dataclasses
+
+    from pipeline.registry import StageResult
+
+    @dataclasses.dataclass(frozen=True)
+    class NoParams:
+        pass
+
+    def slow_probe(blocks, params, ledger, ctx):
+        time.sleep(1.2)
+        return StageResult(blocks, ledger)
+
+    stage("slow_probe", version=1, params=NoParams)(slow_probe)
+    try:
+        spec = tmp_path / "slow.toml"
+        spec.write_text('[[stage]]\nuse = "slow_probe"\ntime_budget_seconds = 1\n')
+        r, s = _run(tmp_path, spec)
+        assert r.exit_code == 0
+        assert {f["kind"] for f in s["stage_failures"]} == {"timeout"}
+        assert any("past its time budget of 1 s (it runs in-process, so it could not be stopped earlier)"
+                   in f["message"] for f in s["stage_failures"])
+    finally:
+        STAGES.pop("slow_probe", None)
