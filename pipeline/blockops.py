@@ -174,6 +174,9 @@ def replace_where(
 ) -> tuple[pl.LazyFrame, pl.LazyFrame]:
     """Replace columns of the rows where `mask` holds; one decision per changed row.
 
+    Retired: stages edit blocks with `pipeline.marks` (a chain of these makes plans that double with
+    every step). Kept only until stages/pairing.py has moved to the marks API.
+
     With `from_call`, rows that other calls saw before that call keep their old version up to it
     (last_call = from_call) and a new version starts there. Rows whose content hash does not change
     are left alone and get no decision. Returns (blocks, decisions).
@@ -220,7 +223,9 @@ def drop_where(
     blocks: pl.LazyFrame, mask: pl.Expr, *, reason: str | pl.Expr, from_call: pl.Expr | None = None,
     action: str = "drop",
 ) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """Drop rows where `mask` holds (from `from_call` on when given); one decision per row."""
+    """Drop rows where `mask` holds (from `from_call` on when given); one decision per row.
+
+    Retired like `replace_where`: use `pipeline.marks.mark_drop`."""
     fc = from_call if from_call is not None else pl.col("first_call")
     marked = blocks.with_columns(_m=mask.fill_null(False), _from=pl.max_horizontal(fc.cast(pl.Int32), pl.col("first_call")))
     marked = marked.with_columns(
