@@ -1,8 +1,12 @@
-"""Replay cost: a generated 4,000-call thread vs a 2,000-call one, and MB/s over the corpus.
+"""Replay cost: a generated 4,000-call thread vs a 2,000-call one, MB/s over the corpus, and the
+request store.
 
 Prints the time of each size (best of N), their ratio (target ≤ 2.2: linear cost), and the
 throughput of a cold run (token cache empty) and a warm one (same ledger: texts already counted)
-over ../shared/corpus when it is present.
+over ../shared/corpus when it is present; then, for the corpus, the size of the request store
+(messages.parquet + call_messages.parquet) beside the `--all-calls` JSONL export of the same
+requests, and the time to rebuild every call's request from the store (each checked against its
+request_sha256).
 
     python bench/bench_replay.py [--preset identity] [--repeat 3]
 """
@@ -22,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.runner import RunOptions, run  # noqa: E402
 from pipeline.spec import load_spec  # noqa: E402
+from pipeline.store import iter_request_json
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER  # noqa: E402
 
 SID = "9b1f0000-0000-4000-8000-00000000beef"
@@ -65,12 +70,36 @@ def generate(path: Path, calls: int) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def time_run(paths: list[Path], preset: str, out: Path, ledger: Path | None, counter: str) -> tuple[float, dict]:
+def time_run(paths: list[Path], preset: str, out: Path, ledger: Path | None, counter: str,
+             all_calls: bool = False) -> tuple[float, dict]:
     if out.exists():
         shutil.rmtree(out)
     t = time.perf_counter()
-    res = run(paths, load_spec(preset=preset), RunOptions(out_dir=out, ledger_path=ledger, token_counter=counter))
+    res = run(paths, load_spec(preset=preset), RunOptions(out_dir=out, ledger_path=ledger, token_counter=counter,
+                                                          all_calls=all_calls))
     return time.perf_counter() - t, res.summary
+
+
+def store_figures(out: Path) -> None:
+    """The request store of a run made with all_calls: its size beside the JSONL, and a rebuild."""
+    import hashlib
+
+    import polars as pl
+
+    jsonl = sum(p.stat().st_size for p in (out / "requests").glob("*.jsonl"))
+    store = sum((out / f).stat().st_size for f in ("messages.parquet", "call_messages.parquet"))
+    want = {(k, c): h for k, c, h in pl.read_parquet(out / "calls.parquet")
+            .select("thread_key", "call", "request_sha256").iter_rows()}
+    t = time.perf_counter()
+    n = size = bad = 0
+    for key, call, data in iter_request_json(out):
+        n += 1
+        size += len(data)
+        bad += hashlib.sha256(data).hexdigest() != want[(key, call)]
+    dt = time.perf_counter() - t
+    print(f"request store: messages.parquet + call_messages.parquet = {store / 1e6:.2f} MB for {n} requests "
+          f"({size / 1e6:.0f} MB of JSON); --all-calls JSONL = {jsonl / 1e6:.0f} MB ({jsonl / store:.0f}x)")
+    print(f"rebuilt all {n} requests from the store in {dt:.2f} s (sha256 checked: {bad} mismatches)")
 
 
 def main() -> None:
@@ -99,6 +128,8 @@ def main() -> None:
             print(f"corpus {mb:.1f} MB, {s['calls']} calls: cold {cold:.2f} s = {mb / cold:.1f} MB/s "
                   f"({s['tokens']['texts_counted']} texts tokenized); warm {warm:.2f} s = {mb / warm:.1f} MB/s "
                   f"({s2['tokens']['texts_counted']} tokenized, {s2['tokens']['cache_hits']} from the cache)")
+            time_run([corpus], args.preset, tmp / "oa", ledger, TIKTOKEN_COUNTER, all_calls=True)
+            store_figures(tmp / "oa")
         else:
             print(f"corpus not found at {corpus}: MB/s figures skipped")
     finally:

@@ -1,7 +1,8 @@
 """The runner: load → stages → replay → outputs and ledger. It owns all I/O; stages stay pure.
 
-Outputs (see README): calls.parquet, blocks.parquet (the final block versions, for
-`ctxreplay request`), quarantine.parquet, decisions.parquet, summary.json,
+Outputs (see README): calls.parquet, messages.parquet + call_messages.parquet (the request store:
+every call's request, once per distinct message, for `ctxreplay request`), blocks.parquet (the
+final block versions), quarantine.parquet, decisions.parquet, summary.json,
 requests/<thread_key>.json (pending call) and, with all_calls, requests/<thread_key>.jsonl;
 spill/<sha256> when a stage spilled. A run holds the locks of OUT and of the ledger, writes every
 output into a fresh staging directory OUT/.runs/<run_id>/, commits the ledger (the run's new
@@ -31,10 +32,8 @@ import pyarrow.parquet as pq
 
 import pipeline
 from pipeline import crashpoints
-from pipeline.blockops import canonical_json
 from pipeline.errors import (
     CheckFailed,
-    CtxReplayError,
     InputError,
     NothingToDo,
     OutputError,
@@ -46,18 +45,21 @@ from pipeline.outdir import OutputDir, RunLock, ledger_lock_path, new_run_id
 from pipeline.registry import StageContext
 from pipeline.replay import (
     ROW_COLUMNS,
+    MessageStore,
+    SpanLog,
     call_counts,
     call_skeleton,
     replay_thread,
     thread_calls,
     thread_key,
-    thread_key_expr,
     thread_rows,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec
 from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
+from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE, store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from pipeline.words import plural
 from schemas.blocks import BLOCKS
 from schemas.calls import CALLS
 from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
@@ -118,14 +120,20 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
                all_calls: bool, validate: bool, out_dir: Path | None,
                progress: Progress | None = None,
                counts: dict[tuple[str, str], int] | None = None) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
-    """Replay every thread; `counts` (calls per thread, inherited ones included) lets a branch walk
-    its shared history's calls without reporting them."""
+    """Replay every thread: the calls frame (CALLS), the violations of the validated requests (the
+    pending ones; every call with all_calls) and stats, whose `store_tables` are the request store
+    (messages.parquet, call_messages.parquet: every call's request, a branch's inherited calls too;
+    see pipeline/store.py). `counts` (calls per thread, inherited ones included) lets a branch walk
+    its shared history's calls without reporting them. Under out_dir it writes requests/ (the
+    pending request of each thread; with all_calls every reported call's, as JSONL)."""
     target = get_target(target_name)
     calls_by_thread = thread_calls(skeleton, counts)
     blocks = blocks.with_columns(_tok=row_tokens(blocks, counter))
     req_dir = out_dir / "requests" if out_dir else None
     if req_dir:
         req_dir.mkdir(parents=True, exist_ok=True)
+    store = MessageStore()
+    spans = SpanLog()
     rows_out: list[dict[str, Any]] = []
     violations: list[Violation] = []
     threads = 0
@@ -135,30 +143,30 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
         calls = calls_by_thread.get((sid, tid), [])
         rows = part.select(ROW_COLUMNS).to_dicts()
         toks = part.get_column("_tok").to_list()
-        jsonl = open(req_dir / f"{key}.jsonl", "wb") if (req_dir and all_calls) else None
-        try:
-            reported = [c.reported for c in calls]
-            for res in replay_thread(rows, toks, calls, target,
+        spans.begin_thread(sid, tid, key)
+        reported = [c.reported for c in calls]
+        with contextlib.ExitStack() as stack:
+            jsonl = stack.enter_context(open(req_dir / f"{key}.jsonl", "wb")) if (req_dir and all_calls) else None
+            for res in replay_thread(rows, toks, calls, target, store=store, spans=spans,
                                      materialize=lambda k, pending, rep=reported: pending or (all_calls and rep[k])):
                 if not res.is_pending and not calls[res.call].reported:
                     continue  # an inherited call: its own thread reports it
                 rows_out.append({
                     "session_id": sid, "thread_id": tid, "thread_key": key, "call": res.call,
-                    "is_pending": res.is_pending, "timestamp": res.timestamp, "model": res.model,
-                    "request_sha256": res.request_sha256, "n_messages": res.n_messages,
+                    "is_pending": res.is_pending, "awaits_user": res.awaits_user, "timestamp": res.timestamp,
+                    "model": res.model, "request_sha256": res.request_sha256, "n_messages": res.n_messages,
                     "prompt_tokens": res.prompt_tokens, "prefix_break_message": res.prefix_break_message,
                 })
                 if res.request is not None:
-                    if validate and (res.is_pending or all_calls):
-                        violations.extend(target.validate(res.request, thread_key=key, call=res.call))
+                    if validate:
+                        violations.extend(target.validate(res.request, thread_key=key, call=res.call,
+                                                          awaits_user=res.awaits_user))
                     if jsonl is not None:
-                        jsonl.write(canonical_json({"call": res.call, "request": res.request}) + b"\n")
+                        assert res.request_json is not None
+                        jsonl.write(b'{"call":%d,"request":%s}\n' % (res.call, res.request_json))
                     if res.is_pending and req_dir:
                         (req_dir / f"{key}.json").write_bytes(
                             orjson.dumps(res.request, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n")
-        finally:
-            if jsonl is not None:
-                jsonl.close()
         if progress and threads % 20 == 0:
             progress(f"replayed {threads} threads")
     # what the transcript recorded about each call (its answer), by one join on the call skeleton
@@ -170,7 +178,12 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
     replayed = pl.DataFrame(rows_out, schema={k: v for k, v in polars_schema(CALLS).items() if k not in recorded.columns
                                               or k in ("session_id", "thread_id", "call")})
     calls_df = replayed.join(recorded, on=["session_id", "thread_id", "call"], how="left").select(CALLS.names)
-    return calls_df, violations, {"threads": threads}
+    n_messages = sum(k == "message" for k in store.kind)
+    stats = {"threads": threads, "request_store": {
+        "messages": n_messages, "envelopes": len(store) - n_messages, "call_message_rows": len(spans),
+        "bytes": sum(map(len, store.data)), "token_conflicts": store.token_conflicts},
+        "store_tables": store_tables(store, spans, target.name, target.list_key)}
+    return calls_df, violations, stats
 
 
 def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
@@ -228,13 +241,15 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
         calls_df, violations, replay_stats = _replay(final, skeleton, target_name, counter, opts, staging, counts, say)
         t_replay = time.perf_counter()
-        _write_tables(staging, loaded, calls_df, final, staged.applied, run_id, opts.out_dir)
+        _write_tables(staging, loaded, calls_df, final, staged.applied, replay_stats.pop("store_tables"), run_id,
+                      opts.out_dir)
         if violations:
             _stage_violations(violations, calls_df, spec, target_name, ledger)
         summary = _summary(RunFacts(loaded, spec, target_name, calls_df, staged, violations, opts.out_dir,
                                     ledger_path, {"load": t_load - t_start, "stages": t_stages - t_load,
                                                   "replay": t_replay - t_stages}, counter))
-        summary.update(threads=replay_stats["threads"], run_id=run_id, stale_outputs_removed=stale)
+        summary.update(threads=replay_stats["threads"], request_store=replay_stats["request_store"], run_id=run_id,
+                       stale_outputs_removed=stale)
         crashpoints.phase("ledger")
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
@@ -260,7 +275,7 @@ def _load(paths: list[Path], say: Progress) -> tuple[LoadResult, pl.DataFrame, p
                                                       dict[tuple[str, str], int], CallMap]:
     """Load and check the inputs; the blocks every call sees, the call skeleton, the calls per
     thread and their keys."""
-    say(f"loading {len(paths)} path(s)")
+    say(f"loading {plural(len(paths), 'path')}")
     crashpoints.phase("load")
     try:
         with _gc_paused():
@@ -318,16 +333,23 @@ def _replay(final: pa.Table, skeleton: pl.DataFrame, target_name: str, counter: 
 
 
 def _write_tables(staging: Path, loaded: LoadResult, calls_df: pl.DataFrame, final: pa.Table,
-                  applied: pl.DataFrame, run_id: str, out_dir: Path) -> None:
+                  applied: pl.DataFrame, store: tuple[pa.Table, pa.Table], run_id: str, out_dir: Path) -> None:
+    """calls, blocks, quarantine, decisions and the request store (messages, call_messages)."""
     calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
     quarantine = pa.Table.from_pylist(
-        [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason} for q in loaded.quarantine],
+        [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
+          "raw_base64": q.raw_base64} for q in loaded.quarantine],
         schema=QUARANTINE)
     crashpoints.phase("write")
+    messages_t, call_messages_t = store
     for name, table in (("calls.parquet", calls_t), ("blocks.parquet", final),
-                        ("quarantine.parquet", quarantine), ("decisions.parquet", applied.to_arrow())):
+                        ("quarantine.parquet", quarantine), ("decisions.parquet", applied.to_arrow()),
+                        (MESSAGES_FILE, messages_t)):
         _write_parquet(staging / name, table, run_id=run_id, out_dir=out_dir)
         crashpoints.point("write")
+    # without the Arrow schema in the file, its dictionary-encoded columns read back as strings
+    _write_parquet(staging / CALL_MESSAGES_FILE, call_messages_t, run_id=run_id, out_dir=out_dir, store_schema=False)
+    crashpoints.point("write")
 
 
 def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
@@ -338,11 +360,11 @@ def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
     empty = sum(1 for ld in loaded.loads if ld.lines == 0)
     parts = []
     if empty:
-        parts.append(f"{empty} empty file(s)")
+        parts.append(f"{plural(empty, 'empty file')}")
     skipped = loaded.skipped
     if skipped:
         first = "; ".join(f"{s['file']}: {s['reason']}" for s in skipped[:3])
-        parts.append(f"{len(skipped)} file(s) skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
+        parts.append(f"{plural(len(skipped), 'file')} skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
     found = ", ".join(parts) if parts else "no files there"
     raise NothingToDo(f"no transcripts found under {where}: {found}. Pass the files or directories that hold "
                       f"session transcripts (*.jsonl), e.g. ~/.claude/projects")
@@ -387,12 +409,12 @@ def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: Pi
 RUN_ID_KEY = b"ctxreplay_run_id"
 
 
-def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path) -> None:
+def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path, **options: Any) -> None:
     """Write into the staging directory (no temp file needed: nothing reads it before it is
     published); the run id goes into the file's metadata, so a reader can tell runs apart."""
     meta = {**(table.schema.metadata or {}), RUN_ID_KEY: run_id.encode()}
     try:
-        pq.write_table(table.replace_schema_metadata(meta), path)
+        pq.write_table(table.replace_schema_metadata(meta), path, **options)
     except OSError as exc:
         raise _output_error(out_dir, exc) from exc
 
@@ -470,6 +492,7 @@ def _input_counts(loaded: LoadResult) -> dict[str, Any]:
         "other_lines_by_kind": dict(sorted(other_kinds.items())),
         "quarantined_lines": quarantined,
         "quarantine_reasons": dict(sorted(Counter(q.reason for q in loaded.quarantine).items())),
+        "quarantine_codes": dict(sorted(Counter(q.code for q in loaded.quarantine).items())),
         "recovered_lines": [r for ld in loaded.loads for r in ld.recovered],
         "skipped_files": loaded.skipped,
     }
@@ -484,58 +507,11 @@ def _versions(spec: PipelineSpec) -> dict[str, Any]:
             "stages": {s.stage.name: s.stage.version for s in spec.stages}}
 
 
-def assemble_call(out_dir: Path, key: str, call: int | None, target_name: str) -> dict[str, Any]:
-    """Any call's assembled request, from a run's blocks.parquet (call None = pending)."""
-    blocks_path = out_dir / "blocks.parquet"
-    if not blocks_path.is_file():
-        raise CtxReplayError(f"{out_dir}: no blocks.parquet here; run `ctxreplay run ... --out {out_dir}` first")
-    blocks = pl.read_parquet(blocks_path).with_columns(_key=thread_key_expr())
-    part = blocks.filter(pl.col("_key") == key)
-    if part.height == 0:
-        keys = sorted(blocks.get_column("_key").unique().to_list())
-        import difflib
-
-        close = difflib.get_close_matches(key, keys, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise CtxReplayError(f"{out_dir}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
-                             f"{' ...' if len(keys) > 10 else ''}")
-    part = part.drop("_key")
-    skel, n_calls = call_skeleton_from_calls(out_dir, key)
-    sid, tid = part.row(0, named=True)["session_id"], part.row(0, named=True)["thread_id"]
-    infos = thread_calls(skel, {(sid, tid): n_calls}).get((sid, tid), [])
-    n = len(infos)
-    k = n if call is None else call
-    if k < 0 or k > n:
-        raise CtxReplayError(f"thread '{key}' has calls 0..{n} ({n} is the pending call); got --call {call}")
-    if k < n and not infos[k].reported:
-        own = [c.call for c in infos if c.reported]
-        raise CtxReplayError(f"call {k} of thread '{key}' is history it shares with another thread of session "
-                             f"{sid}, which reports that request; this thread's own calls are "
-                             f"{', '.join(map(str, own)) or 'none'} and {n} (pending)")
-    target = get_target(target_name)
-    (_, rows_df), = list(thread_rows(part))
-    rows = rows_df.to_dicts()
-    for res in replay_thread(rows, [0] * len(rows), infos, target, materialize=lambda kk, p: kk == k, only_call=k):
-        assert res.request is not None
-        return res.request
-    raise CtxReplayError(f"thread '{key}': call {k} not found")
-
-
-def call_skeleton_from_calls(out_dir: Path, key: str) -> tuple[pl.DataFrame, int]:
-    """The reported calls of one thread (index and model) and its number of calls (the pending
-    call's index: inherited calls are not in calls.parquet), from a run's calls.parquet."""
-    calls = pl.read_parquet(out_dir / "calls.parquet").filter(pl.col("thread_key") == key)
-    n = calls.filter(pl.col("is_pending"))["call"].max()
-    rec = calls.filter(~pl.col("is_pending")).select("session_id", "thread_id", "call", "model")
-    return rec, int(n) if n is not None else rec.height
-
-
 __all__ = [
     "CHARS4_COUNTER",
     "RunOptions",
     "RunResult",
     "SchemaMismatch",
-    "assemble_call",
     "replay_all",
     "run",
 ]

@@ -116,9 +116,11 @@ def replay_rows(blocks: pl.DataFrame) -> list[dict[str, Any]]:
     return blocks.sort(["order_key", "block_pos", "part_pos", "first_call", "entry_id"]).select(ROW_COLUMNS).to_dicts()
 
 
-def naive_request(rows: list[dict[str, Any]], k: int, target_name: str, model: str | None = "m") -> dict[str, Any]:
-    """Call k's request built from scratch: the rows visible at k, grouped, shaped from the start."""
-    from pipeline.targets import LogicalMessage, get_target
+def naive_request(rows: list[dict[str, Any]], k: int, target_name: str, model: str | None = "m",
+                  pending: bool = False) -> dict[str, Any]:
+    """Call k's request built from scratch: the rows visible at k, grouped, shaped from the start
+    (a recorded call's trailing assistant message left out unless the target allows a prefill)."""
+    from pipeline.targets import ASSISTANT_ROLES, LogicalMessage, get_target, wire_role
 
     target = get_target(target_name)
     split = target.splits_system()
@@ -133,17 +135,35 @@ def naive_request(rows: list[dict[str, Any]], k: int, target_name: str, model: s
         else:
             logical.append(LogicalMessage(r["role"], [r], r["msg_key"]))
     msgs = [m for _, m in target.shape(logical, 0)]
+    if msgs and not pending and not target.allow_prefill and wire_role(msgs[-1]) in ASSISTANT_ROLES:
+        msgs = msgs[:-1]
     if not msgs:
         msgs = target.empty_messages()
     return {target.list_key: msgs, **target.envelope(model, system)}
 
 
-def replay_all_calls(blocks: pl.DataFrame, target_name: str) -> list[Any]:
-    """Every call of one thread, each request materialised (model "m")."""
+def naive_prompt_tokens(request: dict[str, Any], rows: list[dict[str, Any]], k: int, target_name: str) -> int:
+    """prompt_tokens of a naive request (rows weigh their `_tok`): the rows each wire message sends,
+    the system text rows of the envelope, and the per-message and per-request overheads."""
+    from pipeline.replay import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS
+    from pipeline.targets import get_target
+
+    target = get_target(target_name)
+    msgs = request[target.list_key]
+    env = 0
+    if target.splits_system():
+        env = sum(r["_tok"] for r in rows if r["role"] == "system" and r["block_type"] == "text"
+                  and r["first_call"] <= k and (r["last_call"] is None or r["last_call"] > k))
+    sent = sum(r["_tok"] for m in msgs for r in getattr(m, "rows", ()))
+    return REQUEST_OVERHEAD_TOKENS + env + sent + MESSAGE_OVERHEAD_TOKENS * len(msgs)
+
+
+def replay_all_calls(blocks: pl.DataFrame, target_name: str, rows: list[dict[str, Any]] | None = None) -> list[Any]:
+    """Every call of one thread, each request materialised (model "m"); rows weigh 1 token each."""
     from pipeline.replay import CallInfo, replay_thread
     from pipeline.targets import get_target
 
-    rows = replay_rows(blocks)
+    rows = replay_rows(blocks) if rows is None else rows
     # calls of the path: inherited ones (is_call false) count too
     n = max(blocks.filter(pl.col("is_call"))["msg_key"].n_unique(), int(blocks["first_call"].max() or 0))
     calls = [CallInfo(k, model="m") for k in range(n)]
@@ -152,7 +172,8 @@ def replay_all_calls(blocks: pl.DataFrame, target_name: str) -> list[Any]:
 
 def check_replay_against_naive(blocks: pl.DataFrame, target_name: str) -> None:
     """The incremental replay equals the naive assembly at every call: same request, same sha256,
-    and its prefix_break_message is no later than the first message that really changed."""
+    same prompt_tokens, and its prefix_break_message is the first message that differs from the
+    previous call's request."""
     import hashlib
 
     from pipeline.blockops import canonical_json
@@ -161,15 +182,17 @@ def check_replay_against_naive(blocks: pl.DataFrame, target_name: str) -> None:
     rows = replay_rows(blocks)
     key = get_target(target_name).list_key
     prev = None
-    for r in replay_all_calls(blocks, target_name):
-        naive = naive_request(rows, r.call, target_name)
+    results = replay_all_calls(blocks, target_name, rows=rows)
+    for r in results:
+        naive = naive_request(rows, r.call, target_name, pending=r.is_pending)
         assert r.request == naive, f"call {r.call}"
         assert r.request_sha256 == hashlib.sha256(canonical_json(naive)).hexdigest()
-        if prev is not None and r.prefix_break_message is not None:
+        assert r.prompt_tokens == naive_prompt_tokens(naive, rows, r.call, target_name), f"call {r.call}"
+        if prev is not None:
             old, new = prev[key], naive[key]
             first_diff = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b),
                               None if len(new) >= len(old) else len(new))
-            assert first_diff is not None and r.prefix_break_message <= first_diff, f"call {r.call}"
+            assert r.prefix_break_message == first_diff, f"call {r.call}"
         prev = naive
 
 

@@ -76,11 +76,13 @@ def _anthropic_image(i: int, j: int, img: dict[str, Any], bad: Bad) -> None:
 
 
 def validate_anthropic(request: dict[str, Any], *, thread_key: str, call: int,
-                       allow_prefill: bool = False) -> list[Violation]:
+                       allow_prefill: bool = False, awaits_user: bool = False) -> list[Violation]:
     """Anthropic Messages: alternating roles starting with user, every tool_use answered in the next
     message and every tool_result answering the previous one (results first), unique ids that match
     `^[a-zA-Z0-9_-]+$`, valid tool names and object inputs, no blank text, signed thinking, image
-    limits, and no trailing assistant message unless prefill is allowed."""
+    limits, and no trailing assistant message unless prefill is allowed or the request awaits the
+    user (`awaits_user`: a pending request that ends with the assistant's answer, what a resumed
+    session carries; the user's next message follows it before it is sent)."""
     out, bad = _collector(thread_key, call)
     msgs = request.get("messages") or []
     if not msgs:
@@ -88,7 +90,7 @@ def validate_anthropic(request: dict[str, Any], *, thread_key: str, call: int,
         return out
     if msgs[0].get("role") != "user":
         bad(0, None, "first_not_user", f"the first message has role {msgs[0].get('role')!r}, not 'user'")
-    if not allow_prefill and msgs[-1].get("role") == "assistant":
+    if not allow_prefill and not awaits_user and msgs[-1].get("role") == "assistant":
         bad(len(msgs) - 1, None, "trailing_assistant",
             "the request ends with an assistant message (a prefill), which the target does not allow")
     seen_ids: set[str] = set()

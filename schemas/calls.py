@@ -13,6 +13,9 @@ CALLS = pa.schema(
         pa.field("thread_key", pa.string(), nullable=False),
         pa.field("call", pa.int32(), nullable=False),  # 0-based
         pa.field("is_pending", pa.bool_(), nullable=False),
+        # the pending request ends with the assistant's answer: the thread awaits the user's next
+        # message, and a trailing assistant message is what a resumed session carries, not a prefill
+        pa.field("awaits_user", pa.bool_(), nullable=False),
         pa.field("timestamp", TS),  # time of the row that starts the request (pending: last row)
         pa.field("model", pa.string()),
         pa.field("message_id", pa.string()),  # the answer's provider message id (null for pending)
@@ -28,5 +31,5 @@ CALLS = pa.schema(
         pa.field("recorded_cache_write_5m_tokens", pa.int64()),
         pa.field("recorded_cache_write_1h_tokens", pa.int64()),
     ],
-    metadata={"name": "calls", "version": "1"},
+    metadata={"name": "calls", "version": "2"},
 )

@@ -4,6 +4,17 @@ A target turns the logical messages visible at a call (blocks grouped by msg_key
 wire messages, and wraps them into the request. The replay hashes requests incrementally, so a
 target exposes its list key (sorted first in the canonical JSON) and the other top-level keys
 separately. Targets register in TARGETS by name; `get_target(name)` finds one.
+
+What the replay relies on (it re-shapes only the wire messages around a change and keeps the
+canonical bytes of all the others, see pipeline/replay.py):
+- `shape(msgs, start)` is a function of `msgs` alone, and a wire message depends only on the
+  logical messages it holds, the logical message that ends its run, whether it is the first wire
+  message, and what `context_key` says later messages may read of earlier ones (Gemini names a
+  tool result after the call it answers); `shape` never looks at whether a message is the last
+  one: leaving out a trailing assistant turn (`allow_prefill = False`) is the replay's job, so the
+  pending request of a thread that ended on the assistant's answer can keep it.
+- Each wire message is a `Wire` (a dict) that lists the block rows whose content it sends: its
+  token estimate is the sum of theirs, so `prompt_tokens` counts exactly what was hashed.
 """
 
 from __future__ import annotations
@@ -42,9 +53,35 @@ class Violation:
         return f"{where}: {self.rule}: {self.detail}"
 
 
+class Wire(dict):  # type: ignore[type-arg]
+    """A wire message (a plain dict to JSON and to ==) that remembers the block rows it sends."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, msg: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(msg)
+        self.rows = rows if rows is not None else []
+
+
+ASSISTANT_ROLES = ("assistant", "model")
+# items without a role (OpenAI Responses): whose they are
+_ITEM_ROLE = {"function_call": "assistant", "reasoning": "assistant", "custom_tool_call": "assistant",
+              "function_call_output": "tool", "custom_tool_call_output": "tool"}
+
+
+def wire_role(msg: dict[str, Any]) -> str | None:
+    """The role of a wire message: its `role`, else (an item without one) whose item it is."""
+    role = msg.get("role")
+    if role is not None:
+        return str(role)
+    t = msg.get("type")
+    return _ITEM_ROLE.get(str(t), str(t)) if t is not None else None
+
+
 class Target(Protocol):
     name: str
     list_key: str
+    allow_prefill: bool  # False: a recorded call's request never ends with an assistant message
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
         """Wire messages for msgs[start:], each with the index of the first logical message it holds."""
@@ -62,8 +99,15 @@ class Target(Protocol):
         """What stands in for a request with no recorded message ([] for none)."""
         ...
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
+        """`awaits_user`: the request is a pending one that ends with the assistant's answer (what a
+        resumed session carries), so a trailing assistant message is not a violation."""
         ...
+
+    # optional: def context_key(self, msg: LogicalMessage) -> Hashable | None
+    #   what a LATER wire message may read of this logical message (None: nothing); the replay
+    #   re-shapes everything after a change that alters it
 
 
 TARGETS: dict[str, Target] = {}

@@ -3,8 +3,10 @@
 Provider shaping (layer-semantics §10): adjacent messages that map to the same wire role are merged
 (user content concatenated in order; in a user message tool_result blocks come first, other blocks
 after); a message with no wire content (an empty or aborted assistant turn) is left out, so its
-neighbours merge; a trailing assistant message is left out unless `allow_prefill` (models that
-reject prefill answer a request ending with an assistant turn with a 400); a tool input that is not
+neighbours merge; a recorded call's request never ends with an assistant message unless
+`allow_prefill` (models that reject prefill answer a request ending with an assistant turn with a
+400): the replay leaves it out, except in the pending request of a thread that ended on the
+assistant's answer, which keeps it (`awaits_user`: what a resumed session carries); a tool input that is not
 a JSON object (a freeform tool's raw text) becomes `{"input": <value>}`; a history that starts with
 an assistant turn gets a `(session bootstrap)` user turn before it (the API wants a user turn first).
 """
@@ -15,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.targets import LogicalMessage, Violation, group_blocks, register
+from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import BOOTSTRAP, label, split, tool_input_object
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
@@ -83,13 +85,20 @@ def wire_block(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def message_content(msgs: list[LogicalMessage]) -> list[dict[str, Any]]:
+    return _content(msgs)[0]
+
+
+def _content(msgs: list[LogicalMessage]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(wire blocks, the rows they send) of these messages."""
     blocks: list[dict[str, Any]] = []
+    sent: list[dict[str, Any]] = []
     for m in msgs:
         for parts in group_blocks(m.rows):
             b = wire_block(parts)
             if b is not None:
                 blocks.append(b)
-    return blocks
+                sent.extend(parts)
+    return blocks, sent
 
 
 class Anthropic:
@@ -110,9 +119,10 @@ class Anthropic:
             # belong to the run they sit in (or start the next one)
             role: str | None = None
             content: list[dict[str, Any]] = []
+            sent: list[dict[str, Any]] = []
             j = i
             while j < n:
-                c = message_content([msgs[j]])
+                c, rows = _content([msgs[j]])
                 if c:
                     r = WIRE_ROLE.get(msgs[j].role, "user")
                     if role is None:
@@ -120,6 +130,7 @@ class Anthropic:
                     elif r != role:
                         break
                     content.extend(c)
+                    sent.extend(rows)
                 j += 1
             if role is None:
                 break
@@ -131,9 +142,8 @@ class Anthropic:
             if role == "assistant" and not out and not any(message_content([msgs[x]]) for x in range(i)):
                 # the Messages API wants a user turn first: a history that starts with the assistant
                 # (a resumed or truncated session) gets the bootstrap turn before it
-                items.append({"role": "user", "content": [{"type": "text", "text": BOOTSTRAP}]})
-            if not (role == "assistant" and j >= n and not self.allow_prefill):
-                items.append({"role": role, "content": content})
+                items.append(Wire({"role": "user", "content": [{"type": "text", "text": BOOTSTRAP}]}))
+            items.append(Wire({"role": role, "content": content}, sent))
             for k, item in enumerate(items):
                 if i == i0 and k < skip:
                     continue
@@ -149,10 +159,12 @@ class Anthropic:
         sys_blocks = [b for b in message_content(system) if b.get("type") == "text"]
         return {"model": model, "system": sys_blocks}
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
         from pipeline.validate import validate_anthropic
 
-        return validate_anthropic(request, thread_key=thread_key, call=call, allow_prefill=self.allow_prefill)
+        return validate_anthropic(request, thread_key=thread_key, call=call, allow_prefill=self.allow_prefill,
+                                  awaits_user=awaits_user)
 
 
 register(Anthropic())

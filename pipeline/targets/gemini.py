@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, group_blocks, register
+from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split, tool_input_object
 
 
@@ -37,14 +37,16 @@ def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str |
     return None
 
 
-def _parts(msgs: list[LogicalMessage], i: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(function responses, other parts) of message i."""
+def _parts(msgs: list[LogicalMessage], i: int,
+           sent: list[dict[str, Any]] | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(function responses, other parts) of message i; the rows they send are added to `sent`."""
     m = msgs[i]
     responses: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for g in group_blocks(m.rows):
         r = g[0]
         t = r["block_type"]
+        before = len(responses) + len(parts)
         if t == "text":
             parts.append({"text": r.get("text") or ""})
         elif t == "image":
@@ -65,6 +67,8 @@ def _parts(msgs: list[LogicalMessage], i: int) -> tuple[list[dict[str, Any]], li
         elif t not in PORTABLE_BLOCK_TYPES:
             # no Gemini form (another provider's item): as recorded, for the validator to report
             parts.append(raw_item(r))
+        if sent is not None and len(responses) + len(parts) > before:
+            sent.extend(g)
     return responses, parts
 
 
@@ -83,9 +87,11 @@ class Gemini:
             role: str | None = None
             responses: list[dict[str, Any]] = []
             parts: list[dict[str, Any]] = []
+            sent: list[dict[str, Any]] = []
             j = i
             while j < n:
-                fr, ps = _parts(msgs, j)
+                rows: list[dict[str, Any]] = []
+                fr, ps = _parts(msgs, j, rows)
                 if fr or ps:
                     r = "model" if msgs[j].role == "assistant" else "user"
                     if role is None:
@@ -94,12 +100,13 @@ class Gemini:
                         break
                     responses.extend(fr)
                     parts.extend(ps)
+                    sent.extend(rows)
                 j += 1
             if role is None:
                 break
-            items = [{"role": role, "parts": responses + parts}]
+            items = [Wire({"role": role, "parts": responses + parts}, sent)]
             if i == 0 and role != "user":
-                items.insert(0, {"role": "user", "parts": [{"text": BOOTSTRAP}]})
+                items.insert(0, Wire({"role": "user", "parts": [{"text": BOOTSTRAP}]}))
             for k, item in enumerate(items):
                 if i == i0 and k < skip:
                     continue
@@ -120,7 +127,17 @@ class Gemini:
             env["systemInstruction"] = {"parts": texts}
         return env
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    allow_prefill = True
+
+    def context_key(self, msg: LogicalMessage) -> tuple[tuple[Any, Any], ...] | None:
+        """A tool result without a name takes the name of the call it answers from an earlier
+        model turn (`_call_name`): what later messages read of an assistant message."""
+        if msg.role != "assistant":
+            return None
+        return tuple((r.get("tool_use_id"), r.get("tool_name")) for r in msg.rows if r["block_type"] == "tool_use") or None
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
         from pipeline.validate import validate_gemini
 
         return validate_gemini(request, thread_key=thread_key, call=call)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, group_blocks, register
+from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
 
 
@@ -53,19 +53,24 @@ class OpenAIChat:
             j = i + 1
             if m.role == "system":
                 groups = group_blocks(m.rows)
-                items.append({"role": "system", "content": "\n".join(
-                    g[0].get("text") or "" for g in groups if g[0]["block_type"] == "text")})
+                texts = [g for g in groups if g[0]["block_type"] == "text"]
+                items.append(Wire({"role": "system", "content": "\n".join(g[0].get("text") or "" for g in texts)},
+                                  [g[0] for g in texts]))
             elif m.role == "assistant":
                 groups = group_blocks(m.rows)
-                text = "".join(g[0].get("text") or "" for g in groups if g[0]["block_type"] == "text")
-                calls = [{"id": g[0].get("tool_use_id"), "type": "function",
-                          "function": {"name": g[0].get("tool_name"), "arguments": g[0].get("tool_input") or "{}"}}
-                         for g in groups if g[0]["block_type"] == "tool_use"]
+                texts = [g[0] for g in groups if g[0]["block_type"] == "text"]
+                uses = [g[0] for g in groups if g[0]["block_type"] == "tool_use"]
+                foreign_rows = [g[0] for g in groups if g[0]["block_type"] not in PORTABLE_BLOCK_TYPES]
+                text = "".join(r.get("text") or "" for r in texts)
+                calls = [{"id": r.get("tool_use_id"), "type": "function",
+                          "function": {"name": r.get("tool_name"), "arguments": r.get("tool_input") or "{}"}}
+                         for r in uses]
                 # another provider's item (the sanitize layer converts or drops them) is passed as
                 # recorded, beside the text (content becomes a list of parts), for the validator
-                foreign = [raw_item(g[0]) for g in groups if g[0]["block_type"] not in PORTABLE_BLOCK_TYPES]
+                foreign = [raw_item(r) for r in foreign_rows]
                 if text or calls or foreign:
-                    msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+                    msg = Wire({"role": "assistant", "content": text if text or not calls else None},
+                               texts + uses + foreign_rows)
                     if foreign:
                         msg["content"] = ([{"type": "text", "text": text}] if text else []) + foreign
                     if calls:
@@ -74,22 +79,25 @@ class OpenAIChat:
             elif _has_results(m):
                 # a run of tool-result messages: tool messages first, the rest after them
                 others: list[dict[str, Any]] = []
+                other_rows: list[dict[str, Any]] = []
                 j = i
                 while j < n and msgs[j].role not in ("system", "assistant") and _has_results(msgs[j]):
                     for g in group_blocks(msgs[j].rows):
                         if g[0]["block_type"] == "tool_result":
-                            items.append({"role": "tool", "tool_call_id": g[0].get("tool_use_id"), "content": result_text(g)})
+                            items.append(Wire({"role": "tool", "tool_call_id": g[0].get("tool_use_id"),
+                                               "content": result_text(g)}, g))
                         else:
                             p = _user_part(g[0])
                             if p is not None:
                                 others.append(p)
+                                other_rows.append(g[0])
                     j += 1
                 if others:
-                    items.append({"role": "user", "content": others})
+                    items.append(Wire({"role": "user", "content": others}, other_rows))
             else:
-                parts = [p for g in group_blocks(m.rows) if (p := _user_part(g[0])) is not None]
-                if parts:
-                    items.append({"role": "user", "content": parts})
+                sent = [(p, g[0]) for g in group_blocks(m.rows) if (p := _user_part(g[0])) is not None]
+                if sent:
+                    items.append(Wire({"role": "user", "content": [p for p, _ in sent]}, [r for _, r in sent]))
             if not items and pending is None:
                 pending = i
             for k, item in enumerate(items):
@@ -108,7 +116,10 @@ class OpenAIChat:
     def envelope(self, model: str | None, system: list[LogicalMessage]) -> dict[str, Any]:
         return {"model": model}
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    allow_prefill = True
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
         from pipeline.validate import validate_openai_chat
 
         return validate_openai_chat(request, thread_key=thread_key, call=call)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, group_blocks, register
+from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
 from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
 
 
@@ -39,13 +39,14 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     groups = group_blocks(m.rows)
     if m.role == "assistant":
-        text: list[str] = []
-        refusals: list[dict[str, Any]] = []
+        text: list[dict[str, Any]] = []  # rows
+        refusals: list[dict[str, Any]] = []  # rows
 
         def flush() -> None:
             if text or refusals:
-                content = ([{"type": "output_text", "text": "".join(text)}] if text else []) + refusals
-                items.append({"type": "message", "role": "assistant", "content": content})
+                content = ([{"type": "output_text", "text": "".join(r.get("text") or "" for r in text)}] if text else []) \
+                    + [{"type": "refusal", "refusal": r.get("text") or ""} for r in refusals]
+                items.append(Wire({"type": "message", "role": "assistant", "content": content}, text + refusals))
                 text.clear()
                 refusals.clear()
 
@@ -53,30 +54,32 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
             r = g[0]
             t = r["block_type"]
             if t == "text":
-                text.append(r.get("text") or "")
+                text.append(r)
             elif t == "refusal":
-                refusals.append({"type": "refusal", "refusal": r.get("text") or ""})
+                refusals.append(r)
             elif t == "tool_use":
                 flush()
-                items.append({"type": "function_call", "call_id": r.get("tool_use_id"), "name": r.get("tool_name"),
-                              "arguments": r.get("tool_input") or "{}"})
+                items.append(Wire({"type": "function_call", "call_id": r.get("tool_use_id"), "name": r.get("tool_name"),
+                                   "arguments": r.get("tool_input") or "{}"}, [r]))
             elif t not in PORTABLE_BLOCK_TYPES:
                 # a hosted-tool item (web_search_call, ...) as the API returned it; another
                 # provider's item as recorded, for the validator to report
                 flush()
-                items.append(raw_item(r))
+                items.append(Wire(raw_item(r), [r]))
         flush()
         return items
     parts: list[dict[str, Any]] = []
+    part_rows: list[dict[str, Any]] = []
     for g in groups:
         if g[0]["block_type"] == "tool_result":
-            items.append({"type": "function_call_output", "call_id": g[0].get("tool_use_id"),
-                          "output": result_text(g)})
+            items.append(Wire({"type": "function_call_output", "call_id": g[0].get("tool_use_id"),
+                               "output": result_text(g)}, g))
         elif (p := _input_part(g[0])) is not None:
             parts.append(p)
+            part_rows.append(g[0])
     if parts:
         role = "developer" if m.role == "system" else "user"
-        items.append({"type": "message", "role": role, "content": parts})
+        items.append(Wire({"type": "message", "role": role, "content": parts}, part_rows))
     return items
 
 
@@ -115,7 +118,10 @@ class OpenAIResponses:
             env["instructions"] = text
         return env
 
-    def validate(self, request: dict[str, Any], *, thread_key: str, call: int) -> list[Violation]:
+    allow_prefill = True
+
+    def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
+                 awaits_user: bool = False) -> list[Violation]:
         from pipeline.validate import validate_openai_responses
 
         return validate_openai_responses(request, thread_key=thread_key, call=call)
