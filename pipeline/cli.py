@@ -119,8 +119,10 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
         click.echo(_human(s))
     if strict and result.found_problems:
         if not json_:
+            failed = len(s.get("stage_failures") or [])
             click.echo(f"--strict: {plural(s['quarantined_lines'], 'quarantined line')}, "
-                       f"{plural(s['violations'], 'violation')}, {plural(s['conflicts'], 'ledger conflict')}", err=True)
+                       f"{plural(s['violations'], 'violation')}, {plural(s['conflicts'], 'ledger conflict')}"
+                       + (f", {plural(failed, 'plug-in stage failure')}" if failed else ""), err=True)
             for v in result.violations[:20]:
                 click.echo(f"  {v}", err=True)
         sys.exit(1)
@@ -144,6 +146,9 @@ def _human(s: dict[str, Any]) -> str:
     if s["violations"]:
         lines.append(f"  {plural(s['violations'], 'violation')} of the {s['target']} rules (recorded in the ledger): "
                      + ", ".join(f"{k} {v}" for k, v in s["violations_by_rule"].items()))
+    for f in s.get("stage_failures") or []:
+        lines.append(f"  plug-in stage '{f['stage']}' (#{f['position']}, {f['owner']}) skipped for "
+                     f"{len(f['sessions'])} session(s) ({f['kind']}): {f['message']}")
     if s["quarantined_lines"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in (s.get("quarantine_codes") or s["quarantine_reasons"]).items())
         lines.append(f"  {s['quarantined_lines']:,} of {plural(s['lines'], 'line')} quarantined ({reasons}); everything else "
@@ -356,26 +361,36 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
 @main.command(context_settings=CONTEXT)
 @click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
 def stages(json_: bool) -> None:
-    """List the registered stages with version, parameters, defaults and docs.
+    """List the registered stages: owner package and version, what each needs, and its parameters
+    with their defaults as a [[stage]] table you can paste into a spec. Plug-ins that failed to load
+    are listed at the end.
 
     \b
     Example:
       ctxreplay stages --json
     """
-    from pipeline.registry import load_stages, params_doc
+    from pipeline.registry import PLUGIN_ERRORS, describe, load_stages
 
     reg = load_stages()
-    out = [{"name": s.name, "version": s.version, "module": s.module, "doc": s.doc.splitlines()[0] if s.doc else "",
-            "params": params_doc(s.params)} for s in sorted(reg.values(), key=lambda s: s.name)]
+    out = [describe(s) for s in sorted(reg.values(), key=lambda s: (not s.is_builtin, s.name))]
+    errors = [{"entry_point": e.entry_point, "package": e.package, "message": e.message, "stage": e.stage}
+              for e in PLUGIN_ERRORS]
     if json_:
-        click.echo(orjson.dumps(out, option=orjson.OPT_SORT_KEYS, default=str).decode())
+        click.echo(orjson.dumps({"stages": out, "plugin_errors": errors}, option=orjson.OPT_SORT_KEYS,
+                                default=str).decode())
         return
     if not out:
         click.echo("no stages registered")
     for s in out:
-        click.echo(f"{s['name']} (v{s['version']}): {s['doc']}")
-        for p in s["params"]:
-            click.echo(f"    {p['name']} = {p['default']!r}  {p['doc']}")
+        owner = f"{s['owner']} {s['owner_version'] or ''}".strip() + (" (built-in)" if s["builtin"] else "")
+        click.echo(f"# {s['name']} v{s['version']}, from {owner}: {s['doc']}")
+        needs = [f"requires {', '.join(s['requires'])} earlier" if s["requires"] else "",
+                 f"reads {', '.join(s['reads'])}'s params" if s["reads"] else ""]
+        if any(needs):
+            click.echo("# " + "; ".join(x for x in needs if x))
+        click.echo(s["toml"] + "\n")
+    for e in errors:
+        click.echo(f"plug-in {e['package']} (entry point '{e['entry_point']}') was not loaded: {e['message']}")
 
 
 @main.command(context_settings=CONTEXT)

@@ -1,7 +1,7 @@
 """`ctxreplay ledger`: the decisions of the run OUT shows, counted as its summary counts them, and
 the ledger's frozen decisions.
 
-A run applies two kinds of decisions (runner.run_stages): frozen ones, written to (or reused from)
+A run applies two kinds of decisions (stagerun.run_stages): frozen ones, written to (or reused from)
 the ledger, and provisional ones, made for a thread's pending call and applied to its request but
 not frozen (the transcript may still grow before that request is sent). The run's
 decisions.parquet holds both, with `is_provisional`; the ledger only the frozen ones. So the run's

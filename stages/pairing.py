@@ -204,7 +204,7 @@ def _count_upto(frames: pl.LazyFrame, counts: pl.LazyFrame, *, at: str, out: str
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("pairing", version=2, params=Pairing)
+@stage("pairing", version=2, params=Pairing, requires=("sanitize",))
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
 
