@@ -371,6 +371,10 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
             raise internal_error(exc, "while replaying") from exc
         t_replay = time.perf_counter()
+        say("simulating the prompt cache")
+        from pipeline.cachesim import after_replay
+        calls_df, cache_sim = after_replay(loaded.blocks, final, calls_df, replay_stats["store_tables"], applied,
+                                           counter.series_counter())
         calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
         quarantine = pa.Table.from_pylist(
             [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason} for q in loaded.quarantine],
@@ -393,6 +397,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
                            ledger_path, timings={"load": t_load - t_start, "stages": t_stages - t_load,
                                                  "replay": t_replay - t_stages},
                            counter=counter)
+        summary["cache_sim"] = cache_sim
         summary["threads"] = replay_stats["threads"]
         summary["request_store"] = replay_stats["request_store"]
         summary["run_id"] = run_id
