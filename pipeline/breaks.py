@@ -2,8 +2,9 @@
 
 A call *breaks* the cache when its cache read falls short of the previous request's cached prefix
 (`previous read + previous write`: with Claude Code almost every request reads exactly that and
-writes only the new tail). The break's tokens are that shortfall (tokens re-written instead of
-read) and its cost what the call paid above the same call reading them
+writes only the new tail). The break's tokens are that shortfall, at most what the call wrote
+(the tokens written again instead of read: after a compaction only the new summary is written),
+and its cost what the call paid above the same call reading them
 (`tokens × (write rate − read rate)`).
 
 Recorded breaks (from the usage the transcript records) are attributed to the first cause that
@@ -86,7 +87,8 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
         recorded_break_detail=pl.when(brk).then(pl.concat_str(
             [pl.col("_detail"), pl.when(others != "").then(pl.lit("also ") + others)], separator="; ",
             ignore_nulls=True)),
-        recorded_break_tokens=pl.when(brk).then((pl.col("_p_cached") - read).cast(pl.Int64)),
+        recorded_break_tokens=pl.when(brk).then((pl.min_horizontal(pl.col("_p_cached"), read + pl.col(
+            "recorded_cache_write_tokens")) - read).cast(pl.Int64)),
     )
     r = r.with_columns(recorded_break_detail=pl.when(pl.col("recorded_break_detail") == "")
                        .then(None).otherwise(pl.col("recorded_break_detail")))
@@ -201,4 +203,88 @@ def summary(calls: pl.DataFrame, calibration: Any, policy: Any, prices: Any) -> 
     }
 
 
-__all__ = ["CAUSES", "break_rows", "by_cause", "classify", "recorded_breaks", "sessions", "summary"]
+# ---------------------------------------------------------------------------------------------
+# views of a run's outputs (`ctxreplay report --sim OUT`, `ctxreplay report --breaks OUT`)
+
+
+def load_run(out_dir: Any) -> tuple[pl.DataFrame, dict[str, Any], str]:
+    """(calls.parquet, summary.json, the run directory) of the run OUT shows; an error that says
+    what to do when the run predates the cache simulator."""
+    from pathlib import Path
+
+    from pipeline.errors import InputError
+    from pipeline.outdir import read_summary
+    from pipeline.store import run_dir
+
+    out = Path(out_dir)
+    if not out.exists():
+        raise InputError(f"{out}: no such directory; pass the --out directory of a `ctxreplay run`")
+    try:
+        run = run_dir(out)
+    except Exception as exc:  # noqa: BLE001 - any failure to resolve OUT is the same advice
+        raise InputError(f"{out}: not the output directory of a `ctxreplay run` ({exc}); pass the --out "
+                         f"directory of a run") from exc
+    path = run / "calls.parquet"
+    if not path.is_file():
+        raise InputError(f"{out}: no calls.parquet; pass the --out directory of a `ctxreplay run`")
+    calls = pl.read_parquet(path)
+    if "sim_cache_read_tokens" not in calls.columns:
+        raise InputError(f"{out}: this run was made before the cache simulator (its calls.parquet has no sim_* "
+                         f"columns); run `ctxreplay run ... --out {out}` again")
+    return calls, read_summary(run), str(run)
+
+
+def _num(v: Any) -> Any:
+    return round(v, 6) if isinstance(v, float) else v
+
+
+def sim_view(calls: pl.DataFrame, summary: dict[str, Any], *, per_call: bool = False) -> dict[str, Any]:
+    """Recorded vs simulated, per session (and per call): the document `report --sim --json` prints."""
+    sess = sessions(calls)
+    cols = ["session_id", "calls", "rec_read", "sim_read", "read_diff", "rec_write", "sim_write", "write_diff",
+            "rec_input", "sim_input", "rec_cost", "sim_cost", "cost_diff", "agreement", "rec_breaks", "sim_breaks",
+            "rec_break_share", "sim_break_share", "unpriced"]
+    rows = [{k: _num(v) for k, v in r.items()} for r in sess.select(cols).to_dicts()]
+    c = classify(calls)
+    tot = c.select(
+        calls=pl.len(), rec_read=pl.col("recorded_cache_read_tokens").sum(),
+        sim_read=pl.col("sim_cache_read_tokens").sum(), rec_write=pl.col("recorded_cache_write_tokens").sum(),
+        sim_write=(pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens")).sum(),
+        rec_cost=pl.col("recorded_cost_usd").sum(), sim_cost=pl.col("sim_cost_usd").sum(),
+        agreement=pl.col("agree").mean(), rec_breaks=pl.col("recorded_break_cause").is_not_null().sum(),
+        sim_breaks=pl.col("sim_break_cause").is_not_null().sum(),
+    ).to_dicts()[0] if c.height else {"calls": 0}
+    for a, b, d in (("sim_read", "rec_read", "read_diff"), ("sim_write", "rec_write", "write_diff"),
+                    ("sim_cost", "rec_cost", "cost_diff")):
+        tot[d] = (tot[a] / tot[b] - 1.0) if tot.get(b) else None
+    cs = summary.get("cache_sim", {})
+    doc: dict[str, Any] = {"pipeline": summary.get("pipeline"), "target": summary.get("target"),
+                           "prices": cs.get("prices"), "sessions": rows, "totals": {k: _num(v) for k, v in tot.items()},
+                           "calibration": cs.get("calibration"), "policy": cs.get("policy"),
+                           "unpriced_models": cs.get("unpriced_models") or []}
+    if per_call:
+        pc = c.select("session_id", "thread_id", "thread_key", "call", pl.col("timestamp").dt.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                      "model", "calibrated_prompt_tokens", "recorded_cache_read_tokens", "recorded_cache_write_tokens",
+                      "recorded_input_tokens", "sim_cache_read_tokens",
+                      sim_cache_write_tokens=pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens"),
+                      sim_input_tokens="sim_input_tokens", rec_class="rec_class", sim_class="sim_class",
+                      recorded_break_cause="recorded_break_cause", sim_break_cause="sim_break_cause",
+                      recorded_cost_usd="recorded_cost_usd", sim_cost_usd="sim_cost_usd").sort("session_id", "thread_id", "call")
+        doc["calls"] = [{k: _num(v) for k, v in r.items()} for r in pc.to_dicts()]
+    return doc
+
+
+def breaks_view(calls: pl.DataFrame, summary: dict[str, Any]) -> dict[str, Any]:
+    """Every break, recorded and simulated, by cause and per session: what `report --breaks --json` prints."""
+    rows = break_rows(calls).with_columns(pl.col("timestamp").dt.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    sess = sessions(calls).select("session_id", "rec_cost", "sim_cost", "rec_breaks", "sim_breaks", "rec_break_cost",
+                                  "sim_break_cost", "rec_break_share", "sim_break_share")
+    cs = summary.get("cache_sim", {})
+    return {"pipeline": summary.get("pipeline"), "prices": cs.get("prices"),
+            "breaks": [{k: _num(v) for k, v in r.items()} for r in rows.to_dicts()],
+            "by_cause": by_cause(calls),
+            "sessions": [{k: _num(v) for k, v in r.items()} for r in sess.to_dicts()]}
+
+
+__all__ = ["CAUSES", "break_rows", "breaks_view", "by_cause", "classify", "load_run", "recorded_breaks", "sessions",
+           "sim_view", "summary"]

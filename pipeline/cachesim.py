@@ -175,6 +175,7 @@ class SimStore:
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
+        self.sha: list[str] = []
         self.tok: array[int] = array("q")
         self.blk: array[int] = array("i")
         self.thinking = bytearray()
@@ -190,6 +191,7 @@ class SimStore:
             return i
         i = len(self.data)
         self.ids[sha] = i
+        self.sha.append(sha)
         self.tok.append(int(tokens))
         self.blk.append(int(n_blocks))
         th, ru = _flags(role, data)
@@ -321,6 +323,19 @@ class CacheState:
         self.nodes: dict[tuple[int, Any], int] = {}
         self.children: dict[int, list[tuple[Any, int]]] = {}
         self.entries: dict[tuple[str, str], dict[int, list[float]]] = {}
+        self.gids: dict[str, int] = {}   # message sha256 -> the id trie labels use (any store)
+        self.shas: list[str] = []
+
+    def gid(self, sha: str) -> int:
+        g = self.gids.get(sha)
+        if g is None:
+            g = self.gids[sha] = len(self.shas)
+            self.shas.append(sha)
+        return g
+
+    def gid_map(self, store: SimStore) -> list[int]:
+        """The trie ids of a store's messages (labels are by content, so stores and states mix)."""
+        return [self.gid(x) for x in store.sha]
 
     def child(self, parent: int, label: Any) -> int:
         k = (parent, label)
@@ -408,6 +423,20 @@ class Prepared:
     calibration: Calibration
     facts: pl.DataFrame
 
+    @classmethod
+    def for_calls(cls, calls: pl.DataFrame, calibration: Calibration, *, segment: str | None = None,
+                  recorded_strip: str | None = None, answer_timestamp: str | None = None) -> Prepared:
+        """Facts taken from columns of `calls` (each optional: segment 0, no recorded strip, the
+        answer readable from the request's own time), with a given calibration."""
+        keys = ["session_id", "thread_id", "call"]
+        f = calls.select(
+            *keys,
+            segment=pl.col(segment).cast(pl.Int32) if segment else pl.lit(0, pl.Int32),
+            recorded_strip=pl.col(recorded_strip).cast(pl.Boolean) if recorded_strip else pl.lit(False),
+            answer_timestamp=pl.col(answer_timestamp) if answer_timestamp else pl.lit(None, pl.Datetime("ms", "UTC")),
+        )
+        return cls(calibration, f)
+
 
 def prepare(loaded_blocks: pl.DataFrame, calls: pl.DataFrame, count_tokens: Any,
             final_blocks: pl.DataFrame | None = None, *, mode: str = "thread") -> Prepared:
@@ -487,6 +516,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     decisions_by = _decisions_by_thread(decisions)
     walks: dict[str, _Walk] = {}
     out: dict[tuple[str, int], tuple[Any, ...]] = {}
+    g = state.gid_map(store)
     cols = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
             "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment"]
     for row in zip(*(todo.get_column(x).to_list() for x in cols), strict=True):
@@ -498,7 +528,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
                 raise SimError(f"thread '{key}' is in the calls but not in the request store; the run's outputs "
                                f"do not belong together: run again")
             w = walks[key] = _Walk(key, ev)
-        out[(key, row[2])] = _simulate_call(w, row, store, state, policy, decisions_by.get(key))
+        out[(key, row[2])] = _simulate_call(w, row, store, g, state, policy, decisions_by.get(key))
     sim = pl.DataFrame(
         [(k, c_, *v) for (k, c_), v in out.items()],
         schema={"thread_key": pl.String, "call": pl.Int32, "sim_cache_read_tokens": pl.Int64,
@@ -542,8 +572,8 @@ def _layer_detail(decs: list[tuple[int, str]] | None, lo: int, hi: int) -> str |
     return ", ".join(got[:3]) + (f" (+{len(got) - 3} more)" if len(got) > 3 else "")
 
 
-def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, state: CacheState, policy: Policy,
-                   decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
+def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int], state: CacheState,
+                   policy: Policy, decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
     (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment) = row
     model = model or ""
     first_changed, old_id, env_changed = w.advance(k)
@@ -592,11 +622,11 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, state: Cache
     # the preamble chain: shared -> system (owner, envelope) -> hidden content of this segment
     scope = "all" if policy.scope == "all" else session
     node_a = state.child(ROOT, ("shared", int(shared))) if shared > 0 else ROOT
-    node_b = state.child(node_a, ("system", owner, w.env))
+    node_b = state.child(node_a, ("system", owner, g[w.env] if w.env >= 0 else -1))
     base_key = (node_b, ids[0] if n else -1, segment)
     if base_key != w.base_key:
         w.base_key = base_key
-        w.base = state.child(node_b, ("hidden", ids[0] if n else -1))
+        w.base = state.child(node_b, ("hidden", g[ids[0]] if n else -1))
         w.valid = 0
     # message chain from the first invalid index
     nodes, cum_tok, cum_blk = w.nodes, w.cum_tok, w.cum_blk
@@ -609,7 +639,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, state: Cache
     child = state.child
     for i in range(v, n):
         mid = ids[i]
-        lab = mid * 2 + (1 if (strip and i < h and store.thinking[mid]) else 0)
+        lab = g[mid] * 2 + (1 if (strip and i < h and store.thinking[mid]) else 0)
         parent = child(parent, lab)
         nodes.append(parent)
         ct += tok[mid] + MESSAGE_OVERHEAD_TOKENS
@@ -653,16 +683,12 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, state: Cache
                 read, hit_node = p, node
         if n and bps and bps[-1][0] == nodes[n - 1]:
             # the last breakpoint also reads the longest live prefix ending within lookback_blocks before it
-            got = _lookback(w, state, cache, t, n, policy.lookback_blocks, store, pos, tail)
+            got = _lookback(w, state, cache, t, n, policy.lookback_blocks, store, g, pos, tail)
             if got is not None and got[1] > read:
                 hit_node, read = got
         write_end = max((p for _, p in bps), default=0.0)
-        for node, p in bps:
-            e = cache.get(node)
-            if e is not None and e[1] <= t < e[0]:
-                e[0] = max(e[0], t + ttl_s)
-            else:
-                cache[node] = [avail + ttl_s, avail]
+        for node, _ in bps:
+            _put(cache, node, t, avail, ttl_s)
         if hit_node is not None:
             e = cache[hit_node]
             e[0] = max(e[0], t + ttl_s)
@@ -690,12 +716,8 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, state: Cache
             read = 0.0
         write_end = prompt if prompt >= mn else 0.0
         if write_end:
-            for node in ([node_a] if shared else []) + [node_b] + ([w.base] + [nodes[n - 1]] if n else []):
-                e = cache.get(node)
-                if e is not None and e[1] <= t < e[0]:
-                    e[0] = max(e[0], t + ttl_s)
-                else:
-                    cache[node] = [avail + ttl_s, avail]
+            for node in ([node_a] if shared else []) + [node_b] + ([w.base, nodes[n - 1]] if n else []):
+                _put(cache, node, t, avail, ttl_s)
         if hit_node is not None and hit_node in cache:
             cache[hit_node][0] = max(cache[hit_node][0], t + ttl_s)
 
@@ -714,18 +736,30 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, state: Cache
     cause = detail = None
     btok = None
     if prev is not None and provider is not None:
-        expected = prev["cached"]
-        if read_i + 0.5 < expected:
-            btok = round(expected - read_i)
+        if read_i < prev["cached"]:
+            btok = min(prev["cached"], read_i + write_i) - read_i   # written again, at most what it wrote
             cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
                                        policy, store, old_id, first_changed, env_changed)
     w.prev = {"model": model, "cached": read_i + write_i, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
-              "ttl": ttl_name, "call": k, "segment": segment}
+              "ttl": ttl_name, "call": k, "segment": segment, "cache": cache}
     return read_i, w5, w1, input_i, prompt_i, cause, detail, btok
 
 
+def _put(cache: dict[int, list[float]], node: int, t: float, avail: float, ttl_s: float) -> None:
+    """Write (or refresh) the entry at `node` at time t: readable from `avail` (the answer's start)
+    unless it already is; a pending write by a concurrent request stays readable from the earlier
+    of the two answers."""
+    e = cache.get(node)
+    if e is None or e[0] <= t:
+        cache[node] = [avail + ttl_s, avail]
+        return
+    if e[1] > t:
+        e[1] = min(e[1], avail)
+    e[0] = max(e[0], t + ttl_s, e[1] + ttl_s)
+
+
 def _lookback(w: _Walk, state: CacheState, cache: dict[int, list[float]], t: float, n: int, limit: int,
-              store: SimStore, pos: Any, tail: float) -> tuple[int, float] | None:
+              store: SimStore, g: list[int], pos: Any, tail: float) -> tuple[int, float] | None:
     """The deepest live prefix ending at a block boundary at most `limit` blocks before the end of
     message n-1: a message end, or the end of an earlier, shorter version of a message (blocks
     appended since), or the preamble."""
@@ -742,8 +776,10 @@ def _lookback(w: _Walk, state: CacheState, cache: dict[int, list[float]], t: flo
         parent = nodes[i - 1] if i else w.base
         before = cum_blk[i - 1] if i else 0
         for label, node in state.children.get(parent, ()):
-            old = label // 2 if isinstance(label, int) else -1
-            if old < 0 or old == ids[i] or node == nodes[i]:
+            if not isinstance(label, int) or node == nodes[i] or label // 2 == g[ids[i]]:
+                continue
+            old = store.ids.get(state.shas[label // 2], -1)   # the earlier version, if this store has it
+            if old < 0:
                 continue
             if end_blk - (before + store.blk[old]) > limit:
                 continue
@@ -770,7 +806,7 @@ def _sim_cause(w: _Walk, prev: dict[str, Any], model: str, t: float, n: int, cha
     if prev["model"] != model:
         found.append(("model_switch", f"{prev['model']} -> {model}"))
     end = prev["end"]
-    e = cache.get(end)
+    e = prev["cache"].get(end)    # the previous request's entry, in its model's cache
     gap = t - prev["t"]
     if e is None or e[0] <= t:
         found.append(("ttl_expiry", f"idle {gap:.0f} s > TTL {prev['ttl']}"))

@@ -111,9 +111,12 @@ def recorded_facts(blocks: pl.DataFrame, count_tokens: object | None) -> pl.Data
     # consecutive user messages go out as one wire message: a run of them opens a new turn only when
     # none of them carries a tool result (a tool result with text appended continues the tool loop)
     m = msgs.join(thinking, on=[*THREAD, "msg_key"], how="left").sort(*THREAD, "order", "msg_key")
-    m = m.with_columns(_run=(pl.col("role") != pl.col("role").shift(1).over(THREAD)).fill_null(True)
+    # (a tool result is a user message on the wire: role "tool" in the blocks)
+    wrole = pl.when(pl.col("role") == "tool").then(pl.lit("user")).otherwise(pl.col("role"))
+    m = m.with_columns(_wrole=wrole)
+    m = m.with_columns(_run=(pl.col("_wrole") != pl.col("_wrole").shift(1).over(THREAD)).fill_null(True)
                        .cast(pl.Int32).cum_sum().over(THREAD))
-    m = m.with_columns(_real=(pl.col("role") == "user") & ~pl.col("has_result").any().over(*THREAD, "_run"),
+    m = m.with_columns(_real=(pl.col("_wrole") == "user") & ~pl.col("has_result").any().over(*THREAD, "_run"),
                        _run_first=pl.col("first").min().over(*THREAD, "_run"),
                        _lead=pl.int_range(pl.len()).over(*THREAD, "_run") == 0)
     m = m.with_columns(_turn=(pl.col("_real") & pl.col("_lead")).cast(pl.Int32).cum_sum().over(THREAD))
@@ -143,6 +146,8 @@ class Calibration:
     def summary(self) -> dict[str, object]:
         fam = {r["family"]: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "family"}
                for r in self.families.to_dicts()}
+        if not self.threads.height:
+            return {"mode": self.mode, "families": fam, "threads": 0}
         th = self.threads
         return {
             "mode": self.mode, "families": fam,
@@ -152,6 +157,34 @@ class Calibration:
             "shared_tokens": sorted({int(v) for v in th.get_column("shared_tokens").to_list() if v}),
             "system_tokens": _spread(th.get_column("system_tokens")) if th.height else None,
         }
+
+
+def fixed(threads: list[dict[str, object]], mode: str = "fixed") -> Calibration:
+    """A calibration given outright (tests, what-if studies): one dict per thread with
+    `thread_key`, `session_id`, `thread_id` and optionally `ratio` (1.0), `preamble_tokens` (0, or
+    a list: one per compaction segment), `shared_tokens`, `system_tokens` (0), `tail_tokens` (0),
+    `uses_cache` (True), `family` ("other")."""
+    rows, segs = [], []
+    for t in threads:
+        pre = t.get("preamble_tokens", 0)
+        pres = list(pre) if isinstance(pre, list | tuple) else [pre]
+        for i, p in enumerate(pres):
+            segs.append({"thread_key": t["thread_key"], "segment": i, "preamble_tokens": int(p),  # type: ignore[call-overload]
+                         "fit_calls": 0})
+        rows.append({"session_id": t["session_id"], "thread_id": t["thread_id"], "thread_key": t["thread_key"],
+                     "family": t.get("family", "other"), "ratio": float(t.get("ratio", 1.0)),  # type: ignore[arg-type]
+                     "ratio_source": "fixed", "shared_tokens": int(t.get("shared_tokens", 0)),  # type: ignore[call-overload]
+                     "system_tokens": int(t.get("system_tokens", 0)), "tail_tokens": int(t.get("tail_tokens", 0)),  # type: ignore[call-overload]
+                     "uses_cache": bool(t.get("uses_cache", True))})
+    th = pl.DataFrame(rows, schema={"session_id": pl.String, "thread_id": pl.String, "thread_key": pl.String,
+                                    "family": pl.String, "ratio": pl.Float64, "ratio_source": pl.String,
+                                    "shared_tokens": pl.Int64, "system_tokens": pl.Int64, "tail_tokens": pl.Int64,
+                                    "uses_cache": pl.Boolean})
+    th = th.with_columns(owner_key=owner_expr())
+    seg = pl.DataFrame(segs, schema={"thread_key": pl.String, "segment": pl.Int32, "preamble_tokens": pl.Int64,
+                                     "fit_calls": pl.Int32})
+    fam = pl.DataFrame(schema={"family": pl.String, "ratio_family": pl.Float64})
+    return Calibration(th, seg, fam, mode)
 
 
 def _spread(s: pl.Series) -> dict[str, float]:
@@ -328,4 +361,4 @@ def apply(calls: pl.DataFrame, calibration: Calibration, rec: pl.DataFrame) -> p
     return out.drop("segment", "ratio")
 
 
-__all__ = ["Calibration", "apply", "fit", "model_family", "owner_expr", "recorded_facts", "with_family"]
+__all__ = ["Calibration", "apply", "fit", "model_family", "owner_expr", "fixed", "recorded_facts", "with_family"]
