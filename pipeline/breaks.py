@@ -47,9 +47,15 @@ def _recorded_ttl() -> pl.Expr:
 def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
     """Add recorded_break_cause / _detail / _tokens to the calls (those with recorded usage, by
     thread in call order). Needs `segment`, `recorded_strip` and `preamble_tokens`."""
+    from pipeline.calibrate import recorded_write
+
+    r = c.with_columns(recorded_cache_write_tokens=recorded_write())
     known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
         & pl.col("recorded_cache_write_tokens").is_not_null()
-    r = c.filter(known).sort("thread_key", "call").with_columns(_rttl=_recorded_ttl())
+    # a call that neither read nor wrote (no breakpoint, below the minimum) is no break and leaves
+    # the prefix to compare with as it was
+    active = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0
+    r = r.filter(known & active).sort("thread_key", "call").with_columns(_rttl=_recorded_ttl())
     r = r.with_columns(_rttl=pl.col("_rttl").forward_fill().backward_fill().over("thread_key").fill_null(300.0))
     prev = {
         "_p_cached": pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"),
@@ -100,9 +106,11 @@ def classify(calls: pl.DataFrame) -> pl.DataFrame:
     """Per simulated call with recorded usage: `rec_class` and `sim_class` (`warm` / `cold` for a
     thread's first call: read something or not; later calls `hit` (read at least the previous
     request's cached prefix) or `break`) and `agree`."""
+    from pipeline.calibrate import recorded_write
+
     known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
         & pl.col("sim_cache_read_tokens").is_not_null()
-    c = calls.filter(known).sort("thread_key", "call")
+    c = calls.with_columns(recorded_cache_write_tokens=recorded_write()).filter(known).sort("thread_key", "call")
     rprev = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")).shift(1).over("thread_key")
     sprev = (pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens")
              + pl.col("sim_cache_write_1h_tokens")).shift(1).over("thread_key")

@@ -38,7 +38,9 @@ Rules per provider (`Policy` holds the knobs):
   message without a tool result (a new turn) strips the thinking blocks of the turn before it,
   which changes the prefix from the first of them on (`strip_thinking`; a tool result with text
   appended continues the tool loop and strips nothing: five compaction requests of the corpus
-  read their thread's whole prefix, thinking included).
+  read their thread's whole prefix, thinking included). A thread whose recorded new turns never
+  lost the cache keeps its thinking (calibration `strips_thinking = False`: Opus 4.5 and later
+  keep it by default).
 - **openai** (and models of unknown provider whose recorded usage shows caching): automatic, for
   prompts of at least 1,024 tokens, in 128-token steps; every request's prefix is cached (for
   `openai_ttl_s`); writes are free (uncached input) before GPT-5.6 and priced as 5-minute writes
@@ -58,6 +60,7 @@ from __future__ import annotations
 import bisect
 import re
 from array import array
+from datetime import UTC, datetime
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -505,7 +508,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     c = c.join(prep.facts.select("session_id", "thread_id", "call", "segment", "recorded_strip", "answer_timestamp"),
                on=["session_id", "thread_id", "call"], how="left")
     c = c.join(cal.threads.select("thread_key", "ratio", "shared_tokens", "system_tokens", "tail_tokens",
-                                  "uses_cache", "owner_key"), on="thread_key", how="left")
+                                  "uses_cache", "owner_key", "strips_thinking"), on="thread_key", how="left")
     c = _ttl_choice(c, policy)
     c = c.with_columns(
         _t=pl.col("timestamp").dt.epoch("ms").cast(pl.Float64) / 1000.0,
@@ -518,7 +521,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     out: dict[tuple[str, int], tuple[Any, ...]] = {}
     g = state.gid_map(store)
     cols = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
-            "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment"]
+            "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking"]
     for row in zip(*(todo.get_column(x).to_list() for x in cols), strict=True):
         key = row[0]
         w = walks.get(key)
@@ -574,7 +577,8 @@ def _layer_detail(decs: list[tuple[int, str]] | None, lo: int, hi: int) -> str |
 
 def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int], state: CacheState,
                    policy: Policy, decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
-    (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment) = row
+    (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment,
+     strips) = row
     model = model or ""
     first_changed, old_id, env_changed = w.advance(k)
     provider = provider_of(model)
@@ -604,7 +608,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
             if th_flag[mid]:
                 w.th.append(i)
         w.flags_valid = n
-    strip = anthropic and policy.strip_thinking
+    strip = anthropic and policy.strip_thinking and strips is not False
     h = w.ru[-1] if (strip and w.ru) else -1
     strip_first = None
     if strip and h != w.h:
@@ -735,11 +739,13 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     # a simulated break: this request read less than the previous one had cached
     cause = detail = None
     btok = None
-    if prev is not None and provider is not None:
+    if prev is not None and provider is not None and read_i + write_i > 0:
         if read_i < prev["cached"]:
             btok = min(prev["cached"], read_i + write_i) - read_i   # written again, at most what it wrote
             cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
                                        policy, store, old_id, first_changed, env_changed)
+    if read_i + write_i == 0 and provider is not None and prev is not None:
+        return read_i, w5, w1, input_i, prompt_i, cause, detail, btok   # uncached: the prefix to compare stays
     w.prev = {"model": model, "cached": read_i + write_i, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
               "ttl": ttl_name, "call": k, "segment": segment, "cache": cache}
     return read_i, w5, w1, input_i, prompt_i, cause, detail, btok
@@ -854,9 +860,12 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
         _si=pl.col("sim_input_tokens"), _s5=pl.col("sim_cache_write_5m_tokens"),
         _s1=pl.col("sim_cache_write_1h_tokens"), _sr=pl.col("sim_cache_read_tokens"),
         _ri=pl.col("recorded_input_tokens"), _r5=pl.col("recorded_cache_write_5m_tokens").fill_null(
-            pl.col("recorded_cache_write_tokens")),
+            pl.col("recorded_cache_write_tokens")).fill_null(0),
         _r1=pl.col("recorded_cache_write_1h_tokens").fill_null(0), _rr=pl.col("recorded_cache_read_tokens"),
         _z=z,
+        # a request without a time (a single request file) is priced as the report does: at 1970-01-01
+        _pts=pl.col("timestamp").forward_fill().backward_fill().over("thread_key").fill_null(
+            pl.lit(datetime(1970, 1, 1, tzinfo=UTC)).cast(c.schema["timestamp"])),
     )
     # a break's cost: the call as it was minus the call had the re-written tokens been read instead
     sb = pl.col("sim_break_tokens").fill_null(0)
@@ -871,7 +880,7 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
         _rb1=pl.when(r_is5).then(pl.col("_r1")).otherwise((pl.col("_r1") - rb).clip(0)),
         _rbr=pl.col("_rr") + rb,
     )
-    ts = "timestamp"
+    ts = "_pts"
     frame = prices.price_frame(frame, timestamp=ts, input="_si", output="_o", cache_write_5m="_s5",
                                cache_write_1h="_s1", cache_read="_sr", out="sim_cost_usd")
     frame = prices.price_frame(frame, timestamp=ts, input="_ri", output="_o", cache_write_5m="_r5",
@@ -880,8 +889,7 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
                                cache_write_1h="_sb1", cache_read="_sbr", out="_sim_nobreak")
     frame = prices.price_frame(frame, timestamp=ts, input="_ri", output="_o", cache_write_5m="_rb5",
                                cache_write_1h="_rb1", cache_read="_rbr", out="_rec_nobreak")
-    recorded_known = pl.all_horizontal(pl.col(x).is_not_null() for x in (
-        "recorded_input_tokens", "recorded_cache_read_tokens", "recorded_cache_write_tokens"))
+    recorded_known = pl.col("recorded_input_tokens").is_not_null() & pl.col("recorded_cache_read_tokens").is_not_null()
     frame = frame.with_columns(
         sim_cost_usd=pl.when(pl.col("sim_input_tokens").is_not_null()).then(pl.col("sim_cost_usd")),
         recorded_cost_usd=pl.when(recorded_known).then(pl.col("recorded_cost_usd")),

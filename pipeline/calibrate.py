@@ -13,7 +13,8 @@ agent injects into it, so each segment has its own preamble) and `ratio` is the 
 The ratio is fitted by least squares within segments, per thread (`ratio_thread`) and pooled over
 every thread of a tokenizer family (`ratio_family`, with its spread over threads); the simulator
 uses the thread's own ratio where it is well determined (>= MIN_FIT_CALLS calls, within a factor 2
-of its family's), else the family's (`Calibration.mode = "family"` always uses the family's).
+of its family's), else its owner's (a compaction agent: its main thread's), else the family's (a
+family ratio outside RATIO_BOUNDS falls back to DEFAULT_RATIO) (`Calibration.mode = "family"` always uses the family's).
 Each preamble is the mean residual `prompt - ratio × tokens` of its segment's calls (least squares
 given the ratio, so a segment's calibrated prompts sum to its recorded ones).
 
@@ -28,7 +29,12 @@ What the recorded usage also says about the preamble's structure (for the cache 
   shared prefix plus the median gap seen on the others, else their whole preamble;
 - `tail_tokens`: the median recorded `input_tokens`, the few tokens after the last breakpoint;
 - `uses_cache`: False for a thread whose requests never read nor wrote the cache (an agent that
-  sets no breakpoint).
+  sets no breakpoint);
+- `strips_thinking`: whether a new user turn after a turn with thinking made the thread lose its
+  cached prefix (Anthropic strips such thinking blocks): True when at least one such turn of the
+  recorded thread missed, False when none of them did (Opus 4.5 and later keep the thinking by
+  default; an agent may also re-warm the stripped prefix with a side request), null without such a
+  turn (the policy decides).
 
 Causality: the calibration is a property of the recorded session. It is fitted on the recorded
 session's own requests (the loaded blocks before any stage, `recorded_facts`) and the
@@ -48,6 +54,7 @@ from pipeline.registry import StageContext
 
 THREAD = ["session_id", "thread_id"]
 MIN_FIT_CALLS = 5
+RATIO_BOUNDS = (0.5, 3.0)   # a fitted ratio outside is not a tokenizer ratio: the family's default is used
 DEFAULT_RATIO = {"claude-v3": 1.2, "claude-v4.7": 1.35, "claude-v5": 1.5, "openai-o200k": 1.0,
                  "gemini": 1.05, "other": 1.0}
 
@@ -175,11 +182,11 @@ def fixed(threads: list[dict[str, object]], mode: str = "fixed") -> Calibration:
                      "family": t.get("family", "other"), "ratio": float(t.get("ratio", 1.0)),  # type: ignore[arg-type]
                      "ratio_source": "fixed", "shared_tokens": int(t.get("shared_tokens", 0)),  # type: ignore[call-overload]
                      "system_tokens": int(t.get("system_tokens", 0)), "tail_tokens": int(t.get("tail_tokens", 0)),  # type: ignore[call-overload]
-                     "uses_cache": bool(t.get("uses_cache", True))})
+                     "uses_cache": bool(t.get("uses_cache", True)), "strips_thinking": t.get("strips_thinking")})
     th = pl.DataFrame(rows, schema={"session_id": pl.String, "thread_id": pl.String, "thread_key": pl.String,
                                     "family": pl.String, "ratio": pl.Float64, "ratio_source": pl.String,
                                     "shared_tokens": pl.Int64, "system_tokens": pl.Int64, "tail_tokens": pl.Int64,
-                                    "uses_cache": pl.Boolean})
+                                    "uses_cache": pl.Boolean, "strips_thinking": pl.Boolean})
     th = th.with_columns(owner_key=owner_expr())
     seg = pl.DataFrame(segs, schema={"thread_key": pl.String, "segment": pl.Int32, "preamble_tokens": pl.Int64,
                                      "fit_calls": pl.Int32})
@@ -199,6 +206,14 @@ def _spread(s: pl.Series) -> dict[str, float]:
 _RECORDED = ["recorded_input_tokens", "recorded_cache_read_tokens", "recorded_cache_write_tokens"]
 
 
+def recorded_write() -> pl.Expr:
+    """recorded_cache_write_tokens, 0 where the usage has input and reads but no write field (OpenAI,
+    Codex: no cache writes to report)."""
+    w = pl.col("recorded_cache_write_tokens")
+    known = pl.col("recorded_input_tokens").is_not_null() & pl.col("recorded_cache_read_tokens").is_not_null()
+    return pl.when(known).then(w.fill_null(0)).otherwise(w)
+
+
 def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Calibration:
     """Fit the calibration of every thread of `calls` (calls.parquet's columns) from its recorded
     usage and `rec` (recorded_facts). Threads without recorded usage get the family's
@@ -207,8 +222,9 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
         raise ValueError(f"calibration mode must be 'thread' or 'family', not {mode!r}")
     need = [*THREAD, "thread_key", "call", "is_pending", "model", *_RECORDED, "recorded_cache_write_5m_tokens",
             "recorded_cache_write_1h_tokens"]
+    rec = rec if "recorded_strip" in rec.columns else rec.with_columns(recorded_strip=pl.lit(False))
     c = with_family(calls.select(need).join(rec, on=[*THREAD, "call"], how="left")).with_columns(
-        segment=pl.col("segment").fill_null(0).cast(pl.Int32))
+        segment=pl.col("segment").fill_null(0).cast(pl.Int32), recorded_cache_write_tokens=recorded_write())
     c = c.with_columns(
         y=pl.sum_horizontal(_RECORDED).cast(pl.Float64),
         x=pl.col("rec_tokens").cast(pl.Float64),
@@ -233,7 +249,8 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
         thread_ratio_min=pl.col("ratio_thread").min(), thread_ratio_max=pl.col("ratio_thread").max(),
     ).with_columns(ratio_family=pl.when(pl.col("sxx") > 0).then(pl.col("sxy") / pl.col("sxx")))
     default = pl.col("family").replace_strict(DEFAULT_RATIO, default=1.0, return_dtype=pl.Float64)
-    fam = fam.with_columns(ratio_family=pl.when(pl.col("ratio_family") > 0).then(pl.col("ratio_family"))
+    lo, hi = RATIO_BOUNDS
+    fam = fam.with_columns(ratio_family=pl.when(pl.col("ratio_family").is_between(lo, hi)).then(pl.col("ratio_family"))
                            .otherwise(default)).drop("sxy", "sxx")
 
     # one family per thread (the one most of its calls are in) and its ratio
@@ -247,7 +264,8 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
 
     def usable(r: str, n: str) -> pl.Expr:
         return (pl.lit(mode == "thread") & pl.col(r).is_not_null() & (pl.col(n) >= MIN_FIT_CALLS)
-                & (pl.col(r) >= 0.5 * pl.col("ratio_family")) & (pl.col(r) <= 2 * pl.col("ratio_family")))
+                & (pl.col(r) >= 0.5 * pl.col("ratio_family")) & (pl.col(r) <= 2 * pl.col("ratio_family"))
+                & pl.col(r).is_between(*RATIO_BOUNDS))
 
     # a thread with too few calls of its own that carries its owner's history (a compaction agent,
     # a branch) takes the owner's ratio: its messages are the owner's
@@ -301,17 +319,27 @@ def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
     uses_cache, and the evidence of where its requests fall back to (break reads)."""
     rec = c.filter(pl.col("usable")).sort("thread_key", "call").join(
         segments.select("thread_key", "segment", "preamble_tokens"), on=["thread_key", "segment"], how="left")
+    prev = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")).shift(1).over("thread_key")
+    rec = rec.with_columns(_cand=pl.col("recorded_strip").fill_null(False) & prev.is_not_null(),
+                           _miss=pl.col("recorded_cache_read_tokens") < prev)
     first = rec.group_by("thread_key").agg(
         r0=pl.col("recorded_cache_read_tokens").first(), p0=pl.col("preamble_tokens").first(),
         tail_tokens=pl.col("recorded_input_tokens").median().round(0).cast(pl.Int64),
         uses_cache=((pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0).any(),
+        strip_candidates=pl.col("_cand").sum().cast(pl.Int32),
+        strip_misses=(pl.col("_cand") & pl.col("_miss").fill_null(False)).sum().cast(pl.Int32),
     )
+    # a thread whose new user turns after thinking never lost the cache runs with a model or an
+    # agent that keeps the thinking (Opus 4.5+ by default, or a side request re-warming it): no strip
+    first = first.with_columns(strips_thinking=pl.when(pl.col("strip_candidates") > 0)
+                               .then(pl.col("strip_misses") > 0).otherwise(None))
     first = first.with_columns(shared_tokens=pl.when((pl.col("r0") > 0) & (pl.col("r0") <= pl.col("p0")))
                                .then(pl.col("r0")).otherwise(0).cast(pl.Int64)).drop("r0", "p0")
     all_threads = c.select("thread_key").unique()
     return all_threads.join(first, on="thread_key", how="left").with_columns(
         shared_tokens=pl.col("shared_tokens").fill_null(0), tail_tokens=pl.col("tail_tokens").fill_null(0),
-        uses_cache=pl.col("uses_cache").fill_null(True))
+        uses_cache=pl.col("uses_cache").fill_null(True), strip_candidates=pl.col("strip_candidates").fill_null(0),
+        strip_misses=pl.col("strip_misses").fill_null(0))
 
 
 def _system_tokens(threads: pl.DataFrame, c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:

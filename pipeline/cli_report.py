@@ -114,8 +114,8 @@ def _warnings(doc: dict[str, Any]) -> None:
         click.echo(f"ctxreplay report: {w}", file=err)
 
 
-def _fmt_int(n: int) -> str:
-    return f"{n:,}"
+def _fmt_int(n: int | None) -> str:
+    return "–" if n is None else f"{n:,}"
 
 
 def _table(doc: dict[str, Any]) -> None:
