@@ -229,7 +229,7 @@ def load_run(out_dir: Any) -> tuple[pl.DataFrame, dict[str, Any], str]:
         raise InputError(f"{out}: no such directory; pass the --out directory of a `ctxreplay run`")
     try:
         run = run_dir(out)
-    except Exception as exc:  # noqa: BLE001 - any failure to resolve OUT is the same advice
+    except Exception as exc:
         raise InputError(f"{out}: not the output directory of a `ctxreplay run` ({exc}); pass the --out "
                          f"directory of a run") from exc
     path = run / "calls.parquet"

@@ -60,9 +60,9 @@ from __future__ import annotations
 import bisect
 import re
 from array import array
-from datetime import UTC, datetime
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -739,11 +739,10 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     # a simulated break: this request read less than the previous one had cached
     cause = detail = None
     btok = None
-    if prev is not None and provider is not None and read_i + write_i > 0:
-        if read_i < prev["cached"]:
-            btok = min(prev["cached"], read_i + write_i) - read_i   # written again, at most what it wrote
-            cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
-                                       policy, store, old_id, first_changed, env_changed)
+    if prev is not None and provider is not None and read_i + write_i > 0 and read_i < prev["cached"]:
+        btok = min(prev["cached"], read_i + write_i) - read_i   # written again, at most what it wrote
+        cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
+                                   policy, store, old_id, first_changed, env_changed)
     if read_i + write_i == 0 and provider is not None and prev is not None:
         return read_i, w5, w1, input_i, prompt_i, cause, detail, btok   # uncached: the prefix to compare stays
     w.prev = {"model": model, "cached": read_i + write_i, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,

@@ -389,4 +389,5 @@ def apply(calls: pl.DataFrame, calibration: Calibration, rec: pl.DataFrame) -> p
     return out.drop("segment", "ratio")
 
 
-__all__ = ["Calibration", "apply", "fit", "model_family", "owner_expr", "fixed", "recorded_facts", "with_family"]
+__all__ = ["Calibration", "apply", "fit", "fixed", "model_family", "owner_expr", "recorded_facts", "recorded_write",
+           "with_family"]
