@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.gen_tree import DEFAULT_SRC, generate, parse_size  # noqa: E402
+from bench.gen_tree import DEFAULT_SRC, generate, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:
