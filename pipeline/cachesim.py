@@ -863,6 +863,7 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
         _r1=pl.col("recorded_cache_write_1h_tokens").fill_null(0), _rr=pl.col("recorded_cache_read_tokens"),
         _z=z,
         # a request without a time (a single request file) is priced as the report does: at 1970-01-01
+        _pmodel=pl.col("model").fill_null("unknown"),   # a call without a model is unpriced, not an error
         _pts=pl.col("timestamp").forward_fill().backward_fill().over("thread_key").fill_null(
             pl.lit(datetime(1970, 1, 1, tzinfo=UTC)).cast(c.schema["timestamp"])),
     )
@@ -880,13 +881,13 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
         _rbr=pl.col("_rr") + rb,
     )
     ts = "_pts"
-    frame = prices.price_frame(frame, timestamp=ts, input="_si", output="_o", cache_write_5m="_s5",
+    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_si", output="_o", cache_write_5m="_s5",
                                cache_write_1h="_s1", cache_read="_sr", out="sim_cost_usd")
-    frame = prices.price_frame(frame, timestamp=ts, input="_ri", output="_o", cache_write_5m="_r5",
+    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_ri", output="_o", cache_write_5m="_r5",
                                cache_write_1h="_r1", cache_read="_rr", out="recorded_cost_usd")
-    frame = prices.price_frame(frame, timestamp=ts, input="_si", output="_o", cache_write_5m="_sb5",
+    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_si", output="_o", cache_write_5m="_sb5",
                                cache_write_1h="_sb1", cache_read="_sbr", out="_sim_nobreak")
-    frame = prices.price_frame(frame, timestamp=ts, input="_ri", output="_o", cache_write_5m="_rb5",
+    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_ri", output="_o", cache_write_5m="_rb5",
                                cache_write_1h="_rb1", cache_read="_rbr", out="_rec_nobreak")
     recorded_known = pl.col("recorded_input_tokens").is_not_null() & pl.col("recorded_cache_read_tokens").is_not_null()
     frame = frame.with_columns(

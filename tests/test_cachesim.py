@@ -483,3 +483,14 @@ def test_break_cost_is_the_write_premium_over_a_read() -> None:
     assert rates is not None
     want = end(2000) * (rates.base.cache_write_5m - rates.base.cache_read) / 1e6
     assert r["sim_break_cost_usd"] == pytest.approx(want)
+
+
+def test_a_call_without_a_model_is_simulated_and_left_unpriced() -> None:
+    from pipeline.prices import PriceBook
+
+    s, _ = two_calls(10)
+    for r in s.rows:
+        r["model"] = None
+    out = s.run(prices=PriceBook.load(cache_dir=None))
+    r = row(out, 1)
+    assert r["sim_cost_usd"] is None and r["calibrated_prompt_tokens"] == end(2000, 50, 300)
