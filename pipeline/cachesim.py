@@ -8,7 +8,8 @@ sim = simulate(calls, store, prep, decisions=decisions, prices=PriceBook.load())
 sim.calls          # calls + the sim_* / recorded cost / break columns (schemas/calls.py)
 ```
 
-`simulate` is pure and deterministic: the same inputs give the same frame. It walks every
+`simulate` is deterministic and changes nothing but the `CacheState` it is given: the same
+inputs give the same frame. It walks every
 reported, non-pending call of the given frame in time order (per thread in call order) through a
 `CacheState`: the cached prefixes per (scope, model) with their expiry and the time from which
 they can be read. Pass one state to several `simulate` calls to share the cache across groups of
@@ -48,7 +49,8 @@ Rules per provider (`Policy` holds the knobs):
 - **gemini** (implicit caching): automatic from the model's minimum; no hit is guaranteed by
   Google: modelled as a hit whenever the prefix matches a live request (`gemini_ttl_s`); no write fee.
 - the cache is per (scope, model): a model switch reads nothing its predecessor wrote. The scope
-  is `all` (one account for everything in the run, default), `project`... see Policy.scope.
+  is the account or workspace: `all` (every session of the run is one account, the default) or
+  `session` (nothing shared between sessions).
 
 The preamble a thread's first request read from other sessions' caches (its calibrated
 `shared_tokens`) is taken as warm at that request when no simulated request keeps it warm
@@ -495,8 +497,9 @@ SIM_COLUMNS = {
 def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions: pl.DataFrame | None = None,
              prices: Any = None, policy: Policy | None = None, state: CacheState | None = None) -> SimResult:
     """Simulate the cache over `calls` (calls.parquet's columns; pending calls are left out) and
-    attribute every cache break, recorded and simulated. Returns the calls with SIM_COLUMNS added
-    (costs null without `prices`, a pipeline.prices.PriceBook) and a summary."""
+    attribute every cache break, recorded and simulated. Returns the calls, in their order, with
+    SIM_COLUMNS added (costs null without `prices`, a pipeline.prices.PriceBook) and a summary.
+    Nothing but `state` (when given) is changed: the same inputs give the same result."""
     from pipeline import breaks as brk
     from pipeline import calibrate
 
@@ -504,7 +507,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     state = state or CacheState()
     calls = calls.drop([x for x in SIM_COLUMNS if x in calls.columns])
     cal = prep.calibration
-    c = calibrate.apply(calls, cal, prep.facts)
+    c = calibrate.apply(calls.with_row_index("_row"), cal, prep.facts)
     c = c.join(prep.facts.select("session_id", "thread_id", "call", "segment", "recorded_strip", "answer_timestamp"),
                on=["session_id", "thread_id", "call"], how="left")
     c = c.join(cal.threads.select("thread_key", "ratio", "shared_tokens", "system_tokens", "tail_tokens",
@@ -541,7 +544,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     c = c.join(sim, on=["thread_key", "call"], how="left")
     c = brk.recorded_breaks(c)
     c = _price(c, prices)
-    result = c.select(*calls.columns, *SIM_COLUMNS).sort("session_id", "thread_id", "call")
+    result = c.sort("_row").select(*calls.columns, *SIM_COLUMNS)   # the input's row order
     summary = brk.summary(result, cal, policy, prices)
     return SimResult(result, summary)
 
