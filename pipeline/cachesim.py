@@ -338,8 +338,11 @@ class CacheState:
             self.shas.append(sha)
         return g
 
-    def gid_map(self, store: SimStore) -> list[int]:
-        """The trie ids of a store's messages (labels are by content, so stores and states mix)."""
+    def gid_map(self, store: SimStore, aliases: Mapping[str, str] | None = None) -> list[int]:
+        """The trie ids of a store's messages (labels are by content, so stores and states mix);
+        an aliased message takes its alias's id (see simulate)."""
+        if aliases:
+            return [self.gid(aliases.get(x, x)) for x in store.sha]
         return [self.gid(x) for x in store.sha]
 
     def child(self, parent: int, label: Any) -> int:
@@ -495,11 +498,16 @@ SIM_COLUMNS = {
 
 
 def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions: pl.DataFrame | None = None,
-             prices: Any = None, policy: Policy | None = None, state: CacheState | None = None) -> SimResult:
+             prices: Any = None, policy: Policy | None = None, state: CacheState | None = None,
+             aliases: Mapping[str, str] | None = None) -> SimResult:
     """Simulate the cache over `calls` (calls.parquet's columns; pending calls are left out) and
     attribute every cache break, recorded and simulated. Returns the calls, in their order, with
     SIM_COLUMNS added (costs null without `prices`, a pipeline.prices.PriceBook) and a summary.
-    Nothing but `state` (when given) is changed: the same inputs give the same result."""
+    Nothing but `state` (when given) is changed: the same inputs give the same result.
+
+    `aliases` maps a message's sha256 to the sha256 whose place in the cache it keeps: a cache
+    edit (Anthropic's context editing, Claude Code's cached microcompact) changes a message on the
+    provider's side without breaking the cached prefix, and the cleared tokens leave it."""
     from pipeline import breaks as brk
     from pipeline import calibrate
 
@@ -522,7 +530,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     decisions_by = _decisions_by_thread(decisions)
     walks: dict[str, _Walk] = {}
     out: dict[tuple[str, int], tuple[Any, ...]] = {}
-    g = state.gid_map(store)
+    g = state.gid_map(store, aliases)
     cols = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
             "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking"]
     for row in zip(*(todo.get_column(x).to_list() for x in cols), strict=True):
@@ -731,6 +739,10 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     read_i = round(read)
     prompt_i = round(prompt)
     write_i = max(round(write_end) - read_i, 0)
+    if provider == "openai":
+        cached_end = int(write_end) // OPENAI_STEP * OPENAI_STEP if write_end >= mn else 0
+    else:
+        cached_end = round(write_end)        # what a later request may read of this one
     if provider == "openai" and not _OPENAI_WRITE_FEE.search(model.lower()):
         write_i = 0            # writes are free before GPT-5.6: the uncached prefix is plain input
     if provider == "gemini":
@@ -742,13 +754,19 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     # a simulated break: this request read less than the previous one had cached
     cause = detail = None
     btok = None
-    if prev is not None and provider is not None and read_i + write_i > 0 and read_i < prev["cached"]:
-        btok = min(prev["cached"], read_i + write_i) - read_i   # written again, at most what it wrote
-        cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
-                                   policy, store, old_id, first_changed, env_changed)
-    if read_i + write_i == 0 and provider is not None and prev is not None:
+    if prev is not None and provider is not None and cached_end > 0:
+        expected = prev["cached"]
+        if 0 < prev["n"] <= n and nodes[prev["n"] - 1] == prev["end"]:
+            # the previous request's prefix, where it stands in this request (a cache edit shrinks it)
+            p_here = pos(prev["n"] - 1) - tail
+            expected = round(p_here) if provider != "openai" else int(p_here) // OPENAI_STEP * OPENAI_STEP
+        if read_i < expected:
+            btok = max(min(expected, cached_end) - read_i, 0)   # cached again, at most what this one caches
+            cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
+                                       policy, store, old_id, first_changed, env_changed)
+    if cached_end == 0 and provider is not None and prev is not None:
         return read_i, w5, w1, input_i, prompt_i, cause, detail, btok   # uncached: the prefix to compare stays
-    w.prev = {"model": model, "cached": read_i + write_i, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
+    w.prev = {"model": model, "cached": cached_end, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
               "ttl": ttl_name, "call": k, "segment": segment, "cache": cache}
     return read_i, w5, w1, input_i, prompt_i, cause, detail, btok
 

@@ -379,8 +379,14 @@ def apply(calls: pl.DataFrame, calibration: Calibration, rec: pl.DataFrame) -> p
     seg = rec.select(*THREAD, "call", "segment")
     out = calls.drop([x for x in ("preamble_tokens", "calibrated_prompt_tokens", "segment") if x in calls.columns])
     out = out.join(seg, on=[*THREAD, "call"], how="left").with_columns(segment=pl.col("segment").fill_null(0))
-    out = out.join(calibration.segments.select("thread_key", "segment", "preamble_tokens"),
-                   on=["thread_key", "segment"], how="left")
+    segs = calibration.segments.select("thread_key", pl.col("segment").cast(pl.Int32), "preamble_tokens").sort("segment")
+    # a segment the calibration does not know (a compaction a pipeline simulates) takes the thread's
+    # latest known preamble before it, else its first
+    out = out.with_columns(segment=pl.col("segment").cast(pl.Int32), _i=pl.int_range(pl.len())).sort("segment")
+    back = out.join_asof(segs, on="segment", by="thread_key", strategy="backward", check_sortedness=False).select("_i", _b="preamble_tokens")
+    fwd = out.join_asof(segs, on="segment", by="thread_key", strategy="forward", check_sortedness=False).select("_i", _f="preamble_tokens")
+    out = out.join(back, on="_i").join(fwd, on="_i").sort("_i").with_columns(
+        preamble_tokens=pl.coalesce("_b", "_f")).drop("_i", "_b", "_f")
     out = out.join(calibration.threads.select("thread_key", "ratio"), on="thread_key", how="left")
     out = out.with_columns(preamble_tokens=pl.col("preamble_tokens").fill_null(0),
                            ratio=pl.col("ratio").fill_null(1.0))

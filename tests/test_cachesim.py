@@ -82,13 +82,13 @@ class Scenario:
         return pl.DataFrame(self.rows, schema=CALL_SCHEMA)
 
     def run(self, policy: Policy | None = None, *, decisions: pl.DataFrame | None = None, prices: Any = None,
-            state: CacheState | None = None) -> pl.DataFrame:
+            state: CacheState | None = None, aliases: dict[str, str] | None = None) -> pl.DataFrame:
         calls = self.calls()
         store = SimStore.from_lists(self.lists, self.msgs)
         prep = Prepared.for_calls(calls, calibrate.fixed(self.cal), segment="segment", recorded_strip="strip",
                                   answer_timestamp="answer")
         out = simulate(calls.drop("segment", "strip", "answer"), store, prep, decisions=decisions, prices=prices,
-                       policy=policy, state=state).calls
+                       policy=policy, state=state, aliases=aliases).calls
         return out.sort("thread_key", "call")
 
 
@@ -494,3 +494,33 @@ def test_a_call_without_a_model_is_simulated_and_left_unpriced() -> None:
     out = s.run(prices=PriceBook.load(cache_dir=None))
     r = row(out, 1)
     assert r["sim_cost_usd"] is None and r["calibrated_prompt_tokens"] == end(2000, 50, 300)
+
+
+@pytest.mark.parametrize("edit", [True, False])
+def test_a_cache_edit_keeps_the_prefix_and_drops_the_cleared_tokens(edit: bool) -> None:
+    # call 2 clears the tool result u1 (u1c): by rewrite, the prefix breaks there; by cache edit
+    # (an alias), the prefix stays cached and its cleared tokens leave it
+    s = Scenario()
+    for name, tok in (("u0", 2000), ("a0", 50), ("u1", 900), ("a1", 40), ("u2", 100), ("u1c", 10), ("a2", 5)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1c", "a1", "u2"],
+                           ["u0", "a0", "u1c", "a1", "u2", "a2"]], [0, 10, 20])
+    r = row(s.run(aliases={"u1c": "u1"} if edit else None), 2)
+    if edit:
+        assert r["sim_break_cause"] is None
+        assert r["sim_cache_read_tokens"] == end(2000, 50, 10)
+    else:
+        assert r["sim_break_cause"] == "unexplained"
+        assert r["sim_cache_read_tokens"] == end(2000)
+
+
+def test_openai_steady_growth_is_no_break_and_an_expiry_is() -> None:
+    s = Scenario()
+    for name, tok in (("u0", 1500), ("a0", 90), ("u1", 200), ("a1", 60), ("u2", 120), ("a2", 5)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1", "u2"],
+                           ["u0", "a0", "u1", "a1", "u2", "a2"]], [0, 10, 400], models="gpt-4.1")
+    out = s.run()
+    r1, r2 = row(out, 1), row(out, 2)
+    assert r1["sim_cache_read_tokens"] == end(1500) // 128 * 128 and r1["sim_break_cause"] is None
+    assert r2["sim_cache_read_tokens"] == 0 and r2["sim_break_cause"] == "ttl_expiry"
