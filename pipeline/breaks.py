@@ -2,8 +2,9 @@
 
 A call *breaks* the cache when its cache read falls short of the previous request's cached prefix
 (`previous read + previous write`: with Claude Code almost every request reads exactly that and
-writes only the new tail). The break's tokens are that shortfall, at most what the call wrote
-(the tokens written again instead of read: after a compaction only the new summary is written),
+writes only the new tail). The break's tokens are that shortfall, at most what the call cached
+anew (its writes, or its uncached input where writes are free: the tokens written again instead
+of read; after a compaction only the new summary is written),
 and its cost what the call paid above the same call reading them
 (`tokens × (write rate − read rate)`).
 
@@ -17,7 +18,9 @@ holds, in this order:
   holds thinking blocks: with extended thinking Anthropic strips them from the context, which
   changes the prefix from the first of them on (a documented provider rule);
 - `preamble`: nothing above, and the read stops inside the preamble (before the first recorded
-  message): the system prompt or the tools changed, which only the usage shows;
+  message): the system prompt or the tools changed, which only the usage shows (Anthropic);
+- `best_effort`: a provider with automatic caching (OpenAI, Gemini implicit, a router such as
+  OpenRouter) missed: their caching is documented as best effort, with no guaranteed hit;
 - `unexplained`: none of these.
 `recorded_break_detail` names the other causes that also hold. Simulated breaks get their cause
 from the simulator itself (pipeline/cachesim.py): the same names, plus `layer` (a decision of the
@@ -32,8 +35,8 @@ from typing import Any
 
 import polars as pl
 
-CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "lookback",
-          "concurrent", "unexplained")
+CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "best_effort",
+          "lookback", "concurrent", "unexplained")
 _TTL_S = {"5m": 300.0, "1h": 3600.0}
 
 
@@ -65,6 +68,10 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
     r = r.with_columns(**{k: v.shift(1).over("thread_key") for k, v in prev.items()})
     read = pl.col("recorded_cache_read_tokens")
     brk = pl.col("_p_cached").is_not_null() & (read < pl.col("_p_cached"))
+    anthropic = pl.col("model").fill_null("").str.to_lowercase().str.contains("claude")
+    # what the call cached anew: its writes, or (free writes: OpenAI and the like) its uncached input
+    fresh = pl.when(pl.col("recorded_cache_write_tokens") > 0).then(pl.col("recorded_cache_write_tokens")) \
+        .otherwise(pl.col("recorded_input_tokens").fill_null(0))
     gap = (pl.col("timestamp") - pl.col("_p_t")).dt.total_milliseconds() / 1000.0
     conds = [
         ("model_switch", pl.col("model").ne_missing(pl.col("_p_model")),
@@ -74,8 +81,9 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
                    pl.when(pl.col("_p_ttl") >= 3600).then(pl.lit("1h")).otherwise(pl.lit("5m")))),
         ("compaction", pl.col("segment") != pl.col("_p_seg"), pl.lit(None, pl.String)),
         ("thinking_strip", pl.col("recorded_strip").fill_null(False), pl.lit(None, pl.String)),
-        ("preamble", read <= pl.col("preamble_tokens"),
+        ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,
          pl.format("read {} <= preamble {}", read, pl.col("preamble_tokens"))),
+        ("best_effort", ~anthropic, pl.lit("automatic caching guarantees no hit")),
     ]
     cause = pl.lit("unexplained")
     detail: pl.Expr = pl.lit(None, pl.String)
@@ -93,8 +101,8 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
         recorded_break_detail=pl.when(brk).then(pl.concat_str(
             [pl.col("_detail"), pl.when(others != "").then(pl.lit("also ") + others)], separator="; ",
             ignore_nulls=True)),
-        recorded_break_tokens=pl.when(brk).then((pl.min_horizontal(pl.col("_p_cached"), read + pl.col(
-            "recorded_cache_write_tokens")) - read).cast(pl.Int64)),
+        recorded_break_tokens=pl.when(brk).then((pl.min_horizontal(pl.col("_p_cached"), read + fresh) - read)
+                                                .clip(0).cast(pl.Int64)),
     )
     r = r.with_columns(recorded_break_detail=pl.when(pl.col("recorded_break_detail") == "")
                        .then(None).otherwise(pl.col("recorded_break_detail")))

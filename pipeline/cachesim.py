@@ -39,8 +39,8 @@ Rules per provider (`Policy` holds the knobs):
   message without a tool result (a new turn) strips the thinking blocks of the turn before it,
   which changes the prefix from the first of them on (`strip_thinking`; a tool result with text
   appended continues the tool loop and strips nothing: five compaction requests of the corpus
-  read their thread's whole prefix, thinking included). A thread whose recorded new turns never
-  lost the cache keeps its thinking (calibration `strips_thinking = False`: Opus 4.5 and later
+  read their thread's whole prefix, thinking included). A thread whose recorded new turns mostly
+  kept the cache keeps its thinking (calibration `strips_thinking = False`: Opus 4.5 and later
   keep it by default).
 - **openai** (and models of unknown provider whose recorded usage shows caching): automatic, for
   prompts of at least 1,024 tokens, in 128-token steps; every request's prefix is cached (for
@@ -893,12 +893,15 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
     rb = pl.col("recorded_break_tokens").fill_null(0)
     s_is5 = pl.col("_s5") >= pl.col("_s1")
     r_is5 = pl.col("_r5") >= pl.col("_r1")
+    # the tokens move from the writes (of the call's TTL), then from the input where writes are free
     frame = frame.with_columns(
         _sb5=pl.when(s_is5).then((pl.col("_s5") - sb).clip(0)).otherwise(pl.col("_s5")),
         _sb1=pl.when(s_is5).then(pl.col("_s1")).otherwise((pl.col("_s1") - sb).clip(0)),
+        _sbi=pl.col("_si") - (sb - pl.when(s_is5).then(pl.col("_s5")).otherwise(pl.col("_s1"))).clip(0),
         _sbr=pl.col("_sr") + sb,
         _rb5=pl.when(r_is5).then((pl.col("_r5") - rb).clip(0)).otherwise(pl.col("_r5")),
         _rb1=pl.when(r_is5).then(pl.col("_r1")).otherwise((pl.col("_r1") - rb).clip(0)),
+        _rbi=pl.col("_ri") - (rb - pl.when(r_is5).then(pl.col("_r5")).otherwise(pl.col("_r1"))).clip(0),
         _rbr=pl.col("_rr") + rb,
     )
     ts = "_pts"
@@ -906,9 +909,9 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
                                cache_write_1h="_s1", cache_read="_sr", out="sim_cost_usd")
     frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_ri", output="_o", cache_write_5m="_r5",
                                cache_write_1h="_r1", cache_read="_rr", out="recorded_cost_usd")
-    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_si", output="_o", cache_write_5m="_sb5",
+    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_sbi", output="_o", cache_write_5m="_sb5",
                                cache_write_1h="_sb1", cache_read="_sbr", out="_sim_nobreak")
-    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_ri", output="_o", cache_write_5m="_rb5",
+    frame = prices.price_frame(frame, model="_pmodel", timestamp=ts, input="_rbi", output="_o", cache_write_5m="_rb5",
                                cache_write_1h="_rb1", cache_read="_rbr", out="_rec_nobreak")
     recorded_known = pl.col("recorded_input_tokens").is_not_null() & pl.col("recorded_cache_read_tokens").is_not_null()
     frame = frame.with_columns(

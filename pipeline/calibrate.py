@@ -30,11 +30,11 @@ What the recorded usage also says about the preamble's structure (for the cache 
 - `tail_tokens`: the median recorded `input_tokens`, the few tokens after the last breakpoint;
 - `uses_cache`: False for a thread whose requests never read nor wrote the cache (an agent that
   sets no breakpoint);
-- `strips_thinking`: whether a new user turn after a turn with thinking made the thread lose its
-  cached prefix (Anthropic strips such thinking blocks): True when at least one such turn of the
-  recorded thread missed, False when none of them did (Opus 4.5 and later keep the thinking by
-  default; an agent may also re-warm the stripped prefix with a side request), null without such a
-  turn (the policy decides).
+- `strips_thinking`: whether a new user turn after a turn with thinking makes the thread lose its
+  cached prefix (Anthropic strips such thinking blocks): True when at least half of such turns of
+  the recorded thread missed (same model and segment, within the TTL), False otherwise (Opus 4.5
+  and later keep the thinking by default; an agent may also re-warm the stripped prefix with a
+  side request), null without such a turn (the policy decides).
 
 Causality: the calibration is a property of the recorded session. It is fitted on the recorded
 session's own requests (the loaded blocks before any stage, `recorded_facts`) and the
@@ -222,6 +222,11 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
         raise ValueError(f"calibration mode must be 'thread' or 'family', not {mode!r}")
     need = [*THREAD, "thread_key", "call", "is_pending", "model", *_RECORDED, "recorded_cache_write_5m_tokens",
             "recorded_cache_write_1h_tokens"]
+    if "timestamp" in calls.columns:
+        need.append("timestamp")
+    else:
+        calls = calls.with_columns(timestamp=pl.lit(None, pl.Datetime("ms", "UTC")))
+        need.append("timestamp")
     rec = rec if "recorded_strip" in rec.columns else rec.with_columns(recorded_strip=pl.lit(False))
     c = with_family(calls.select(need).join(rec, on=[*THREAD, "call"], how="left")).with_columns(
         segment=pl.col("segment").fill_null(0).cast(pl.Int32), recorded_cache_write_tokens=recorded_write())
@@ -319,9 +324,23 @@ def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
     uses_cache, and the evidence of where its requests fall back to (break reads)."""
     rec = c.filter(pl.col("usable")).sort("thread_key", "call").join(
         segments.select("thread_key", "segment", "preamble_tokens"), on=["thread_key", "segment"], how="left")
-    prev = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")).shift(1).over("thread_key")
-    rec = rec.with_columns(_cand=pl.col("recorded_strip").fill_null(False) & prev.is_not_null(),
-                           _miss=pl.col("recorded_cache_read_tokens") < prev)
+    # evidence of stripping: a new turn after thinking that lost the prefix for no other reason
+    # (same model and compaction segment, within the TTL written with; calls that neither read nor
+    # wrote are left out, as in pipeline/breaks.py)
+    act = rec.filter((pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0)
+    ttl = pl.when(pl.col("recorded_cache_write_1h_tokens").fill_null(0) > 0).then(3600.0).otherwise(300.0)
+    sh = {k: v.shift(1).over("thread_key") for k, v in {
+        "_pc": pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"),
+        "_pm": pl.col("model"), "_ps": pl.col("segment"), "_pt": pl.col("timestamp"), "_pttl": ttl}.items()}
+    act = act.with_columns(**sh)
+    gap = (pl.col("timestamp") - pl.col("_pt")).dt.total_milliseconds() / 1000.0
+    act = act.with_columns(
+        _cand=pl.col("recorded_strip").fill_null(False) & pl.col("_pc").is_not_null()
+        & (pl.col("model") == pl.col("_pm")) & (pl.col("segment") == pl.col("_ps"))
+        & (gap.fill_null(0.0) <= pl.col("_pttl")),
+        _miss=pl.col("recorded_cache_read_tokens") < pl.col("_pc"))
+    rec = rec.join(act.select("thread_key", "call", "_cand", "_miss"), on=["thread_key", "call"], how="left").with_columns(
+        _cand=pl.col("_cand").fill_null(False))
     first = rec.group_by("thread_key").agg(
         r0=pl.col("recorded_cache_read_tokens").first(), p0=pl.col("preamble_tokens").first(),
         tail_tokens=pl.col("recorded_input_tokens").median().round(0).cast(pl.Int64),
@@ -332,7 +351,7 @@ def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
     # a thread whose new user turns after thinking never lost the cache runs with a model or an
     # agent that keeps the thinking (Opus 4.5+ by default, or a side request re-warming it): no strip
     first = first.with_columns(strips_thinking=pl.when(pl.col("strip_candidates") > 0)
-                               .then(pl.col("strip_misses") > 0).otherwise(None))
+                               .then(2 * pl.col("strip_misses") >= pl.col("strip_candidates")).otherwise(None))
     first = first.with_columns(shared_tokens=pl.when((pl.col("r0") > 0) & (pl.col("r0") <= pl.col("p0")))
                                .then(pl.col("r0")).otherwise(0).cast(pl.Int64)).drop("r0", "p0")
     all_threads = c.select("thread_key").unique()

@@ -87,3 +87,13 @@ def test_classes_agreement_and_sessions() -> None:
     assert s["read_diff"] == 52500 / 43000 - 1.0
     by = breaks.by_cause(c)
     assert by["recorded"]["ttl_expiry"]["breaks"] == 1 and by["recorded"]["unexplained_share"] == 0.0
+
+
+def test_automatic_caching_misses_are_best_effort_and_count_the_uncached_input() -> None:
+    rows = [{"t": 0, "read": 0, "write": 0, "model": "gpt-5.1-codex-max"},
+            {"t": 10, "read": 4096, "write": 0, "model": "gpt-5.1-codex-max"},
+            {"t": 20, "read": 1024, "write": 0, "model": "gpt-5.1-codex-max"}]
+    f = frame(rows).with_columns(recorded_input_tokens=pl.Series([5000, 1000, 3500]))
+    out = breaks.recorded_breaks(f).sort("call")
+    assert out["recorded_break_cause"].to_list() == [None, None, "best_effort"]
+    assert out["recorded_break_tokens"][2] == 4096 - 1024      # the lost prefix, cached again as input
