@@ -19,10 +19,11 @@ Requests are the request store's message lists (`SimStore`): a request is a chai
 nodes — the shared preamble (Claude Code's system prompt and tools, common to the sessions of an
 account), the thread's own system prompt, what the agent injects before the first recorded message
 (one node per compaction segment), then one node per wire message (its sha256; with a thinking
-block stripped or not). Nodes are interned in a trie shared by every thread, so two requests that
-send the same bytes reach the same node, whichever thread sends them. Between two calls a
-thread's chain is recomputed only from its first changed slot, so the walk costs O(calls + changed
-slots) dictionary operations. Token positions come from the calibration (pipeline/calibrate.py):
+block stripped or not). A node is a 64-bit hash chained over the prefix's parts, so two requests
+that send the same bytes reach the same node, whichever thread sends them, and nothing is stored
+per prefix but cache entries. Between two calls a thread's chain is recomputed only from its first
+changed slot: the walk costs O(calls + the slots at or after each call's first change) hash
+steps (appends only, under identity). Token positions come from the calibration (pipeline/calibrate.py):
 `preamble + ratio × (our cumulative tokens)`.
 
 Rules per provider (`Policy` holds the knobs):
@@ -60,6 +61,7 @@ The preamble a thread's first request read from other sessions' caches (its cali
 from __future__ import annotations
 
 import bisect
+import gc
 import re
 from array import array
 from collections.abc import Mapping
@@ -321,15 +323,16 @@ def _extends(old: bytes | None, new: bytes | None) -> bool:
 
 
 class CacheState:
-    """The trie of prefix nodes (shared by every thread: same bytes, same node) and the cache
-    entries per (scope, model): node -> [expiry, readable_from] (seconds since the epoch)."""
+    """The cache entries per (scope, model): node -> [expiry, readable_from] (seconds since the
+    epoch). A node names a prefix: a 64-bit hash chained over its parts (`child`), the same for the
+    same content whichever thread, store or run sends it, so nothing per prefix is kept but the
+    entries themselves."""
 
     def __init__(self) -> None:
-        self.nodes: dict[tuple[int, Any], int] = {}
-        self.children: dict[int, list[tuple[Any, int]]] = {}
         self.entries: dict[tuple[str, str], dict[int, list[float]]] = {}
-        self.gids: dict[str, int] = {}   # message sha256 -> the id trie labels use (any store)
+        self.gids: dict[str, int] = {}   # message sha256 -> the label its prefix nodes chain
         self.shas: list[str] = []
+        self.names: dict[Any, int] = {}  # preamble parts -> a negative label
 
     def gid(self, sha: str) -> int:
         g = self.gids.get(sha)
@@ -339,19 +342,21 @@ class CacheState:
         return g
 
     def gid_map(self, store: SimStore, aliases: Mapping[str, str] | None = None) -> list[int]:
-        """The trie ids of a store's messages (labels are by content, so stores and states mix);
-        an aliased message takes its alias's id (see simulate)."""
+        """The labels of a store's messages (by content, so stores and states mix); an aliased
+        message takes its alias's label (see simulate)."""
         if aliases:
             return [self.gid(aliases.get(x, x)) for x in store.sha]
         return [self.gid(x) for x in store.sha]
 
     def child(self, parent: int, label: Any) -> int:
-        k = (parent, label)
-        n = self.nodes.get(k)
-        if n is None:
-            n = self.nodes[k] = len(self.nodes) + 1
-            self.children.setdefault(parent, []).append((label, n))
-        return n
+        """The node of prefix `parent` followed by `label`: a message label (int >= 0) or a
+        preamble part (any hashable, named by a negative int)."""
+        if type(label) is not int:
+            got = self.names.get(label)
+            if got is None:
+                got = self.names[label] = -1 - len(self.names)
+            label = got
+        return hash((parent, label))
 
     def cache(self, scope: str, model: str) -> dict[int, list[float]]:
         k = (scope, model)
@@ -533,16 +538,22 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     g = state.gid_map(store, aliases)
     cols = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
             "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking"]
-    for row in zip(*(todo.get_column(x).to_list() for x in cols), strict=True):
-        key = row[0]
-        w = walks.get(key)
-        if w is None:
-            ev = store.threads.get(key)
-            if ev is None:
-                raise SimError(f"thread '{key}' is in the calls but not in the request store; the run's outputs "
-                               f"do not belong together: run again")
-            w = walks[key] = _Walk(key, ev)
-        out[(key, row[2])] = _simulate_call(w, row, store, g, state, policy, decisions_by.get(key))
+    was = gc.isenabled()
+    gc.disable()      # the walk allocates many small long-lived objects: no cyclic GC rescans
+    try:
+        for row in zip(*(todo.get_column(x).to_list() for x in cols), strict=True):
+            key = row[0]
+            w = walks.get(key)
+            if w is None:
+                ev = store.threads.get(key)
+                if ev is None:
+                    raise SimError(f"thread '{key}' is in the calls but not in the request store; the run's "
+                                   f"outputs do not belong together: run again")
+                w = walks[key] = _Walk(key, ev)
+            out[(key, row[2])] = _simulate_call(w, row, store, g, state, policy, decisions_by.get(key))
+    finally:
+        if was:
+            gc.enable()
     sim = pl.DataFrame(
         [(k, c_, *v) for (k, c_), v in out.items()],
         schema={"thread_key": pl.String, "call": pl.Int32, "sim_cache_read_tokens": pl.Int64,
@@ -643,19 +654,20 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
         w.base_key = base_key
         w.base = state.child(node_b, ("hidden", g[ids[0]] if n else -1))
         w.valid = 0
-    # message chain from the first invalid index
+    # message chain from the first invalid index (the old node where the first change is: the end of
+    # an earlier version of that message, still a block boundary if the new one only appends blocks)
     nodes, cum_tok, cum_blk = w.nodes, w.cum_tok, w.cum_blk
+    ext = (first_changed, nodes[first_changed], old_id) if (
+        old_id >= 0 and first_changed < min(len(nodes), n) and not env_changed) else None
     v = w.valid
     del nodes[v:], cum_tok[v:], cum_blk[v:]
-    tok, blk = store.tok, store.blk
+    tok, blk, thinking = store.tok, store.blk, store.thinking
     parent = nodes[v - 1] if v else w.base
     ct = cum_tok[v - 1] if v else 0
     cb = cum_blk[v - 1] if v else 0
-    child = state.child
     for i in range(v, n):
         mid = ids[i]
-        lab = g[mid] * 2 + (1 if (strip and i < h and store.thinking[mid]) else 0)
-        parent = child(parent, lab)
+        parent = hash((parent, g[mid] * 2 + (1 if (strip and i < h and thinking[mid]) else 0)))
         nodes.append(parent)
         ct += tok[mid] + MESSAGE_OVERHEAD_TOKENS
         cb += blk[mid]
@@ -698,7 +710,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
                 read, hit_node = p, node
         if n and bps and bps[-1][0] == nodes[n - 1]:
             # the last breakpoint also reads the longest live prefix ending within lookback_blocks before it
-            got = _lookback(w, state, cache, t, n, policy.lookback_blocks, store, g, pos, tail)
+            got = _lookback(w, cache, t, n, policy.lookback_blocks, store, ext, pos, tail)
             if got is not None and got[1] > read:
                 hit_node, read = got
         write_end = max((p for _, p in bps), default=0.0)
@@ -784,11 +796,11 @@ def _put(cache: dict[int, list[float]], node: int, t: float, avail: float, ttl_s
     e[0] = max(e[0], t + ttl_s, e[1] + ttl_s)
 
 
-def _lookback(w: _Walk, state: CacheState, cache: dict[int, list[float]], t: float, n: int, limit: int,
-              store: SimStore, g: list[int], pos: Any, tail: float) -> tuple[int, float] | None:
+def _lookback(w: _Walk, cache: dict[int, list[float]], t: float, n: int, limit: int, store: SimStore,
+              ext: tuple[int, int, int] | None, pos: Any, tail: float) -> tuple[int, float] | None:
     """The deepest live prefix ending at a block boundary at most `limit` blocks before the end of
-    message n-1: a message end, or the end of an earlier, shorter version of a message (blocks
-    appended since), or the preamble."""
+    message n-1: a message end, the end of the earlier, shorter version of the first changed
+    message (`ext`: blocks appended since), or the preamble."""
     nodes, cum_blk, ids = w.nodes, w.cum_blk, w.ids
     end_blk = cum_blk[n - 1]
     i = n - 1
@@ -798,19 +810,12 @@ def _lookback(w: _Walk, state: CacheState, cache: dict[int, list[float]], t: flo
         e = cache.get(nodes[i])
         if e is not None and e[1] <= t < e[0]:
             return nodes[i], pos(i) - tail
-        # the end of an earlier version of message i that this one extends
-        parent = nodes[i - 1] if i else w.base
-        before = cum_blk[i - 1] if i else 0
-        for label, node in state.children.get(parent, ()):
-            if not isinstance(label, int) or node == nodes[i] or label // 2 == g[ids[i]]:
-                continue
-            old = store.ids.get(state.shas[label // 2], -1)   # the earlier version, if this store has it
-            if old < 0:
-                continue
-            if end_blk - (before + store.blk[old]) > limit:
-                continue
+        if ext is not None and ext[0] == i:
+            _, node, old = ext
+            before = cum_blk[i - 1] if i else 0
             e = cache.get(node)
-            if e is not None and e[1] <= t < e[0] and store.extends(old, ids[i]):
+            if (e is not None and e[1] <= t < e[0] and end_blk - (before + store.blk[old]) <= limit
+                    and store.extends(old, ids[i])):
                 p = pos(i - 1) + (pos(i) - pos(i - 1)) * (store.tok[old] + MESSAGE_OVERHEAD_TOKENS) / max(
                     store.tok[ids[i]] + MESSAGE_OVERHEAD_TOKENS, 1)
                 return node, p - tail
