@@ -657,9 +657,9 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     # message chain from the first invalid index (the old node where the first change is: the end of
     # an earlier version of that message, still a block boundary if the new one only appends blocks)
     nodes, cum_tok, cum_blk = w.nodes, w.cum_tok, w.cum_blk
-    ext = (first_changed, nodes[first_changed], old_id) if (
-        old_id >= 0 and first_changed < min(len(nodes), n) and not env_changed) else None
     v = w.valid
+    ext = (first_changed, nodes[first_changed], old_id) if (
+        old_id >= 0 and v >= first_changed and first_changed < min(len(nodes), n)) else None
     del nodes[v:], cum_tok[v:], cum_blk[v:]
     tok, blk, thinking = store.tok, store.blk, store.thinking
     parent = nodes[v - 1] if v else w.base
