@@ -650,7 +650,8 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     node_a = state.child(ROOT, ("shared", int(shared))) if shared > 0 else ROOT
     node_b = state.child(node_a, ("system", owner, g[w.env] if w.env >= 0 else -1))
     base_key = (node_b, ids[0] if n else -1, segment)
-    if base_key != w.base_key:
+    base_changed = base_key != w.base_key
+    if base_changed:
         w.base_key = base_key
         w.base = state.child(node_b, ("hidden", g[ids[0]] if n else -1))
         w.valid = 0
@@ -659,7 +660,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     nodes, cum_tok, cum_blk = w.nodes, w.cum_tok, w.cum_blk
     v = w.valid
     ext = (first_changed, nodes[first_changed], old_id) if (
-        old_id >= 0 and v >= first_changed and first_changed < min(len(nodes), n)) else None
+        old_id >= 0 and not base_changed and v >= first_changed and first_changed < min(len(nodes), n)) else None
     del nodes[v:], cum_tok[v:], cum_blk[v:]
     tok, blk, thinking = store.tok, store.blk, store.thinking
     parent = nodes[v - 1] if v else w.base
