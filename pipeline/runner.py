@@ -241,6 +241,11 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
         calls_df, violations, replay_stats = _replay(final, skeleton, target_name, counter, opts, staging, counts, say)
         t_replay = time.perf_counter()
+        say("simulating the prompt cache")
+        from pipeline.cachesim import after_replay
+
+        calls_df, cache_sim = after_replay(loaded.blocks, final, calls_df, replay_stats["store_tables"], staged.applied,
+                                           counter.series_counter())
         _write_tables(staging, loaded, calls_df, final, staged.applied, replay_stats.pop("store_tables"), run_id,
                       opts.out_dir)
         if violations:
@@ -249,7 +254,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
                                     ledger_path, {"load": t_load - t_start, "stages": t_stages - t_load,
                                                   "replay": t_replay - t_stages}, counter))
         summary.update(threads=replay_stats["threads"], request_store=replay_stats["request_store"], run_id=run_id,
-                       stale_outputs_removed=stale)
+                       stale_outputs_removed=stale, cache_sim=cache_sim)
         crashpoints.phase("ledger")
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
