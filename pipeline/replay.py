@@ -68,16 +68,43 @@ ROW_COLUMNS = [
 ]
 
 
+KEY_MAX = 200  # bytes of a key's readable part: `requests/<key>.jsonl` stays under 255 bytes
+_PLAIN_SESSION = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_PLAIN_THREAD = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
 def thread_key(session_id: str, thread_id: str) -> str:
-    key = session_id if thread_id == "main" else f"{session_id}--{thread_id}"
-    return _UNSAFE.sub("_", key)
+    """The thread's name in outputs and file names (`requests/<key>.json`).
+
+    Plain ids give `<session_id>` for a main thread, else `<session_id>--<thread_id>`. Any other
+    id (characters outside `[a-z0-9._-]`, uppercase, a `--` inside the session id, a leading dot
+    or dash, an empty or very long id: `..`, `a/b`, a NUL, 300 bytes) gives the readable form with
+    every character outside `[A-Za-z0-9._-]` replaced by `_`, cut to KEY_MAX characters, then `~`
+    and 16 hex digits of the sha256 of the two ids. So a key is always a safe file name under 255
+    bytes, and two threads never share one (not even on a case-insensitive file system): plain
+    keys hold no `~` and decode back to their ids, the others carry the ids' hash."""
+    readable = session_id if thread_id == "main" else f"{session_id}--{thread_id}"
+    if (len(readable) <= KEY_MAX and _PLAIN_SESSION.fullmatch(session_id) and "--" not in session_id
+            and (thread_id == "main" or _PLAIN_THREAD.fullmatch(thread_id))):
+        return readable
+    digest = hashlib.sha256(f"{session_id}\0{thread_id}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{_UNSAFE.sub('_', readable)[:KEY_MAX]}~{digest}"
+
+
+def _thread_keys(s: pl.Series) -> pl.Series:
+    ids = s.struct.unnest()
+    uniq = ids.unique()
+    keys = [None if a is None or b is None else thread_key(a, b)
+            for a, b in zip(uniq.get_column("session_id").to_list(), uniq.get_column("thread_id").to_list())]
+    uniq = uniq.with_columns(_key=pl.Series(keys, dtype=pl.String))
+    return ids.join(uniq, on=["session_id", "thread_id"], how="left", nulls_equal=True,
+                    maintain_order="left").get_column("_key")
 
 
 def thread_key_expr() -> pl.Expr:
-    """thread_key as a column expression."""
-    key = pl.when(pl.col("thread_id") == "main").then(pl.col("session_id")) \
-        .otherwise(pl.col("session_id") + "--" + pl.col("thread_id"))
-    return key.str.replace_all(_UNSAFE.pattern, "_")
+    """thread_key as a column expression (over session_id, thread_id; one Python call per thread)."""
+    return pl.struct("session_id", "thread_id").map_batches(_thread_keys, return_dtype=pl.String,
+                                                            is_elementwise=True)
 
 
 @dataclass

@@ -61,6 +61,7 @@ from pipeline.spec import DEFAULT_TARGET, PipelineSpec
 from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE, store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from pipeline.words import plural
 from schemas.blocks import BLOCKS
 from schemas.calls import CALLS
 from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
@@ -324,7 +325,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
     started = _now()
     t_start = time.perf_counter()
     say = opts.progress or (lambda s: None)
-    say(f"loading {len(paths)} path(s)")
+    say(f"loading {plural(len(paths), 'path')}")
     crashpoints.phase("load")
     try:
         with _gc_paused():
@@ -373,7 +374,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         t_replay = time.perf_counter()
         calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
         quarantine = pa.Table.from_pylist(
-            [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason} for q in loaded.quarantine],
+            [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
+              "raw_base64": q.raw_base64} for q in loaded.quarantine],
             schema=QUARANTINE)
         crashpoints.phase("write")
         messages_t, call_messages_t = replay_stats.pop("store_tables")
@@ -426,11 +428,11 @@ def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
     empty = sum(1 for ld in loaded.loads if ld.lines == 0)
     parts = []
     if empty:
-        parts.append(f"{empty} empty file(s)")
+        parts.append(f"{plural(empty, 'empty file')}")
     skipped = loaded.skipped
     if skipped:
         first = "; ".join(f"{s['file']}: {s['reason']}" for s in skipped[:3])
-        parts.append(f"{len(skipped)} file(s) skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
+        parts.append(f"{plural(len(skipped), 'file')} skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
     found = ", ".join(parts) if parts else "no files there"
     raise NothingToDo(f"no transcripts found under {where}: {found}. Pass the files or directories that hold "
                       f"session transcripts (*.jsonl), e.g. ~/.claude/projects")
@@ -509,6 +511,7 @@ def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, target: s
     if message_lines + other_lines + quarantined != lines:
         raise CheckFailed(f"line accounting failed: {message_lines} + {other_lines} + {quarantined} != {lines}")
     q_reasons = Counter(q.reason for q in loaded.quarantine)
+    q_codes = Counter(q.code for q in loaded.quarantine)
     formats = Counter(ld.format for ld in loaded.loads)
     total_bytes = sum(ld.bytes for ld in loaded.loads)
     pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
@@ -525,6 +528,7 @@ def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, target: s
         "other_lines_by_kind": dict(sorted(other_kinds.items())),
         "quarantined_lines": quarantined,
         "quarantine_reasons": dict(sorted(q_reasons.items())),
+        "quarantine_codes": dict(sorted(q_codes.items())),
         "recovered_lines": [r for ld in loaded.loads for r in ld.recovered],
         "skipped_files": loaded.skipped,
         "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,

@@ -1,4 +1,10 @@
-"""Lines that could not be understood: kept whole, with where and why."""
+"""Lines that could not be understood: kept whole, with where and why.
+
+`raw` is always displayable text: a line holding bytes that are not UTF-8 shows each of them as a
+`\\xNN` escape, and its exact bytes are kept (base64) in `raw_base64`, null for every other line.
+`code` is a stable short name of the reason (e.g. `invalid_utf8`, `truncated_json`, `no_type`; the
+list is `pipeline.loaders.base.QUARANTINE_CODES`); `reason` says it in a sentence.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ QUARANTINE = pa.schema(
         pa.field("line", pa.int64(), nullable=False),  # 1-based physical line
         pa.field("raw", pa.string(), nullable=False),
         pa.field("reason", pa.string(), nullable=False),
+        pa.field("code", pa.string(), nullable=False),
+        pa.field("raw_base64", pa.string()),  # the exact bytes, only for lines that are not UTF-8
     ],
-    metadata={"name": "quarantine", "version": "1"},
+    metadata={"name": "quarantine", "version": "2"},
 )

@@ -38,7 +38,7 @@ def test_run_json_summary_and_outputs(tmp_path: Path) -> None:
             "recorded_cache_write_tokens"} <= set(calls.columns)
     assert (out / "requests" / f"{SID}.json").is_file()
     assert (out / "requests" / f"{SID}--agent-a1b2c3d.json").is_file()
-    assert pl.read_parquet(out / "quarantine.parquet").columns == ["file", "line", "raw", "reason"]
+    assert pl.read_parquet(out / "quarantine.parquet").columns == ["file", "line", "raw", "reason", "code", "raw_base64"]
     assert json.loads((out / "summary.json").read_text())["pipeline_sha256"] == s["pipeline_sha256"]
 
 
@@ -46,7 +46,7 @@ def test_run_human_summary(tmp_path: Path) -> None:
     r = _run("run", CC_SAMPLE, "--out", tmp_path / "o", "--preset", "identity", "--fast-tokens")
     assert r.exit_code == 0
     assert "read 2 files, 27 lines: 22 message, 5 other, 0 quarantined" in r.stdout
-    assert "1 sessions, 2 threads, 10 calls (8 recorded + 2 pending)" in r.stdout
+    assert "1 session, 2 threads, 10 calls (8 recorded + 2 pending)" in r.stdout
 
 
 def test_all_calls_and_request_command_agree(tmp_path: Path) -> None:
@@ -88,7 +88,7 @@ def test_strict_exits_1_on_quarantined_lines(tmp_path: Path) -> None:
     f.write_text("\n".join(src[:5] + ["{broken"] + src[5:]) + "\n")
     r = _run("run", f, "--out", tmp_path / "o", "--strict", "--preset", "identity", "--fast-tokens")
     assert r.exit_code == 1
-    assert "1 of 24 lines quarantined (invalid JSON at column 2: Expecting property name enclosed in double quotes: 1)" in r.stdout
+    assert "1 of 24 lines quarantined (invalid_json: 1)" in r.stdout
     q = pl.read_parquet(tmp_path / "o" / "quarantine.parquet")
     assert q.select("line", "raw").to_dicts() == [{"line": 6, "raw": "{broken"}]
     assert _run("run", f, "--out", tmp_path / "o2", "--preset", "identity", "--fast-tokens").exit_code == 0
@@ -118,9 +118,10 @@ def test_ledger_command_lists_quarantine_and_runs(tmp_path: Path) -> None:
     out = tmp_path / "o"
     assert _run("run", CC_SAMPLE, "--out", out, "-q", "--preset", "identity", "--fast-tokens").exit_code == 0
     r = _run("ledger", out)
-    assert r.exit_code == 0 and r.stdout.startswith(f"{out / 'ledger.duckdb'}: 1 run(s), 0 decision(s)")
+    assert r.exit_code == 0 and r.stdout.startswith(f"{out / 'ledger.duckdb'}: 1 run, 0 frozen decisions, "
+                                                    f"0 violations recorded\n")
     q = _run("ledger", out, "--quarantine", "--json")
-    assert q.exit_code == 0 and json.loads(q.stdout) == []
+    assert q.exit_code == 0 and json.loads(q.stdout) == {"count": 0, "rows": []}
     missing = _run("ledger", tmp_path / "nothing")
     assert missing.exit_code == 2 and "no ledger here" in missing.stderr
 
@@ -166,7 +167,7 @@ def test_nothing_to_do_is_exit_2_and_writes_nothing_8(tmp_path: Path, strict: bo
     (notes / "empty.jsonl").write_text("")
     r = _run("run", notes, "--out", tmp_path / "o", *flags)
     assert r.exit_code == 2
-    assert _no_traceback(r).startswith(f"ctxreplay: no transcripts found under {notes}: 1 empty file(s), 1 file(s) "
+    assert _no_traceback(r).startswith(f"ctxreplay: no transcripts found under {notes}: 1 empty file, 1 file "
                                        f"skipped ({notes / 'README.md'}: not a transcript file name")
     assert not (tmp_path / "o").exists()
 
@@ -180,7 +181,7 @@ def test_skipped_files_are_listed_on_the_terminal_8(tmp_path: Path) -> None:
         (src / f"note{i}.md").write_text("not a transcript\n")
     r = _run("run", src, "--out", tmp_path / "o", "--preset", "identity", "--fast-tokens")
     assert r.exit_code == 0
-    assert "  skipped 7 file(s) that are not transcripts:\n" in r.stdout
+    assert "  skipped 7 files:\n" in r.stdout
     assert (f"    {src / 'note0.md'}: not a transcript file name (*.jsonl, *.jsonl.deleted.*, *.jsonl.reset.*, *.json)"
             in r.stdout)
     assert f"    ... and 2 more (all in {tmp_path / 'o'}/summary.json)" in r.stdout

@@ -4,15 +4,23 @@
 (Claude Code, OpenClaw / pi, Codex rollout, single Anthropic / OpenAI chat request JSON), loads
 Claude Code files session by session (a session's subagent files link into its main file), and
 returns the blocks table plus the accounting of every file and every line.
+
+Hostile input never stops a batch: a file that cannot be read is skipped with the reason, a line
+that cannot be understood is quarantined with a specific reason code, and a session found in
+several files (a backup copy) is read once: the fullest file is replayed and the lines of the
+others that it already holds are counted as `duplicate_entry` other lines (a copy that differs
+is kept apart as session `<id>~<hash>` and reported).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pyarrow as pa
 
 from pipeline.errors import InputError
@@ -21,8 +29,13 @@ from pipeline.loaders.base import (
     FileLoad,
     QuarantineRow,
     Thread,
+    decode_line,
+    displayable,
     file_load,
-    read_nonblank_lines,
+    nonblank_lines,
+    parse_document,
+    parse_json_line,
+    path_str,
     threads_to_blocks,
 )
 from schemas.blocks import BLOCKS
@@ -62,12 +75,12 @@ def discover(paths: list[Path]) -> tuple[list[Path], list[dict[str, str]]]:
                 if is_transcript_name(f):
                     out.append(f)
                 else:
-                    skipped.append({"file": str(f), "reason": "not a transcript file name (*.jsonl, "
+                    skipped.append({"file": path_str(f), "reason": "not a transcript file name (*.jsonl, "
                                     "*.jsonl.deleted.*, *.jsonl.reset.*, *.json)"})
         elif p.is_file():
             out.append(p)
         else:
-            msg = (f"{p}: no such file or directory. Pass transcript files or directories "
+            msg = (f"{path_str(p)}: no such file or directory. Pass transcript files or directories "
                    f"(e.g. ~/.claude/projects, ~/.openclaw/agents)")
             raise InputError(msg)
     seen: set[Path] = set()
@@ -80,100 +93,216 @@ def discover(paths: list[Path]) -> tuple[list[Path], list[dict[str, str]]]:
     return uniq, skipped
 
 
-def _first_objects(path: Path, limit: int = 5) -> list[Any]:
+def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
+    """The first JSON values of a file, one per non-blank line (None for a line that does not parse),
+    up to `limit` values that parse, within the first `scan` non-blank lines (so a file whose first
+    lines are broken is still recognised).
+
+    Raises OSError when the file cannot be read."""
     objs: list[Any] = []
-    try:
-        with open(path, "rb") as fh:
-            for raw in fh:
-                if not raw.strip():
-                    continue
-                try:
-                    objs.append(orjson.loads(raw))
-                except orjson.JSONDecodeError:
-                    objs.append(None)
-                if len(objs) >= limit:
-                    break
-    except OSError as exc:
-        raise InputError(f"{path}: cannot be read: {exc.strerror}. Check the path and its permissions") from exc
+    parsed_n = 0
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh):
+            if not raw.strip():
+                continue
+            text, _ = decode_line(raw.rstrip(b"\n"))
+            if n == 0:
+                text = text.removeprefix("\ufeff")
+            if not text.strip():
+                continue  # blank once decoded (no-break spaces, ...): not a line, as in every loader
+            parsed = parse_json_line(text)
+            ok = bool(parsed.objs) and not parsed.error
+            objs.append(parsed.objs[0] if ok else None)
+            parsed_n += ok
+            if parsed_n >= limit or len(objs) >= scan:
+                break
     return objs
+
+
+def _unreadable(f: Path, exc: OSError) -> dict[str, str]:
+    return {"file": path_str(f), "reason": f"cannot be read: {exc.strerror or exc}. Check the file and its "
+                                           "permissions; the other files were loaded"}
 
 
 def load_paths(paths: list[Path | str]) -> LoadResult:
     files, skipped = discover([Path(p) for p in paths])
     loads: list[FileLoad] = []
-    threads: list[Thread] = []
-    stats: dict[str, int] = {}
+    per_file: list[tuple[FileLoad, list[Thread]]] = []  # files loaded one by one (not Claude Code)
+    cc_threads: list[Thread] = []
+    stats: Counter[str] = Counter()
     cc_files: list[Path] = []
     cc_first: dict[Path, list[Any]] = {}
     for f in files:
-        if f.name.endswith(".json"):
-            data, lines = read_nonblank_lines(f)
-            try:
-                doc = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                doc = None
-            if f.name.endswith(".meta.json") and isinstance(doc, dict) and "agentType" in doc:
-                load = file_load(f, "claude_code_meta", data, len(lines))
-                load.other_lines["subagent_meta"] = load.lines
-                loads.append(load)
+        try:
+            if f.name.endswith(".json"):
+                data = f.read_bytes()
+                doc, _, bad_bytes = parse_document(data)
+                if f.name.endswith(".meta.json") and isinstance(doc, dict) and "agentType" in doc:
+                    load = request.counted_load(f, "claude_code_meta", data)
+                    load.other_lines["subagent_meta"] = load.lines
+                    loads.append(load)
+                    continue
+                if isinstance(doc, dict) and request.sniff([doc], f):
+                    t, ld = request.load(f, data)
+                    per_file.append((ld, t))
+                    loads.append(ld)
+                    continue
+                if doc is None:
+                    why = ("an empty .json file" if not data.strip() else "a .json file that does not parse as "
+                           "one JSON document" + (" (it holds bytes that are not UTF-8)" if bad_bytes else ""))
+                else:
+                    why = "a JSON document that is not a request (no 'messages' list) nor a subagent .meta.json sidecar"
+                skipped.append({"file": path_str(f), "reason": why})
                 continue
-            if isinstance(doc, dict) and request.sniff([doc], f):
-                t, ld = request.load(f, data)
-                threads.extend(t)
+            first = _first_objects(f)
+            if not first:
+                loads.append(FileLoad(path_str(f), "empty"))
+                continue
+            fmt_mod = None
+            for mod in FILE_LOADERS:
+                if mod.sniff(first, f):
+                    fmt_mod = mod
+                    break
+            if fmt_mod is not None:
+                t, ld = fmt_mod.load(f)
+                per_file.append((ld, t))
                 loads.append(ld)
                 continue
-            skipped.append({"file": str(f), "reason": "a JSON document that is not a request "
-                            "(no 'messages' list) nor a subagent .meta.json sidecar"})
-            continue
-        first = _first_objects(f)
-        if not first:
-            loads.append(FileLoad(str(f), "empty"))
-            continue
-        fmt_mod = None
-        for mod in FILE_LOADERS:
-            if mod.sniff(first, f):
-                fmt_mod = mod
-                break
-        if fmt_mod is not None:
-            t, ld = fmt_mod.load(f)
-            threads.extend(t)
-            loads.append(ld)
-            continue
-        if claude_code.sniff(first, f):
-            cc_files.append(f)
-            cc_first[f] = first
-            continue
-        # not a format we know: keep every line in quarantine, nothing is lost
-        data = f.read_bytes()
-        lines = _lines_with_content(data)
-        ld = file_load(f, "unknown", data, len(lines))
-        reason = ("unrecognised transcript format: not Claude Code, OpenClaw/pi, Codex rollout or a request "
-                  "JSON (first line has keys " + _keys(first[0]) + ")")
-        ld.quarantine = [QuarantineRow(str(f), i, raw, reason) for i, raw in lines]
-        loads.append(ld)
+            if claude_code.sniff(first, f):
+                cc_files.append(f)
+                cc_first[f] = first
+                continue
+            loads.append(_unknown_format(f, f.read_bytes(), first))
+        except OSError as exc:
+            skipped.append(_unreadable(f, exc))
     for group in claude_code.group_sessions(cc_files, cc_first):
-        t, lds, st = claude_code.load_session(group)
-        threads.extend(t)
+        t, lds, st = claude_code.load_session(group, skipped)
+        cc_threads.extend(t)
         loads.extend(lds)
-        for k, v in st.items():
-            stats[k] = stats.get(k, 0) + v
+        stats.update(st)
+    threads = _dedupe_sessions(per_file) + cc_threads
+    _unique_thread_ids(threads, loads)
+    for ld in loads:
+        stats.update(ld.stats)
     loads.sort(key=lambda ld: ld.path)
-    blocks = threads_to_blocks(threads) if threads else BLOCKS.empty_table()
-    return LoadResult(blocks, loads, skipped, stats, threads=len(threads))
+    notes: list[dict[str, Any]] = []
+    blocks = threads_to_blocks(threads, notes) if threads else BLOCKS.empty_table()
+    if notes:
+        by_path = {ld.path: ld for ld in loads}
+        seen: set[tuple[Any, ...]] = set()
+        for n in notes:
+            key = (n["file"], n["line"], n["note"])
+            if key not in seen and n["file"] in by_path:
+                seen.add(key)
+                by_path[n["file"]].recovered.append(n)
+                stats["fields_coerced"] += 1
+    return LoadResult(blocks, loads, skipped, dict(stats), threads=len(threads))
 
 
-def _lines_with_content(data: bytes) -> list[tuple[int, str]]:
-    """(line number, text) of every line holding more than ASCII whitespace.
+def _unknown_format(f: Path, data: bytes, first: list[Any]) -> FileLoad:
+    """A file of no known format: every non-blank line quarantined (exact bytes kept when not UTF-8);
+    a line that is not JSON at all gets the parse error's code, the others `unknown_format`."""
+    lines = [(i, ln.rstrip(b"\r")) for i, ln in nonblank_lines(data)]
+    ld = file_load(f, "unknown", data, len(lines))
+    reason = ("unrecognised transcript format: not Claude Code, OpenClaw/pi, Codex rollout or a request "
+              "JSON (first line has keys " + _keys(next((o for o in first if o is not None), None)) + ")")
+    spath = ld.path
+    for i, raw in lines:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            ld.quarantine.append(QuarantineRow(
+                spath, i, displayable(raw), "bytes that are not UTF-8 in a file of no known transcript format; "
+                "the exact bytes are kept in raw_base64", "invalid_utf8", base64.b64encode(raw).decode("ascii")))
+            continue
+        text = raw.decode("utf-8")
+        parsed = parse_json_line(text.removeprefix("\ufeff") if i == 1 else text)
+        if not parsed.objs and parsed.error:  # not JSON at all: say why, as for any other file
+            ld.quarantine.append(QuarantineRow(spath, i, text, parsed.error[1], parsed.error[0]))
+        else:
+            ld.quarantine.append(QuarantineRow(spath, i, text, reason, "unknown_format"))
+    return ld
 
-    Stricter than `read_nonblank_lines`: a line of only, say, no-break spaces is kept, so a file of
-    unknown format loses nothing to its quarantine.
+
+def _short_hash(s: str) -> str:
+    return hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thread]:
+    """Threads of the files loaded one by one, each session read once.
+
+    Files whose threads share a session id (a backup copy of a session file, an older prefix of
+    it) are compared line by line: the file with the most understood lines is replayed; another
+    whose every understood line it already holds is a copy, and its lines that were read already
+    count as `duplicate_entry` other lines (its threads are dropped); one with lines of its own is
+    kept apart as session `<id>~<hash of its path>` and reported.
     """
-    return [(i, ln.decode("utf-8", "surrogateescape").rstrip("\r"))
-            for i, ln in enumerate(data.split(b"\n"), start=1) if ln.strip()]
+    groups: dict[str, list[tuple[FileLoad, list[Thread]]]] = {}
+    for ld, ths in per_file:
+        if ths:
+            groups.setdefault(ths[0].session_id, []).append((ld, ths))
+    for sid, members in groups.items():
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda m: (-(m[0].lines - m[0].quarantined_lines), m[0].path))
+        primary = members[0][0]
+        seen = set(primary.digests.values())
+        for ld, ths in members[1:]:
+            q_lines = {q.line for q in ld.quarantine}
+            understood = [ln for ln in sorted(ld.digests) if ln not in q_lines]
+            own = [ln for ln in understood if ld.digests[ln] not in seen]
+            if own or not ld.digests:
+                new_sid = f"{sid}~{_short_hash(ld.path)}"
+                for t in ths:
+                    t.session_id = new_sid
+                ld.stats["session_copies_kept_apart"] += 1
+                line = own[0] if own else 1
+                ld.recovered.append({"file": ld.path, "line": line, "note": (
+                    f"session {sid!r} is also in {primary.path} but this file holds other lines (first: line "
+                    f"{line}); replayed apart as session {new_sid!r}")})
+                seen.update(ld.digests.values())
+                continue
+            dup = {ln for ln, d in ld.digests.items() if d in seen}
+            ld.message_lines = 0
+            ld.other_lines = Counter({"duplicate_entry": len(dup)})
+            ld.quarantine = [q for q in ld.quarantine if q.line not in dup]
+            ld.recovered = [r for r in ld.recovered if r.get("line") not in dup]
+            ld.stats["duplicate_entries"] += len(dup)
+            ld.stats["duplicate_session_files"] += 1
+            ld.recovered.append({"file": ld.path, "line": min(dup), "note": (
+                f"a copy of session {sid!r} (read from {primary.path}): its {len(dup)} line(s) counted as "
+                "duplicate_entry, not replayed twice")})
+            ld.check()
+            ths.clear()
+    return [t for _, ths in per_file for t in ths]
+
+
+def _unique_thread_ids(threads: list[Thread], loads: list[FileLoad]) -> None:
+    """Two threads never share (session id, thread id): a later one gets a `~<hash>` suffix (seen
+    when files of different formats, or differing copies, claim the same session)."""
+    by_path = {ld.path: ld for ld in loads}
+    taken: set[tuple[str, str]] = set()
+    for t in threads:
+        key = (t.session_id, t.thread_id)
+        if key not in taken:
+            taken.add(key)
+            continue
+        n = 0
+        new = t.thread_id
+        while (t.session_id, new) in taken:
+            n += 1
+            new = f"{t.thread_id}~{_short_hash(f'{t.source_file}#{n}')}"
+        taken.add((t.session_id, new))
+        ld = by_path.get(t.source_file)
+        if ld is not None:
+            ld.stats["thread_ids_made_unique"] += 1
+            ld.recovered.append({"file": t.source_file, "line": t.messages[0].source_line if t.messages else 0,
+                                 "note": f"thread {t.thread_id!r} of session {t.session_id!r} already exists "
+                                         f"(another file claims the same session); replayed as {new!r}"})
+        t.thread_id = new
 
 
 def _keys(o: Any) -> str:
     if isinstance(o, dict):
         return ", ".join(sorted(map(str, o))[:8]) or "none"
     return "none (not a JSON object)"
-

@@ -8,31 +8,61 @@ for every non-blank physical line: message line, other line (by kind), or quaran
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import math
+import os
 import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pyarrow as pa
 
-from pipeline.blockops import canonical_json, content_sha256
-from schemas.blocks import BLOCKS
+from pipeline.blockops import canonical_json, sha256_hex
+from schemas.blocks import BLOCKS, CONTENT_COLUMNS
 
 ORDER_STRIDE = 1024  # order_key = position * ORDER_STRIDE leaves room for inserted rows
 
 
 @dataclass
 class QuarantineRow:
+    """One line nobody could understand: where, what (displayable), why, and the exact bytes when
+    they are not UTF-8 (`raw` then shows each undecodable byte as a `\\xNN` escape)."""
+
     file: str
     line: int
     raw: str
-    reason: str
+    reason: str  # one readable sentence
+    code: str  # stable short name of the reason (see QUARANTINE_CODES)
+    raw_base64: str | None = None  # the line's exact bytes, only when they are not valid UTF-8
+
+
+# Stable names of quarantine reasons (the `code` column); the `reason` column says it in words.
+QUARANTINE_CODES = {
+    "invalid_utf8": "bytes that are not UTF-8 where JSON syntax was expected (the line cannot be parsed)",
+    "truncated_json": "JSON that stops before its end (a line cut short, e.g. by a crash mid-write)",
+    "invalid_json": "JSON syntax error",
+    "too_deep": "JSON nested deeper than MAX_DEPTH (200) levels",
+    "not_an_object": "a JSON value that is not an object",
+    "no_type": "an object without a usable 'type' field",
+    "no_message": "a message entry without its 'message' object",
+    "bad_content": "a message whose content is neither a list nor a string",
+    "no_role": "a message without a usable role",
+    "no_payload": "a Codex rollout line without its 'payload' object",
+    "unknown_format": "a file of no known transcript format",
+    "not_a_request": "a request JSON document that is not a request",
+}
+
+
+def bad(code: str, reason: str) -> str:
+    """The line kind of an object that was not understood (for `FileLoad.account`)."""
+    return f"!{code}|{reason}"
 
 
 @dataclass
@@ -48,6 +78,9 @@ class FileLoad:
     other_lines: Counter[str] = field(default_factory=Counter)  # by kind
     quarantine: list[QuarantineRow] = field(default_factory=list)
     recovered: list[dict[str, Any]] = field(default_factory=list)  # e.g. two objects on one line
+    stats: Counter[str] = field(default_factory=Counter)  # loader counters (e.g. invalid_utf8_replaced)
+    # digest of each non-blank line's bytes, by line number: finds copies of a session in other files
+    digests: dict[int, bytes] = field(default_factory=dict, repr=False)
 
     @property
     def quarantined_lines(self) -> int:
@@ -71,19 +104,20 @@ class FileLoad:
         is a message, else an other line of its first kind; objects lost beside understood ones
         are noted in `recovered`.
         """
-        bad = [k for k in kinds if k.startswith("!")]
+        bad_ = [k for k in kinds if k.startswith("!")]
         good = [k for k in kinds if not k.startswith("!")]
         if not good:
-            self.quarantine.append(QuarantineRow(self.path, line_no, raw, bad[0][1:] if bad else "empty line"))
+            code, _, reason = (bad_[0][1:] if bad_ else "invalid_json|empty line").partition("|")
+            self.quarantine.append(QuarantineRow(self.path, line_no, raw, reason, code))
             return
         if "message" in good:
             self.message_lines += 1
         else:
             self.other_lines[good[0]] += 1
-        if bad:
+        if bad_:
             self.recovered.append({"file": self.path, "line": line_no,
-                                   "note": f"{len(bad)} of {len(kinds)} objects on this line not understood: "
-                                           f"{bad[0][1:]}"})
+                                   "note": f"{len(bad_)} of {len(kinds)} objects on this line not understood: "
+                                           f"{bad_[0][1:].partition('|')[2]}"})
 
 
 @dataclass
@@ -158,71 +192,337 @@ class Thread:
 
 # ---------------------------------------------------------------- line reading
 
-_decoder = json.JSONDecoder()
+# Deepest JSON nesting a line may hold. orjson refuses to parse beyond 1024 levels and to write
+# beyond 255, and the targets wrap a tool input in about five more levels: 200 leaves room.
+MAX_DEPTH = 200
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def path_str(path: Path | str) -> str:
+    """A path as text that can always be written (Arrow, JSON): a name holding bytes that are not
+    UTF-8 shows them as `\\xNN` escapes instead of lone surrogates."""
+    s = str(path)
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(s).decode("utf-8", "backslashreplace")
+    return s
+
+
+def read_file(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def nonblank_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes without the `\\n`) of every physical line that is not blank.
+
+    Blank: nothing but whitespace once decoded (a line holding bytes that are not UTF-8 never is).
+    """
+    start, n, i = 0, len(data), 1
+    while start <= n:
+        end = data.find(b"\n", start)
+        if end < 0:
+            end = n
+        raw = data[start:end]
+        if raw.strip():
+            try:
+                blank = not raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                blank = False
+            if not blank:
+                yield i, raw
+        start, i = end + 1, i + 1
+
+
+def decode_line(raw: bytes) -> tuple[str, int]:
+    """A line's text (without a trailing `\\r`) and how many undecodable byte sequences it held.
+
+    Valid UTF-8 decodes as it is; otherwise each undecodable sequence becomes U+FFFD (the caller
+    keeps the bytes when the line cannot be used)."""
+    try:
+        return raw.decode("utf-8").rstrip("\r"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")
+        return text.rstrip("\r"), text.count("\ufffd") - raw.count(b"\xef\xbf\xbd")
+
+
+def displayable(raw: bytes) -> str:
+    """A line's bytes as text for people: undecodable bytes as `\\xNN` escapes."""
+    return raw.decode("utf-8", "backslashreplace").rstrip("\r")
 
 
 def read_nonblank_lines(path: Path, data: bytes | None = None) -> tuple[bytes, list[tuple[int, str]]]:
-    """A file's bytes (read unless given) and its non-blank physical lines.
+    """A file's bytes (read unless given) and its non-blank physical lines as displayable text.
 
-    Lines are (1-based line number, text without its line break), decoded as UTF-8 with
-    undecodable bytes kept as surrogates, so every line can be quarantined exactly as it is.
-    """
+    Lines are (1-based line number, text without its line break); bytes that are not UTF-8 show
+    as `\\xNN` escapes (never as lone surrogates, which nothing downstream can write)."""
     if data is None:
-        data = path.read_bytes()
-    text = data.decode("utf-8", errors="surrogateescape")
-    lines = [(i, line) for i, raw in enumerate(text.split("\n"), start=1) if (line := raw.rstrip("\r")).strip()]
-    return data, lines
+        data = read_file(path)
+    return data, [(i, displayable(raw)) for i, raw in nonblank_lines(data)]
 
 
 def file_load(path: Path, fmt: str, data: bytes, lines: int) -> FileLoad:
     """A file's accounting record, with its size and sha256 taken from its bytes."""
-    return FileLoad(str(path), fmt, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), lines=lines)
+    return FileLoad(path_str(path), fmt, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), lines=lines)
 
 
-def iter_json_lines(path: Path, load: FileLoad) -> Iterator[tuple[int, str, list[Any]]]:
+def line_digest(raw: bytes) -> bytes:
+    return hashlib.blake2b(raw.rstrip(b"\r"), digest_size=16).digest()
+
+
+@dataclass
+class ParsedLine:
+    """What one physical line holds: its JSON values, or why none could be read."""
+
+    objs: list[Any]
+    error: tuple[str, str] | None = None  # (code, reason) when a value could not be read
+    replaced: int = 0  # lone surrogates (JSON `\\ud800` escapes) replaced by U+FFFD
+    too_deep: int = 0  # values left out for nesting deeper than MAX_DEPTH
+
+
+_NUMBER_PREFIX = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?")
+_ESCAPE_PREFIX = re.compile(r"u[0-9a-fA-F]{0,4}")
+_NUMBER_TAIL = re.compile(r"(\.[0-9]*)?([eE][-+]?[0-9]*)?")
+
+
+def _cut_short(exc: json.JSONDecodeError, text: str) -> bool:
+    """Whether the JSON error is the end of the text coming too early (the text is a prefix of valid
+    JSON: a line cut by a crash mid-write) rather than a wrong character."""
+    if exc.msg.startswith("Unterminated string"):
+        return True
+    tail = text[exc.pos:].rstrip()
+    if not tail:
+        return True
+    if exc.msg.startswith("Invalid \\uXXXX"):
+        return _ESCAPE_PREFIX.fullmatch(tail) is not None
+    if exc.msg == "Expecting value":
+        return any(w.startswith(tail) for w in ("null", "true", "false")) or bool(_NUMBER_PREFIX.fullmatch(tail))
+    if exc.msg.startswith("Expecting"):  # a number cut after its dot or exponent sign: `1.`, `1e`, `1E+`
+        return bool(_NUMBER_TAIL.fullmatch(tail))
+    return False
+
+
+def _json_error(exc: json.JSONDecodeError, text: str) -> tuple[str, str]:
+    reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
+    return ("truncated_json" if _cut_short(exc, text) else "invalid_json"), reason
+
+
+def depth_exceeds(obj: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether a parsed JSON value nests deeper than `limit` (iterative: any depth is safe)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if d > limit:
+            return True
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values() if isinstance(v, (dict, list)))
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o if isinstance(v, (dict, list)))
+    return False
+
+
+def scrub(obj: Any) -> tuple[Any, int]:
+    """A value parsed by the standard library made safe to write: lone surrogates → U+FFFD (counted),
+    integers beyond 64 bits → float, NaN / infinities → null. Iterative."""
+    count = 0
+
+    def fix(v: Any) -> Any:
+        nonlocal count
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                new, n = _SURROGATE.subn("\ufffd", v)
+                count += n
+                return new
+            return v
+        if isinstance(v, bool) or v is None:
+            return v
+        if isinstance(v, int):
+            if -(2**63) <= v < 2**64:
+                return v
+            try:
+                return float(v)
+            except OverflowError:
+                return None
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    root: list[Any] = [obj]
+    stack: list[Any] = [root]
+    while stack:
+        c = stack.pop()
+        if isinstance(c, dict):
+            for k in list(c):
+                v = c[k]
+                k2 = fix(k)
+                if k2 != k:
+                    del c[k]
+                    c[k2] = v
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+                else:
+                    c[k2] = fix(v)
+        else:
+            for i, v in enumerate(c):
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+                else:
+                    c[i] = fix(v)
+    return root[0], count
+
+
+def _check_depth(text: str, objs: list[Any], parsed: ParsedLine) -> None:
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return  # cannot nest deeper than its brackets
+    keep = [o for o in objs if not depth_exceeds(o)]
+    parsed.too_deep = len(objs) - len(keep)
+    objs[:] = keep
+
+
+def parse_json_line(text: str) -> ParsedLine:
+    """The JSON values on one line of text, in order.
+
+    A line holding several values back to back yields them all; a parsable head followed by
+    garbage yields the head with the error; nothing parsable yields the error alone. Values are
+    what orjson reads (no lone surrogates, no NaN); a value only the standard library reads because
+    of a lone surrogate escape is kept with U+FFFD in its place. Values nested deeper than
+    MAX_DEPTH are left out (counted in `too_deep`)."""
+    too_deep = ("too_deep", f"JSON nested deeper than {MAX_DEPTH} levels")
+    try:
+        objs = [orjson.loads(text)]
+        out = ParsedLine(objs)
+        _check_depth(text, objs, out)
+        if not objs:
+            out.error = too_deep
+        return out
+    except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc) or "recursion" in str(exc).lower():
+            return ParsedLine([], too_deep, too_deep=1)
+    out = ParsedLine([])
+    pos, n = 0, len(text)
+    while pos < n:
+        while pos < n and text[pos] in " \t\r":
+            pos += 1
+        if pos >= n:
+            break
+        try:
+            obj, end = _decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            out.error = _json_error(exc, text)
+            break
+        except RecursionError:
+            out.error = too_deep
+            out.too_deep += 1
+            break
+        except ValueError as exc:  # NaN / Infinity
+            out.error = ("invalid_json", f"invalid JSON at column {pos + 1}: {exc}")
+            break
+        try:
+            obj = orjson.loads(text[pos:end])
+        except orjson.JSONDecodeError:
+            # valid JSON orjson will not read (a lone surrogate escape, a number beyond a double)
+            obj, k = scrub(obj)
+            out.replaced += k
+        out.objs.append(obj)
+        pos = end
+    _check_depth(text, out.objs, out)
+    if not out.objs and out.error is None and out.too_deep:
+        out.error = too_deep
+    return out
+
+
+def parse_document(data: bytes) -> tuple[Any, str, int]:
+    """One whole JSON document (a request file, a sidecar): (value or None, its text, replacements).
+
+    A UTF-8 byte order mark is skipped. Bytes that are not UTF-8 become U+FFFD (counted); the
+    document parses only when they all sit inside strings. The text returned is what was parsed
+    (BOM included, so offsets match the file's lines)."""
+    try:
+        text, bad_bytes = data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", "replace")
+        bad_bytes = text.count("\ufffd") - data.count(b"\xef\xbf\xbd")
+    body = text.removeprefix("\ufeff")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            doc, end = _decoder.raw_decode(body, len(body) - len(body.lstrip()))
+            if body[end:].strip():
+                return None, text, bad_bytes
+        except (ValueError, RecursionError):
+            return None, text, bad_bytes
+        doc, _ = scrub(doc)
+    if depth_exceeds(doc):
+        return None, text, bad_bytes
+    return doc, text, bad_bytes
+
+
+def iter_json_lines(path: Path, load: FileLoad, data: bytes | None = None) -> Iterator[tuple[int, str, list[Any]]]:
     """Yield (line number, raw line, parsed objects) for every non-blank physical line.
 
     A line that holds several JSON values back to back yields them all (recorded in
     `load.recovered`). A line that cannot be parsed at all is quarantined and not yielded; a line
     with a parsable head and garbage after it yields the head and quarantines nothing but records
     the loss in `load.recovered`.
+
+    Bytes that are not UTF-8: where they sit inside JSON strings, the line is read with each
+    undecodable sequence replaced by U+FFFD (counted in `load.stats["invalid_utf8_replaced"]` and
+    noted in `load.recovered`); where the line cannot be parsed, it is quarantined as
+    `invalid_utf8` with its exact bytes in `raw_base64`. The raw line shown for such a line
+    escapes the bad bytes as `\\xNN`.
     """
-    data, lines = read_nonblank_lines(path)
+    if data is None:
+        data = read_file(path)
     load.bytes = len(data)
     load.sha256 = hashlib.sha256(data).hexdigest()
-    for i, line in lines:
+    spath = load.path
+    for i, raw_b in nonblank_lines(data):
         load.lines += 1
-        try:
-            yield i, line, [orjson.loads(line)]
+        load.digests[i] = line_digest(raw_b)
+        text, bad_bytes = decode_line(raw_b)
+        if i == 1 and text.startswith("\ufeff"):
+            text = text[1:]  # a byte order mark (some Windows editors write one)
+            load.stats["byte_order_marks"] += 1
+        raw = displayable(raw_b) if bad_bytes else text
+        parsed = parse_json_line(text)
+        if bad_bytes and (parsed.error or not parsed.objs):
+            load.quarantine.append(QuarantineRow(
+                spath, i, raw, "bytes that are not UTF-8 where JSON was expected; the exact bytes are kept in "
+                "raw_base64", "invalid_utf8",
+                base64.b64encode(raw_b).decode("ascii")))
             continue
-        except orjson.JSONDecodeError:
-            pass
-        objs: list[Any] = []
-        pos, n = 0, len(line)
-        error: str | None = None
-        while pos < n:
-            while pos < n and line[pos] in " \t\r":
-                pos += 1
-            if pos >= n:
-                break
-            try:
-                obj, end = _decoder.raw_decode(line, pos)
-            except json.JSONDecodeError as exc:
-                error = f"invalid JSON at column {exc.colno}: {exc.msg}"
-                break
-            objs.append(obj)
-            pos = end
-        if not objs:
-            reason = error or "invalid JSON"
-            if any("\udc80" <= ch <= "\udcff" for ch in line):
-                reason += " (the line is not valid UTF-8)"
-            load.quarantine.append(QuarantineRow(str(path), i, line, reason))
+        if bad_bytes:
+            load.stats["invalid_utf8_replaced"] += bad_bytes
+            load.recovered.append({"file": spath, "line": i,
+                                   "note": f"{bad_bytes} byte sequence(s) that are not UTF-8 inside JSON strings "
+                                           "replaced by U+FFFD"})
+        if parsed.replaced:
+            load.stats["lone_surrogates_replaced"] += parsed.replaced
+            load.recovered.append({"file": spath, "line": i,
+                                   "note": f"{parsed.replaced} lone surrogate escape(s) (\\ud800-\\udfff) "
+                                           "replaced by U+FFFD"})
+        if parsed.too_deep:
+            load.stats["values_too_deep"] += parsed.too_deep
+        if not parsed.objs:
+            code, reason = parsed.error or ("invalid_json", "invalid JSON")
+            load.quarantine.append(QuarantineRow(spath, i, raw, reason, code))
             continue
-        note = {"file": str(path), "line": i, "objects": len(objs)}
-        if error:
-            note["lost_tail"] = error
-        load.recovered.append(note)
-        yield i, line, objs
+        if len(parsed.objs) > 1 or parsed.error or parsed.too_deep:
+            note: dict[str, Any] = {"file": spath, "line": i, "objects": len(parsed.objs)}
+            if parsed.error:
+                note["lost_tail"] = parsed.error[1]
+            if parsed.too_deep:
+                note["too_deep"] = parsed.too_deep
+            load.recovered.append(note)
+        yield i, raw, parsed.objs
 
 
 # ---------------------------------------------------------------- helpers for loaders
@@ -242,26 +542,52 @@ def session_id_from_name(path: Path, *, lowercase_only: bool = False) -> str | N
 
 
 def num(v: Any) -> int | None:
-    """A JSON number as an int (floats truncated); None for anything else, booleans included."""
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A JSON number as an int (floats truncated); None for anything else (booleans, strings,
+    NaN, infinities, numbers beyond a 64-bit integer)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    i = int(v)
+    return i if -(2**63) <= i < 2**63 else None
 
 
 def parse_ts(value: Any) -> datetime | None:
-    """ISO-8601 string or epoch milliseconds → aware UTC datetime (None when absent/invalid)."""
-    if value is None or value == "":
+    """ISO-8601 string or epoch milliseconds → aware UTC datetime (None when absent/invalid, or
+    outside what a datetime can hold once moved to UTC)."""
+    if value is None or value == "" or isinstance(value, bool):
         return None
     try:
         if isinstance(value, (int, float)):
-            return datetime.fromtimestamp(value / 1000.0, tz=timezone.utc)
+            return datetime.fromtimestamp(value / 1000.0, tz=UTC)
         if isinstance(value, str):
             s = value.strip()
             if s.endswith("Z"):
                 s = s[:-1] + "+00:00"
             dt = datetime.fromisoformat(s)
-            return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+            return dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
     except (ValueError, OverflowError, OSError):
         return None
     return None
+
+
+def one_of(value: Any, options: set[str] | frozenset[str]) -> bool:
+    """`value in options` for a value read from JSON (a list or an object is in no set of names)."""
+    return isinstance(value, str) and value in options
+
+
+def arguments_json(args: Any) -> tuple[str, bool]:
+    """Tool-call arguments sent as JSON text (Codex, OpenAI chat) → (canonical JSON of what they hold,
+    True); text that is not JSON, or nests deeper than MAX_DEPTH, is kept as a JSON string (False)."""
+    if not isinstance(args, str):
+        return json_text(args), True
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        return json_text(args), False
+    if depth_exceeds(parsed, MAX_DEPTH):
+        return json_text(args), False
+    return json_text(parsed), True
 
 
 def json_text(obj: Any) -> str:
@@ -288,6 +614,8 @@ def content_items(content: Any) -> list[dict[str, Any] | Block]:
 
 
 def b64_decoded_len(data: str | None) -> int | None:
+    if not isinstance(data, str):
+        return None
     if not data:
         return 0 if data == "" else None
     n = len(data)
@@ -372,8 +700,14 @@ def call_ranges(t: Thread) -> tuple[list[bool], list[int], list[int | None]]:
     return is_call, first, last
 
 
-def threads_to_blocks(threads: list[Thread]) -> pa.Table:
-    """The blocks table of these threads (BLOCKS schema)."""
+def threads_to_blocks(threads: list[Thread], notes: list[dict[str, Any]] | None = None) -> pa.Table:
+    """The blocks table of these threads (BLOCKS schema).
+
+    A value of the wrong type (a number where a text was expected, a text where a flag was, a
+    count beyond 64 bits) is made to fit its column rather than failing the batch: text columns
+    take the value's JSON text, flags and numbers become null; each such change is appended to
+    `notes` (file, line, note).
+    """
     rows: list[dict[str, Any]] = []
     for t in threads:
         is_call, first, last = call_ranges(t)
@@ -416,7 +750,64 @@ def threads_to_blocks(threads: list[Thread]) -> pa.Table:
                     image_height=None,
                     extra_json=json_text(b.extra) if b.extra else None,
                 )
-                r["content_sha256"] = content_sha256(r)
                 rows.append(r)
     cols = {f.name: [r.get(f.name) for r in rows] for f in BLOCKS}
+    try:
+        cols["content_sha256"] = _content_shas(cols)
+        return pa.Table.from_pydict(cols, schema=BLOCKS)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    for f in BLOCKS:
+        if f.name != "content_sha256":
+            _coerce_column(f, cols, notes)
+    cols["content_sha256"] = _content_shas(cols)
     return pa.Table.from_pydict(cols, schema=BLOCKS)
+
+
+def _content_shas(cols: dict[str, list[Any]]) -> list[str]:
+    """content_sha256 of every row (as `blockops.content_sha256` computes it for one row)."""
+    return [sha256_hex(canonical_json({c: v for c, v in zip(CONTENT_COLUMNS, vals) if v is not None}))
+            for vals in zip(*(cols[c] for c in CONTENT_COLUMNS))]
+
+
+_INT_RANGE = {pa.int32(): 2**31, pa.int64(): 2**63}
+
+
+def _fits(f: pa.Field, v: Any) -> bool:
+    t = f.type
+    if v is None:
+        return f.nullable
+    if pa.types.is_string(t):
+        return type(v) is str and not _SURROGATE.search(v)
+    if pa.types.is_boolean(t):
+        return type(v) is bool
+    if pa.types.is_integer(t):
+        return type(v) is int and -_INT_RANGE[t] <= v < _INT_RANGE[t]
+    if pa.types.is_timestamp(t):
+        return isinstance(v, datetime)
+    return True
+
+
+def _coerce_column(f: pa.Field, cols: dict[str, list[Any]], notes: list[dict[str, Any]] | None) -> None:
+    col = cols[f.name]
+    for i, v in enumerate(col):
+        if _fits(f, v):
+            continue
+        if pa.types.is_string(f.type):
+            if isinstance(v, str):
+                new: Any = _SURROGATE.sub("\ufffd", v)
+            elif v is None:
+                new = ""
+            else:
+                try:
+                    new = json_text(v)
+                except (TypeError, orjson.JSONEncodeError):
+                    new = _SURROGATE.sub("\ufffd", repr(v))
+            what = f"a {type(v).__name__} where text was expected; kept as its JSON text"
+        else:
+            new = False if not f.nullable else None
+            what = f"a {type(v).__name__} value that does not fit ({f.type}); set to {new}"
+        col[i] = new
+        if notes is not None:
+            notes.append({"file": cols["source_file"][i], "line": cols["source_line"][i],
+                          "note": f"field {f.name}: {what}"})

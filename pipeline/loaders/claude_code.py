@@ -19,6 +19,7 @@ tool_result entries that answer them).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -31,11 +32,14 @@ from pipeline.loaders.base import (
     FileLoad,
     Message,
     Thread,
+    bad,
     content_items,
     iter_json_lines,
     json_text,
     num,
+    one_of,
     parse_ts,
+    path_str,
     session_id_from_name,
 )
 
@@ -54,9 +58,9 @@ def sniff(first_objects: list[Any], path: Path) -> str | None:
         if not isinstance(o, dict):
             continue
         t = o.get("type")
-        if t in MESSAGE_TYPES and isinstance(o.get("message"), dict) and ("uuid" in o or "sessionId" in o):
+        if one_of(t, MESSAGE_TYPES) and isinstance(o.get("message"), dict) and ("uuid" in o or "sessionId" in o):
             return FORMAT
-        if t in KNOWN_OTHER and ("sessionId" in o or "leafUuid" in o or "snapshot" in o or "uuid" in o):
+        if one_of(t, KNOWN_OTHER) and ("sessionId" in o or "leafUuid" in o or "snapshot" in o or "uuid" in o):
             return FORMAT
     return None
 
@@ -87,14 +91,19 @@ class SessionFiles:
 
 
 def _kind(o: dict[str, Any]) -> str:
+    """The kind an other line is counted under (sub-kinds only when they are short texts)."""
     t = str(o.get("type"))
-    if t == "system" and o.get("subtype"):
+
+    def sub(v: Any) -> bool:
+        return isinstance(v, str) and 0 < len(v) <= 100
+
+    if t == "system" and sub(o.get("subtype")):
         return f"system:{o['subtype']}"
-    if t == "progress" and isinstance(o.get("data"), dict) and o["data"].get("type"):
+    if t == "progress" and isinstance(o.get("data"), dict) and sub(o["data"].get("type")):
         return f"progress:{o['data']['type']}"
-    if t == "attachment" and isinstance(o.get("attachment"), dict) and o["attachment"].get("type"):
+    if t == "attachment" and isinstance(o.get("attachment"), dict) and sub(o["attachment"].get("type")):
         return f"attachment:{o['attachment']['type']}"
-    return t
+    return t[:100]
 
 
 def _usage(u: Any) -> dict[str, int | None] | None:
@@ -221,9 +230,9 @@ def group_sessions(paths: list[Path], first_objects: dict[Path, list[Any]]) -> l
                 break
         if sid is None:
             if p.parent.name == "subagents":
-                sid = p.parent.parent.name
+                sid = path_str(p.parent.parent.name)
             else:
-                sid = session_id_from_name(p, lowercase_only=True) or p.stem
+                sid = session_id_from_name(p, lowercase_only=True) or path_str(p.stem)
         groups.setdefault(sid, SessionFiles(sid)).files.append(p)
     return [groups[k] for k in sorted(groups)]
 
@@ -239,73 +248,124 @@ def _agent_thread_id(p: Path, nodes: list[Node]) -> str:
         if isinstance(aid, str) and aid:
             return f"agent-{aid}"
     m = re.search(r"agent-([A-Za-z0-9_-]+?)(?:\.jsonl)?$", p.name)
-    return f"agent-{m.group(1)}" if m else p.stem
+    return f"agent-{m.group(1)}" if m else path_str(p.stem)
 
 
-def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dict[str, int]]:
-    """Load every file of one session; returns threads, per-file accounting and stats."""
+def _main_first(files: list[Path], session_id: str) -> list[Path]:
+    """Main session files first (the largest first: a backup copy of the session is usually an older,
+    shorter prefix of it), then subagent files, each by path."""
+    def size(p: Path) -> int:
+        try:
+            return p.stat().st_size
+        except OSError:
+            return 0
+
+    return sorted(files, key=lambda p: (not _is_main_file(p, session_id),
+                                        -size(p) if _is_main_file(p, session_id) else 0, str(p)))
+
+
+def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = None,
+                 ) -> tuple[list[Thread], list[FileLoad], dict[str, int]]:
+    """Load every file of one session; returns threads, per-file accounting and stats.
+
+    An entry read twice (the same uuid: a resumed session writes some again; a backup copy of
+    the session holds them all) is read once: a later copy with the same content counts as a
+    `duplicate_entry` other line, as does a line without a uuid that an earlier file of the
+    session holds byte for byte. A later entry with the same uuid but other content is kept apart
+    as `<uuid>~<hash>` (its own message; a branch of its own when it has a call) and noted in
+    the file's `recovered`. A file that cannot be read is listed in `skipped`.
+    """
     session_id = group.session_id
-    files = sorted(group.files, key=lambda p: (not _is_main_file(p, session_id), str(p)))
+    files = _main_first(group.files, session_id)
     loads: list[FileLoad] = []
     nodes: dict[str, Node] = {}
     per_file: list[list[Node]] = []
     stats: Counter[str] = Counter()
+    earlier_lines: set[bytes] = set()  # digests of the lines of the files read so far
     for fi, path in enumerate(files):
-        load = FileLoad(str(path), FORMAT)
-        loads.append(load)
+        load = FileLoad(path_str(path), FORMAT)
         file_nodes: list[Node] = []
-        for line_no, raw, objs in iter_json_lines(path, load):
+        per_file.append(file_nodes)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            if skipped is not None:
+                skipped.append({"file": load.path, "reason": f"cannot be read: {exc.strerror or exc}"})
+            continue
+        loads.append(load)
+        for line_no, raw, objs in iter_json_lines(path, load, data):
             kinds: list[str] = []
             for k, o in enumerate(objs):
                 if not isinstance(o, dict):
-                    kinds.append("!not an object")
+                    kinds.append(bad("not_an_object", "not an object"))
                     continue
                 t = o.get("type")
-                if t is None:
-                    kinds.append("!entry has no 'type' field (expected user, assistant, system, progress, ...)")
+                if not isinstance(t, str) or not t:
+                    kinds.append(bad("no_type", "entry has no 'type' field (expected user, assistant, system, "
+                                     "progress, ...)"))
                     continue
                 if t in MESSAGE_TYPES:
                     msg = o.get("message")
                     if not isinstance(msg, dict):
-                        kinds.append(f"!'{t}' entry has no 'message' object")
+                        kinds.append(bad("no_message", f"'{t}' entry has no 'message' object"))
                         continue
                     if t == "assistant" and not isinstance(msg.get("content"), (list, str)):
-                        kinds.append("!'assistant' entry: message.content is not a list or string")
+                        kinds.append(bad("bad_content", "'assistant' entry: message.content is not a list or "
+                                         "string"))
                         continue
                 uid = o.get("uuid")
                 if not isinstance(uid, str) or not uid:
                     if t in MESSAGE_TYPES:
                         uid = f"L{fi}:{line_no}.{k}"
+                    elif load.digests[line_no] in earlier_lines:
+                        stats["duplicate_entries"] += 1
+                        kinds.append("duplicate_entry")
+                        continue
                     else:
                         kinds.append(_kind(o))
                         continue
+                conflict = ""
                 if uid in nodes:
-                    # the same entry written twice (seen when sessions are resumed): keep the first
-                    stats["duplicate_entries"] += 1
-                    kinds.append(_kind(o) if t not in MESSAGE_TYPES else "message")
-                    continue
+                    first = nodes[uid]
+                    if first.obj == o:
+                        # the same entry written twice (resumed sessions, backup copies): read once
+                        stats["duplicate_entries"] += 1
+                        kinds.append("duplicate_entry")
+                        continue
+                    conflict = "~" + hashlib.sha256(json_text(o).encode()).hexdigest()[:8]
+                    if uid + conflict in nodes:
+                        stats["duplicate_entries"] += 1
+                        kinds.append("duplicate_entry")
+                        continue
+                    stats["conflicting_duplicate_entries"] += 1
+                    load.recovered.append({"file": load.path, "line": line_no, "note": (
+                        f"entry uuid {uid!r} was read before ({path_str(files[first.file_idx])} line {first.line}) "
+                        f"with other content; kept apart as {uid + conflict!r}")})
+                    uid += conflict
                 msg = o.get("message") if isinstance(o.get("message"), dict) else {}
                 content = msg.get("content") if isinstance(msg, dict) else None
                 tr_ids: tuple[str, ...] = ()
                 tu_ids: tuple[str, ...] = ()
                 if isinstance(content, list):
-                    tr_ids = tuple(b.get("tool_use_id") for b in content
-                                   if isinstance(b, dict) and b.get("type") == "tool_result" and b.get("tool_use_id"))
-                    tu_ids = tuple(b.get("id") for b in content
-                                   if isinstance(b, dict) and b.get("type") == "tool_use" and b.get("id"))
+                    tr_ids = tuple(b["tool_use_id"] for b in content
+                                   if isinstance(b, dict) and b.get("type") == "tool_result"
+                                   and isinstance(b.get("tool_use_id"), str) and b["tool_use_id"])
+                    tu_ids = tuple(b["id"] for b in content
+                                   if isinstance(b, dict) and b.get("type") == "tool_use"
+                                   and isinstance(b.get("id"), str) and b["id"])
                 node = Node(
                     uuid=uid,
                     parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,
                     logical_parent=o.get("logicalParentUuid") if isinstance(o.get("logicalParentUuid"), str) else None,
                     type=t,
-                    subtype=o.get("subtype"),
+                    subtype=o.get("subtype") if isinstance(o.get("subtype"), str) else None,
                     file_idx=fi,
                     line=line_no,
                     raw=raw,
                     obj=o,
                     is_message=t in MESSAGE_TYPES,
-                    msg_key=(f"{msg.get('id')}|{o.get('requestId')}" if t == "assistant" and msg.get("id") else
-                             (uid if t == "assistant" else None)),
+                    msg_key=(f"{msg.get('id')}|{o.get('requestId')}{conflict}" if t == "assistant" and msg.get("id")
+                             else (uid if t == "assistant" else None)),
                     sidechain=bool(o.get("isSidechain")),
                     source_tool_assistant=o.get("sourceToolAssistantUUID"),
                     tool_result_ids=tr_ids,
@@ -315,7 +375,7 @@ def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dic
                 file_nodes.append(node)
                 kinds.append("message" if node.is_message else _kind(o))
             load.account(line_no, raw, kinds)
-        per_file.append(file_nodes)
+        earlier_lines.update(load.digests.values())
         load.check()
 
     # groups of assistant entries by request, and results by the tool_use they answer
@@ -375,7 +435,7 @@ def load_session(group: SessionFiles) -> tuple[list[Thread], list[FileLoad], dic
                 tid = f"branch-{first_own.uuid[:8]}" if main_file else f"{base}-branch-{first_own.uuid[:8]}"
             used.add(tid)
             first_thread = False
-            threads.append(Thread(session_id, tid, FORMAT, str(path), msgs, compactions))
+            threads.append(Thread(session_id, tid, FORMAT, path_str(path), msgs, compactions))
     stats["off_thread_message_entries"] += sum(
         1 for fn in per_file for n in fn if n.is_message and n.uuid not in covered)
     return threads, loads, dict(stats)
@@ -450,7 +510,7 @@ def _messages(entries: list[Node], boundaries: set[str], files: list[Path]) -> t
             continue
         if not n.is_message:
             continue
-        path = str(files[n.file_idx])
+        path = path_str(files[n.file_idx])
         m = _message(n, path)
         lines = [(n.uuid, n.line, n.raw, path)] * len(m.blocks)
         if n.type == "assistant" and n.msg_key in group_index:

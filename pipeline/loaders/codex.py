@@ -32,19 +32,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from pipeline.loaders.base import (
     Block,
     Compaction,
     FileLoad,
     Message,
     Thread,
+    arguments_json,
+    bad,
     content_items,
     iter_json_lines,
     json_text,
     num,
+    one_of,
     parse_ts,
+    path_str,
     session_id_from_name,
 )
 
@@ -56,12 +58,12 @@ OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output", "local_shell_
                 "tool_search_output"}
 _META_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions",
                   "<turn_aborted>", "<user_shell_command>")
-_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.S)
+_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
     for o in first_objects:
-        if isinstance(o, dict) and o.get("type") in ROLLOUT_TYPES and isinstance(o.get("payload"), dict):
+        if isinstance(o, dict) and one_of(o.get("type"), ROLLOUT_TYPES) and isinstance(o.get("payload"), dict):
             return FORMAT
     return None
 
@@ -126,20 +128,25 @@ def _output_parts(output: Any, *, tool_use_id: str | None, tool_name: str | None
     return [Block("tool_result", text=json_text(output), part_type="other", extra={"part": output}, **common)]
 
 
+def _text(v: Any) -> str:
+    """A text field as text (null: empty; any other JSON value: its JSON text)."""
+    return v if isinstance(v, str) else "" if v is None else json_text(v)
+
+
 def _assistant_blocks(p: dict[str, Any]) -> list[Block]:
     t = p.get("type")
     if t == "message":
         return _message_blocks(p.get("content"))
     if t == "reasoning":
         summary = p.get("summary") if isinstance(p.get("summary"), list) else []
-        texts = [s.get("text", "") if isinstance(s, dict) else str(s) for s in summary]
+        texts = [_text(s.get("text", "")) if isinstance(s, dict) else str(s) for s in summary]
         extra: dict[str, Any] = {}
         if len(summary) != 1:
             extra["summary"] = summary
         if p.get("content") is not None:
             extra["content"] = p.get("content")
             if not texts and isinstance(p["content"], list):
-                texts = [c.get("text", "") for c in p["content"] if isinstance(c, dict)]
+                texts = [_text(c.get("text", "")) for c in p["content"] if isinstance(c, dict)]
         if p.get("id"):
             extra["id"] = p["id"]
         return [Block("thinking", text="\n\n".join(texts), signature=p.get("encrypted_content"),
@@ -147,11 +154,8 @@ def _assistant_blocks(p: dict[str, Any]) -> list[Block]:
     if t == "function_call":
         args = p.get("arguments")
         extra = {k: v for k, v in p.items() if k not in ("type", "name", "arguments", "call_id")}
-        try:
-            parsed = orjson.loads(args) if isinstance(args, str) else args
-            tool_input = json_text(parsed)
-        except orjson.JSONDecodeError:
-            tool_input = json_text(args)
+        tool_input, ok = arguments_json(args)
+        if not ok:
             extra["arguments_not_json"] = True
         return [Block("tool_use", tool_use_id=p.get("call_id"), tool_name=p.get("name"),
                       tool_input=tool_input, extra=extra or None)]
@@ -178,7 +182,7 @@ class _Response:
 
 def load(path: Path) -> tuple[list[Thread], FileLoad]:
     path = Path(path)
-    spath = str(path)
+    spath = path_str(path)
     load = FileLoad(spath, FORMAT)
     msgs: list[Message] = []
     compactions: list[Compaction] = []
@@ -205,16 +209,16 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
         for k, o in enumerate(objs):
             eid = f"L{line_no}.{k}" if glued else f"L{line_no}"
             if not isinstance(o, dict):
-                kinds.append(f"!expected a JSON object, got {type(o).__name__}")
+                kinds.append(bad("not_an_object", f"expected a JSON object, got {type(o).__name__}"))
                 continue
             t = o.get("type")
             if not isinstance(t, str) or not t:
-                kinds.append("!line has no 'type' field "
-                             "(expected session_meta, response_item, event_msg, ...)")
+                kinds.append(bad("no_type", "line has no 'type' field "
+                                 "(expected session_meta, response_item, event_msg, ...)"))
                 continue
             p = o.get("payload")
             if not isinstance(p, dict):
-                kinds.append(f"!'{t}' line has no 'payload' object")
+                kinds.append(bad("no_payload", f"'{t[:100]}' line has no 'payload' object"))
                 continue
             ts = parse_ts(o.get("timestamp"))
             if t == "session_meta":
@@ -290,14 +294,15 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                 kinds.append(t)
                 continue
             it = p.get("type")
-            if it == "message" and p.get("role") == "assistant" or it in ASSISTANT_ITEMS:
+            if it == "message" and p.get("role") == "assistant" or one_of(it, ASSISTANT_ITEMS):
                 if current is None:
                     current = _Response(Message(entry_id=eid, role="assistant", blocks=[], source_file=spath,
                                                 source_line=line_no, raw_line=raw, timestamp=ts, model=model,
                                                 provider=provider, api="openai-responses"))
                 blocks = _assistant_blocks(p)
                 for b in blocks:
-                    if b.block_type == "tool_use" and b.tool_use_id and b.tool_name:
+                    if b.block_type == "tool_use" and isinstance(b.tool_use_id, str) and b.tool_use_id \
+                            and isinstance(b.tool_name, str) and b.tool_name:
                         call_names[b.tool_use_id] = b.tool_name
                 current.msg.blocks.extend(blocks)
                 current.lines.extend([(eid, line_no, raw, spath)] * len(blocks))
@@ -308,7 +313,8 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
             m = _item_message(p, eid, spath, line_no, raw, ts, model, provider, call_names)
             if m is None:
                 if it == "message":
-                    kinds.append(f"!response_item message has no usable 'role' (got {p.get('role')!r})")
+                    kinds.append(bad("no_role", "response_item message has no usable 'role' "
+                                         f"(got {repr(p.get('role'))[:100]})"))
                 else:
                     kinds.append(f"response_item:{it}")
                 continue
@@ -319,7 +325,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
     close()
     load.check()
     if session_id is None:
-        session_id = path.name.split(".jsonl")[0] or path.stem
+        session_id = path_str(path.name).split(".jsonl")[0] or path_str(path.stem)
     if not msgs:
         return [], load
     return [Thread(session_id, "main", FORMAT, spath, msgs, compactions)], load
@@ -336,7 +342,7 @@ def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any,
         role = p.get("role")
         blocks = _message_blocks(p.get("content"))
         if role == "user":
-            first = next((b.text for b in blocks if b.block_type == "text" and b.text), "") or ""
+            first = next((b.text for b in blocks if b.block_type == "text" and isinstance(b.text, str) and b.text), "")
             is_meta = first.lstrip().startswith(_META_PREFIXES)
             return Message(role="user", blocks=blocks, is_meta=is_meta, **base)
         if role in ("developer", "system"):
@@ -345,11 +351,11 @@ def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any,
             return Message(role="assistant", blocks=blocks, model=model, provider=provider,
                            api="openai-responses", is_call=False, **base)
         return None
-    if it in OUTPUT_ITEMS:
+    if one_of(it, OUTPUT_ITEMS):
         cid = p.get("call_id") if isinstance(p.get("call_id"), str) else None
         return Message(role="tool", blocks=_output_parts(p.get("output"), tool_use_id=cid,
                                                           tool_name=call_names.get(cid or "")), **base)
-    if it in ASSISTANT_ITEMS:
+    if one_of(it, ASSISTANT_ITEMS):
         # inside a replacement history: part of the past, not a call recorded here
         return Message(role="assistant", blocks=_assistant_blocks(p), model=model, provider=provider,
                        api="openai-responses", is_call=False, **base)

@@ -39,11 +39,14 @@ from pipeline.loaders.base import (
     FileLoad,
     Message,
     Thread,
+    bad,
     content_items,
     iter_json_lines,
     json_text,
     num,
+    one_of,
     parse_ts,
+    path_str,
     session_id_from_name,
 )
 
@@ -69,19 +72,24 @@ ENTRY_TYPES = {"message", "model_change", "thinking_level_change", "compaction",
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
-    """The session header decides; when the first line is unreadable, pi-shaped entries do."""
+    """The session header decides; when the first line is unreadable or damaged, pi-shaped entries do."""
     objs = [o for o in first_objects if isinstance(o, dict) and "payload" not in o]  # payload: Codex
     if not objs:
         return None
     o = objs[0]
     if o.get("type") == "session":
         return FORMAT if o.get("version") is not None else FORMAT_LEGACY
-    if first_objects and isinstance(first_objects[0], dict):
-        return None  # a readable first line that is not a pi header
-    pi = [e for e in objs if e.get("type") in ENTRY_TYPES
+    pi = [e for e in objs if one_of(e.get("type"), ENTRY_TYPES)
           and (e.get("type") != "message" or isinstance(e.get("message"), dict) and "role" in e["message"])]
     if not pi:
         return None
+    if first_objects and isinstance(first_objects[0], dict):
+        # a readable first line that is not a pi header (a damaged one?): pi only when every other
+        # entry read is pi-shaped
+        shaped = {id(e) for e in pi}
+        rest = [e for e in objs if e is not first_objects[0]]
+        if len(rest) < 2 or any(id(e) not in shaped for e in rest):
+            return None
     return FORMAT if any("parentId" in e for e in pi) else FORMAT_LEGACY
 
 
@@ -211,10 +219,11 @@ def _entry_message(e: Entry, path: str) -> tuple[Message | None, str]:
     if e.type == "message":
         m = o.get("message")
         if not isinstance(m, dict):
-            return None, "!'message' entry has no 'message' object"
+            return None, bad("no_message", "'message' entry has no 'message' object")
         role = m.get("role")
         if not isinstance(role, str) or not role:
-            return None, "!'message' entry: message has no 'role' (expected user, assistant, toolResult, ...)"
+            return None, bad("no_role", "'message' entry: message has no 'role' (expected user, assistant, "
+                             "toolResult, ...)")
         ts = parse_ts(m.get("timestamp")) or parse_ts(ts_entry)
         if role not in SENT_ROLES:
             return None, f"message:{role}"  # pi's convertToLlm drops unknown roles
@@ -356,7 +365,7 @@ def _ancestry(tip: Entry, by_id: dict[str, Entry], load: FileLoad, path: str, no
 
 def load(path: Path) -> tuple[list[Thread], FileLoad]:
     path = Path(path)
-    spath = str(path)
+    spath = path_str(path)
     load = FileLoad(spath, FORMAT)
     entries: list[Entry] = []
     header: dict[str, Any] | None = None
@@ -369,11 +378,11 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
             idx = index
             index += 1
             if not isinstance(o, dict):
-                kinds.append(f"!expected a JSON object, got {type(o).__name__}")
+                kinds.append(bad("not_an_object", f"expected a JSON object, got {type(o).__name__}"))
                 continue
             t = o.get("type")
             if not isinstance(t, str) or not t:
-                kinds.append("!entry has no 'type' field (expected session, message, compaction, ...)")
+                kinds.append(bad("no_type", "entry has no 'type' field (expected session, message, compaction, ...)"))
                 continue
             if t == "session" and header is None and not entries:
                 header = o
@@ -424,7 +433,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
     if session_id is None and header is not None and isinstance(header.get("id"), str) and header["id"]:
         session_id = header["id"]
     if session_id is None:
-        session_id = path.name.split(".jsonl")[0] or path.stem
+        session_id = path_str(path.name).split(".jsonl")[0] or path_str(path.stem)
 
     threads: list[Thread] = []
     if not entries:

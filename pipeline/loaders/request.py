@@ -19,6 +19,7 @@ does not (or is not such a request), every line is quarantined with the reason. 
 
 from __future__ import annotations
 
+import base64
 import bisect
 import json
 import re
@@ -28,15 +29,22 @@ from typing import Any
 import orjson
 
 from pipeline.loaders.base import (
+    MAX_DEPTH,
     Block,
     FileLoad,
     Message,
     QuarantineRow,
     Thread,
+    arguments_json,
     content_items,
+    displayable,
     file_load,
     json_text,
-    read_nonblank_lines,
+    line_digest,
+    nonblank_lines,
+    one_of,
+    parse_document,
+    path_str,
     session_id_from_name,
 )
 from pipeline.loaders.claude_code import anthropic_content_blocks
@@ -49,8 +57,8 @@ _OPENAI_KEYS = {"tool_calls", "tool_call_id", "function_call"}
 _OPENAI_PARTS = {"image_url", "input_audio", "file"}
 _ANTHROPIC_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking", "document",
                      "server_tool_use", "web_search_tool_result", "search_result", "container_upload"}
-_OPENAI_MODEL = re.compile(r"^(gpt-|o[134](-|$)|chatgpt-|ft:gpt)", re.I)
-_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.S)
+_OPENAI_MODEL = re.compile(r"^(gpt-|o[134](-|$)|chatgpt-|ft:gpt)", re.IGNORECASE)
+_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
 _decoder = json.JSONDecoder()
 
 
@@ -63,10 +71,10 @@ def classify(doc: Any) -> str | None:
     msgs = [m for m in doc["messages"] if isinstance(m, dict)]
     parts = [b for m in msgs if isinstance(m.get("content"), list)
              for b in m["content"] if isinstance(b, dict)]
-    if any(m.get("role") in _OPENAI_ROLES or _OPENAI_KEYS & m.keys() for m in msgs) or any(
-            b.get("type") in _OPENAI_PARTS for b in parts):
+    if any(one_of(m.get("role"), _OPENAI_ROLES) or _OPENAI_KEYS & m.keys() for m in msgs) or any(
+            one_of(b.get("type"), _OPENAI_PARTS) for b in parts):
         return FORMAT_OPENAI
-    if "system" in doc or any(b.get("type") in _ANTHROPIC_BLOCKS
+    if "system" in doc or any(one_of(b.get("type"), _ANTHROPIC_BLOCKS)
                               or (b.get("type") == "image" and "source" in b) for b in parts):
         return FORMAT
     model = doc.get("model")
@@ -201,10 +209,8 @@ def _tool_call_block(tc: Any) -> Block:
     extra = {k: v for k, v in tc.items() if k not in ("id", "function", "type")}
     if tc.get("type") not in (None, "function"):
         extra["type"] = tc.get("type")
-    try:
-        tool_input = json_text(orjson.loads(args)) if isinstance(args, str) else json_text(args)
-    except orjson.JSONDecodeError:
-        tool_input = json_text(args)
+    tool_input, ok = arguments_json(args)
+    if not ok:
         extra["arguments_not_json"] = True
     return Block("tool_use", tool_use_id=tc.get("id"), tool_name=fn.get("name"), tool_input=tool_input,
                  extra=extra or None)
@@ -228,9 +234,10 @@ def _openai_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[str,
         blocks.extend(_openai_parts(m.get("content")))
         if isinstance(m.get("refusal"), str) and m["refusal"]:
             blocks.append(Block("refusal", text=m["refusal"]))
-        for tc in m.get("tool_calls") or []:
+        tcs = m.get("tool_calls")
+        for tc in [] if tcs is None else tcs if isinstance(tcs, list) else [tcs]:
             b = _tool_call_block(tc)
-            if b.tool_use_id and b.tool_name:
+            if isinstance(b.tool_use_id, str) and b.tool_use_id and isinstance(b.tool_name, str) and b.tool_name:
                 call_names[b.tool_use_id] = b.tool_name
             blocks.append(b)
         if isinstance(m.get("function_call"), dict):
@@ -254,10 +261,11 @@ def _anthropic_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[s
         return None
     blocks = anthropic_content_blocks(m.get("content"))
     for b in blocks:
-        if b.block_type == "tool_use" and b.tool_use_id and b.tool_name:
-            call_names[b.tool_use_id] = b.tool_name
+        tid = b.tool_use_id if isinstance(b.tool_use_id, str) else ""
+        if b.block_type == "tool_use" and tid and isinstance(b.tool_name, str) and b.tool_name:
+            call_names[tid] = b.tool_name
         elif b.block_type == "tool_result" and b.tool_name is None and b.part_type != "tool_reference":
-            b.tool_name = call_names.get(b.tool_use_id or "")
+            b.tool_name = call_names.get(tid)
     if role == "user" and blocks and all(b.block_type == "tool_result" for b in blocks):
         return "tool", blocks
     return role, blocks
@@ -266,34 +274,54 @@ def _anthropic_message(m: dict[str, Any], call_names: dict[str, str]) -> tuple[s
 # ---------------------------------------------------------------- load
 
 
+def counted_load(path: Path, fmt: str, data: bytes) -> FileLoad:
+    """A whole-document file's accounting record: its non-blank lines counted (and digested)."""
+    load = file_load(path, fmt, data, 0)
+    for i, raw in nonblank_lines(data):
+        load.lines += 1
+        load.digests[i] = line_digest(raw)
+    return load
+
+
 def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]:
     """Load one request file; `data`: its bytes when the caller has read them already."""
     path = Path(path)
-    spath = str(path)
-    data, nonblank = read_nonblank_lines(path, data)
-    load = file_load(path, FORMAT, data, len(nonblank))
-    text = data.decode("utf-8", errors="surrogateescape")
+    if data is None:
+        data = path.read_bytes()
+    load = counted_load(path, FORMAT, data)
+    spath = load.path
+    doc, text, bad_bytes = parse_document(data)
 
-    def refuse(reason: str) -> tuple[list[Thread], FileLoad]:
-        for i, ln in nonblank:
-            load.quarantine.append(QuarantineRow(spath, i, ln, reason))
+    def refuse(reason: str, code: str) -> tuple[list[Thread], FileLoad]:
+        for i, raw in nonblank_lines(data):
+            b64 = base64.b64encode(raw).decode("ascii") if bad_bytes else None
+            load.quarantine.append(QuarantineRow(spath, i, displayable(raw), reason, code, b64))
         load.check()
         return [], load
 
     body_start = 1 if text.startswith("\ufeff") else 0
-    try:
-        doc = orjson.loads(text[body_start:].encode("utf-8", errors="surrogateescape"))
-    except orjson.JSONDecodeError as exc:
-        reason = f"not one JSON document: {exc}"
-        if any("\udc80" <= ch <= "\udcff" for ch in text):
-            reason += " (the file is not valid UTF-8)"
-        return refuse(reason)
+    if doc is None:
+        try:
+            orjson.loads(text[body_start:])
+            reason, code = f"not one JSON document: nested deeper than {MAX_DEPTH} levels", "too_deep"
+        except orjson.JSONDecodeError as exc:
+            reason, code = f"not one JSON document: {exc}", "invalid_json"
+            if "depth" in str(exc):
+                code = "too_deep"
+        if bad_bytes:
+            reason += " (the file is not valid UTF-8; the exact bytes are kept in raw_base64)"
+            code = "invalid_utf8"
+        return refuse(reason, code)
     fmt = classify(doc)
     if fmt is None:
         got = type(doc).__name__ if not isinstance(doc, dict) else "an object with keys " + ", ".join(
             sorted(map(str, doc))[:8])
         return refuse("expected one request object with a 'messages' list "
-                      f"(Anthropic Messages or OpenAI chat); got {got}")
+                      f"(Anthropic Messages or OpenAI chat); got {got}", "not_a_request")
+    if bad_bytes:
+        load.stats["invalid_utf8_replaced"] += bad_bytes
+        load.recovered.append({"file": spath, "line": 1, "note": f"{bad_bytes} byte sequence(s) that are not "
+                               "UTF-8 inside JSON strings replaced by U+FFFD"})
     load.format = fmt
     load.message_lines = load.lines
     load.check()
@@ -355,7 +383,7 @@ def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]
                             raw_line=raw, parent_id=prev, model=model if assistant else None,
                             provider=provider if assistant else None, api=api if assistant else None))
         prev = eid
-    session_id = session_id_from_name(path) or path.name.split(".json")[0] or path.stem
+    session_id = session_id_from_name(path) or path_str(path.name).split(".json")[0] or path_str(path.stem)
     if not msgs:
         return [], load
     return [Thread(session_id, "main", fmt, spath, msgs)], load
