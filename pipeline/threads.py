@@ -279,6 +279,9 @@ def _add_violations(view: RunView, rows: list[dict[str, Any]]) -> None:
     from pipeline.targets import get_target
 
     target = get_target(view.target)
+    calls = view.calls
+    awaits = dict(calls.filter(pl.col("is_pending")).select("thread_key", "awaits_user").iter_rows()) \
+        if "awaits_user" in calls.columns else {}
     for r in rows:
         path = view.run_dir / "requests" / f"{r['thread_key']}.json"
         try:
@@ -287,7 +290,8 @@ def _add_violations(view: RunView, rows: list[dict[str, Any]]) -> None:
             from pipeline.store import request as assemble_call
 
             req = assemble_call(view.run_dir, r["thread_key"], None, view.target)
-        found = target.validate(req, thread_key=r["thread_key"], call=int(r["pending_call"] or 0))
+        found = target.validate(req, thread_key=r["thread_key"], call=int(r["pending_call"] or 0),
+                                awaits_user=bool(awaits.get(r["thread_key"])))
         r["violations"] = len(found)
         r["violations_by_rule"] = {}
         for v in found:
