@@ -14,8 +14,9 @@ from typing import Any
 
 import click
 
-from pipeline.clicommon import CONTEXT, Failure
+from pipeline.clicommon import CONTEXT, Failure, preset_choice, target_choice
 from pipeline.errors import CtxReplayError
+from pipeline.words import plural
 
 FORMATS = ("text", "markdown", "json")
 
@@ -44,14 +45,15 @@ def _size(n: int) -> str:
 @click.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
-@click.option("--preset", help="A preset from data/pipelines (default: default).")
-@click.option("--target", help="Wire shape of the requests (default: the spec's [pipeline] target, else anthropic).")
+@click.option("--preset", type=preset_choice(), help="A preset from data/pipelines (default: default).")
+@click.option("--target", type=target_choice(), help="Wire shape of the requests (default: the spec's [pipeline] target, else anthropic).")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), required=True,
               help="Directory for the goldens (created or replaced as a whole).")
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken "
                                                   "(recorded in the goldens; diff then counts the same way).")
 @click.option("--json", "json_", is_flag=True, help="Print what was written as one JSON document on stdout.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
+              "the JSON document is still printed.")
 def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
              golden_dir: Path, fast_tokens: bool, json_: bool, quiet: bool) -> None:
     """Write golden files of every thread's requests, to compare later runs with (`ctxreplay diff`).
@@ -84,9 +86,11 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
     if json_:
         click.echo(orjson.dumps(stats.to_json(), option=orjson.OPT_SORT_KEYS).decode())
         return
-    click.echo(f"ctxreplay snapshot: wrote {golden_dir}: {stats.threads} threads, {stats.calls:,} calls, "
-               f"{stats.files} input file(s); {_size(stats.bytes)} ({stats.messages_stored:,} messages besides the "
-               f"pending requests)")
+    if quiet:
+        return
+    click.echo(f"ctxreplay snapshot: wrote {golden_dir}: {plural(stats.threads, 'thread')}, "
+               f"{plural(stats.calls, 'call')}, {plural(stats.files, 'input file')}; {_size(stats.bytes)} "
+               f"({plural(stats.messages_stored, 'message')} besides the pending requests)")
     click.echo(f"  pipeline '{stats.pipeline}' ({stats.pipeline_sha256[:12]}), target {stats.target}")
     click.echo(f"  took {stats.seconds:.2f} s")
 
@@ -94,8 +98,8 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
 @click.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
-@click.option("--preset", help="A preset from data/pipelines (default: default).")
-@click.option("--target", help="Wire shape of the requests (default: the spec's [pipeline] target, else the "
+@click.option("--preset", type=preset_choice(), help="A preset from data/pipelines (default: default).")
+@click.option("--target", type=target_choice(), help="Wire shape of the requests (default: the spec's [pipeline] target, else the "
                                "goldens' target).")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), required=True,
               help="Directory of the goldens (written by `ctxreplay snapshot`).")
@@ -109,7 +113,8 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
                    "Default: a temporary directory, removed.")
 @click.option("--prices", "prices_file", type=click.Path(path_type=Path),
               help="TOML file of prices that override or add models (see README, Prices).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no progress, timing or notes); the "
+              "report, the result, still goes to stdout.")
 def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
          golden_dir: Path, fmt: str, json_: bool, update: bool, out_dir: Path | None, prices_file: Path | None,
          quiet: bool) -> None:
@@ -138,7 +143,8 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
     except CtxReplayError as exc:
         raise Failure(str(exc)) from exc
     if report is None:  # --update with no goldens to compare with: written afresh
-        click.echo(f"ctxreplay diff: no goldens to compare with in {golden_dir}; wrote them from this run", err=True)
+        if not quiet:
+            click.echo(f"ctxreplay diff: no goldens to compare with in {golden_dir}; wrote them from this run", err=True)
         if fmt == "json":
             import orjson
 
@@ -150,8 +156,8 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
         s = report.seconds
         click.echo(f"ctxreplay diff: took {s.get('total', 0):.2f} s (replay {s.get('replay', 0):.2f} s, "
                    f"compare {s.get('compare', 0):.2f} s)", err=True)
-    for note in report.notes:
-        click.echo(f"ctxreplay diff: note: {note}", err=True)
-    if report.updated:
-        click.echo(f"ctxreplay diff: goldens in {golden_dir} rewritten from this run", err=True)
+        for note in report.notes:
+            click.echo(f"ctxreplay diff: note: {note}", err=True)
+        if report.updated:
+            click.echo(f"ctxreplay diff: goldens in {golden_dir} rewritten from this run", err=True)
     sys.exit(report.exit_code)

@@ -35,6 +35,7 @@ import polars as pl
 
 import pipeline
 from pipeline.snapshot import SIM_COST, Golden, GoldenError, Replay, spans_at
+from pipeline.words import plural
 
 MAX_DIFF_LINES = 40  # per block diff, after eliding
 LINE_WIDTH = 160  # a longer line is elided around the change (or in its middle)
@@ -262,7 +263,8 @@ def _costs(differs: pl.DataFrame, book: Any) -> dict[str, Any]:
             rates = book.rates(model, ts) if model and ts else None
             if rates is None:
                 missing = True
-                unpriced.add(model or "(no model recorded)")
+                # a price is per day: a call without a time stamp (a request file) cannot be priced
+                unpriced.add(f"{model} (no time stamp)" if model and not ts else model or "(no model recorded)")
                 continue
             usd += sign * tokens * rates.at(tokens).input / 1e6
         was = out.get(key, (0.0, 0, 0))
@@ -597,7 +599,7 @@ def _where_text(td: ThreadDiff) -> str:
     tool = f" {w['tool_use_id']}" if w.get("tool_use_id") else ""
     extra = ""
     if w.get("messages_removed", 0) > 1 or w.get("messages_added", 0) > 1:
-        extra = f"; {w['messages_removed']} message(s) replaced by {w['messages_added']}"
+        extra = f"; {plural(w['messages_removed'], 'message')} replaced by {w['messages_added']}"
     n_g, n_n = w["of_messages"]
     return (f"message {msg_no} ({w.get('role') or '?'}) {what}, block {w['block']} ({bt}{tool}); "
             f"{w['messages_differing']} of {max(n_g, n_n)} messages differ at this call{extra}")
@@ -614,9 +616,9 @@ def _explained(td: ThreadDiff) -> str:
 
 def _head(r: DiffReport) -> str:
     if r.identical:
-        return (f"ctxreplay diff: identical: {r.unchanged} thread(s), {_n(r.calls_total)} calls match the goldens "
-                f"in {r.golden_dir}")
-    return (f"ctxreplay diff: {r.count('changed')} of {r.unchanged + r.count('changed')} thread(s) changed "
+        return (f"ctxreplay diff: identical: {plural(r.unchanged, 'thread')}, {plural(r.calls_total, 'call')} "
+                f"{'matches' if r.calls_total == 1 else 'match'} the goldens in {r.golden_dir}")
+    return (f"ctxreplay diff: {r.count('changed')} of {plural(r.unchanged + r.count('changed'), 'thread')} changed "
             f"({r.count('changed', 'pipeline')} by the pipeline, {r.count('changed', 'input')} by changed inputs), "
             f"{r.count('new')} new, {r.count('vanished')} vanished; goldens {r.golden_dir}")
 
@@ -626,9 +628,9 @@ def _summary_facts(r: DiffReport) -> list[tuple[str, str]]:
     g, n = r.golden, r.run
     facts = [
         ("goldens", (f"pipeline '{g['pipeline']['name']}' ({str(g['pipeline']['sha256'])[:12]}), ctxreplay "
-                    f"{g['ctxreplay_version']}, target {g['target']}, {g['input_files']} input file(s)")),
+                    f"{g['ctxreplay_version']}, target {g['target']}, {plural(g['input_files'], 'input file')}")),
         ("this run", (f"pipeline '{n['pipeline']['name']}' ({n['pipeline']['sha256'][:12]}), ctxreplay "
-                     f"{n['ctxreplay_version']}, target {n['target']}, {n['input_files']} input file(s)")),
+                     f"{n['ctxreplay_version']}, target {n['target']}, {plural(n['input_files'], 'input file')}")),
     ]
     if r.pipeline_changes:
         more = f" (+{len(r.pipeline_changes) - 6} more)" if len(r.pipeline_changes) > 6 else ""
@@ -641,7 +643,7 @@ def _summary_facts(r: DiffReport) -> list[tuple[str, str]]:
         if r.cost_usd_delta is not None:
             un = ""
             if r.unpriced_calls:
-                un = (f"; {r.unpriced_calls} call(s) of unpriced models left out "
+                un = (f"; {plural(r.unpriced_calls, 'call')} of unpriced models left out "
                       f"({', '.join(r.unpriced_models[:3])}{' ...' if len(r.unpriced_models) > 3 else ''})")
             facts.append(("cost", f"{_usd(r.cost_usd_delta)} at input-token prices ({r.prices}){un}"))
         if r.sim_cost_usd_delta is not None:
@@ -687,7 +689,7 @@ def render_text(r: DiffReport) -> str:
         cells = [row[i].ljust(widths[i]) if i in (0, 1, 6) else row[i].rjust(widths[i]) for i in range(len(row))]
         lines.append("  " + "  ".join(cells).rstrip())
     if len(rows) > SUMMARY_ROWS:
-        lines.append(f"  ... and {len(rows) - SUMMARY_ROWS} more thread(s) (all of them below)")
+        lines.append(f"  ... and {plural(len(rows) - SUMMARY_ROWS, 'more thread')} (all of them below)")
     for t in r.threads:
         lines += ["", f"== {t.thread_key} ({_status_words(t)})"]
         lines += [f"  {x}" for x in _thread_facts(t)]
@@ -717,7 +719,7 @@ def _thread_facts(t: ThreadDiff) -> list[str]:
         if where:
             out.append(f"where: {where}")
         if t.decision:
-            more = f" (and {t.other_decisions} other decision(s) from that call)" if t.other_decisions else ""
+            more = f" (and {plural(t.other_decisions, 'other decision')} from that call)" if t.other_decisions else ""
             out.append(f"decision: {describe_decision(t.decision)}{more}")
         elif t.explanation and (t.where or {}).get("kind") not in ("unknown", "tokens_only") and \
                 not str((t.where or {}).get("kind", "")).startswith("call_only"):
@@ -728,13 +730,13 @@ def _thread_facts(t: ThreadDiff) -> list[str]:
                    f"({_delta(t.tokens_delta)}){at}")
     else:
         calls = t.calls_new or t.calls_golden
-        out.append(f"{calls} call(s), {_n(t.tokens_new or t.tokens_golden)} prompt tokens")
+        out.append(f"{plural(calls, 'call')}, {plural(t.tokens_new or t.tokens_golden, 'prompt token')}")
     if t.cost_usd_delta is not None:
-        un = f" ({t.unpriced_calls} call(s) of unpriced models left out)" if t.unpriced_calls else ""
+        un = f" ({plural(t.unpriced_calls, 'call')} of unpriced models left out)" if t.unpriced_calls else ""
         out.append(f"cost at input-token prices: {_usd(t.cost_usd_delta)}{un}")
     elif t.unpriced_calls:
-        out.append(f"cost at input-token prices: unknown (no price for the model of its {t.unpriced_calls} "
-                   f"differing call(s))")
+        out.append(f"cost at input-token prices: unknown (no price for the model of its "
+                   f"{plural(t.unpriced_calls, 'differing call')})")
     if t.sim_cost_usd_delta is not None:
         out.append(f"simulated cost ({SIM_COST}): {_usd(t.sim_cost_usd_delta)}")
     return out
@@ -763,7 +765,7 @@ def render_markdown(r: DiffReport, limit: int = MARKDOWN_LIMIT) -> str:
         for row in rows[:SUMMARY_ROWS]:
             out.append("| " + " | ".join([f"`{row[0]}`", *(_md_escape(x) for x in row[1:])]) + " |")
         if len(rows) > SUMMARY_ROWS:
-            out.append(f"\n… and {len(rows) - SUMMARY_ROWS} more thread(s), below.")
+            out.append(f"\n… and {plural(len(rows) - SUMMARY_ROWS, 'more thread')}, below.")
     out.append("")
     text = "\n".join(out)
     tail = []
@@ -787,7 +789,7 @@ def render_markdown(r: DiffReport, limit: int = MARKDOWN_LIMIT) -> str:
     body = text
     for i, sec in enumerate(sections):
         if len(body) + len(sec) + len("\n".join(tail)) > limit - 200:
-            body += (f"\n… {len(sections) - i} more thread(s) left out to fit a comment: run `ctxreplay diff` "
+            body += (f"\n… {plural(len(sections) - i, 'more thread')} left out to fit a comment: run `ctxreplay diff` "
                      f"with `--format text` or `--json` for all of them.\n")
             break
         body += "\n" + sec

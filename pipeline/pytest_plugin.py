@@ -45,7 +45,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     updated = config.stash.get(_UPDATED, [])
     if updated:
         terminalreporter.write_sep("-", "ctxreplay")
-        terminalreporter.write_line(f"ctxreplay: wrote the goldens of {len(updated)} check(s): review them like code")
+        checks = "1 check" if len(updated) == 1 else f"{len(updated)} checks"
+        terminalreporter.write_line(f"ctxreplay: wrote the goldens of {checks}: review them like code")
         for path in updated:
             terminalreporter.write_line(f"  {path}")
 

@@ -353,8 +353,8 @@ def _write_into(rp: Replay, d: Path, golden: Path) -> SnapshotStats:
     data = rp.messages(extra)
     missing = [s for s in extra if s not in data]
     if missing:
-        raise GoldenError(f"{rp.run_dir}: messages.parquet lacks {len(missing)} message(s) its call_messages.parquet "
-                          f"names (first {missing[0]}); the run's outputs are damaged: run again")
+        raise GoldenError(f"{rp.run_dir}: messages.parquet lacks {len(missing)} of the messages its "
+                          f"call_messages.parquet names (first {missing[0]}); the run's outputs are damaged: run again")
     (d / MESSAGES).write_bytes(b"".join(_messages_line(s, data[s]) + b"\n" for s in extra))
     manifest = {
         "format": GOLDEN_FORMAT,

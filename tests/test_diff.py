@@ -92,7 +92,7 @@ def _diff_json(*args: object) -> tuple[int, dict]:
 def test_same_pipeline_and_inputs_is_identical_exit_0(base: Path) -> None:
     r = _cli("diff", SAMPLES, "--pipeline", base / "policy-2.toml", "--golden", base / "golden")
     assert r.exit_code == 0, r.stdout + r.stderr
-    assert r.stdout.startswith(f"ctxreplay diff: identical: 8 thread(s), 36 calls match the goldens in {base / 'golden'}")
+    assert r.stdout.startswith(f"ctxreplay diff: identical: 8 threads, 36 calls match the goldens in {base / 'golden'}")
     code, doc = _diff_json(SAMPLES, "--pipeline", base / "policy-2.toml", "--golden", base / "golden")
     assert code == 0 and doc["identical"] is True and doc["threads"] == [] and doc["pipeline_changes"] == []
 
@@ -127,7 +127,7 @@ def test_text_report_summary_first_then_each_thread(base: Path) -> None:
     r = _cli("diff", SAMPLES, "--pipeline", base / "policy-1.toml", "--golden", base / "golden")
     assert r.exit_code == 1
     lines = r.stdout.splitlines()
-    assert lines[0] == ("ctxreplay diff: 3 of 8 thread(s) changed (3 by the pipeline, 0 by changed inputs), 0 new, "
+    assert lines[0] == ("ctxreplay diff: 3 of 8 threads changed (3 by the pipeline, 0 by changed inputs), 0 new, "
                         f"0 vanished; goldens {base / 'golden'}")
     assert lines[3] == "  pipeline:      tombstone (#3) keep_recent: 2 → 1"
     assert lines[4] == "  requests:      6 of 36 calls differ"
@@ -166,7 +166,7 @@ def test_markdown_fits_a_pull_request_comment(base: Path) -> None:
              "markdown")
     assert r.exit_code == 1
     md = r.stdout
-    assert md.startswith("### ctxreplay diff: 3 of 8 thread(s) changed")
+    assert md.startswith("### ctxreplay diff: 3 of 8 threads changed")
     assert md.count("<details><summary>") == 3 and md.count("</details>") == 3
     assert md.count("```diff") == 3
     assert "| thread | cause | first call | calls | tokens Δ | cost Δ USD | explained by |" in md
@@ -179,7 +179,7 @@ def test_markdown_is_cut_to_the_limit_with_a_note(base: Path) -> None:
         rep = compare(Golden(base / "golden"), rp)
     full = render_markdown(rep)
     cut = render_markdown(rep, limit=len(full) - 200)
-    assert len(cut) < len(full) and "more thread(s) left out to fit a comment" in cut
+    assert len(cut) < len(full) and re.search(r"more threads? left out to fit a comment", cut)
     assert "left out" not in full
 
 
@@ -246,7 +246,7 @@ def test_update_rewrites_the_goldens_then_diff_is_identical(base: Path, tmp_path
     g = _golden_copy(base, tmp_path)
     r = _cli("diff", SAMPLES, "--pipeline", base / "policy-1.toml", "--golden", g, "--update")
     assert r.exit_code == 0
-    assert "3 of 8 thread(s) changed" in r.stdout  # what was accepted is still reported
+    assert "3 of 8 threads changed" in r.stdout  # what was accepted is still reported
     assert f"ctxreplay diff: goldens in {g} rewritten from this run" in r.stderr
     assert _cli("diff", SAMPLES, "--pipeline", base / "policy-1.toml", "--golden", g).exit_code == 0
     assert _cli("diff", SAMPLES, "--pipeline", base / "policy-2.toml", "--golden", g).exit_code == 1
@@ -512,7 +512,7 @@ def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
     (repo / "policy.toml").write_text(POLICY.format(keep_recent=1))
     status = diff_step()
     report = (repo / "ctxreplay-report.md").read_text()
-    assert status == "1" and report.startswith("### ctxreplay diff: 3 of 8 thread(s) changed")
+    assert status == "1" and report.startswith("### ctxreplay diff: 3 of 8 threads changed")
     assert runs("Comment on the pull request", status)
     r = _run_step(steps["Comment on the pull request"], repo, env, values)
     assert r.returncode == 0, r.stderr

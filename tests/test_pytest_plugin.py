@@ -57,7 +57,7 @@ def test_goldens_written_then_checked_then_a_change_fails_with_the_report(projec
     # --ctxreplay-update writes them (the plugin comes from the entry point: no -p, no conftest)
     r = project.runpytest_subprocess("-q", "--ctxreplay-update")
     r.assert_outcomes(passed=1)
-    r.stdout.fnmatch_lines(["*ctxreplay: wrote the goldens of 1 check(s): review them like code*",
+    r.stdout.fnmatch_lines(["*ctxreplay: wrote the goldens of 1 check: review them like code*",
                             f"*{project.path / GOLDEN}"])
     assert (project.path / GOLDEN / "manifest.json").is_file()
     # a policy change: the assertion message is the diff report, the one `ctxreplay diff` prints
@@ -65,7 +65,7 @@ def test_goldens_written_then_checked_then_a_change_fails_with_the_report(projec
     r = project.runpytest_subprocess("-q")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines([
-        "E * AssertionError: ctxreplay diff: 3 of 8 thread(s) changed (3 by the pipeline, 0 by changed inputs)*",
+        "E * AssertionError: ctxreplay diff: 3 of 8 threads changed (3 by the pipeline, 0 by changed inputs)*",
         "E * pipeline:      tombstone (#3) keep_recent: 2 → 1",
         "E * == 019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d (pipeline change)",
         "E * first differing call: 3 (1 of 4 calls differ)",

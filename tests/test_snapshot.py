@@ -154,7 +154,7 @@ def test_snapshot_json_and_human_output(tmp_path: Path) -> None:
     assert (doc["threads"], doc["calls"], doc["input_files"]) == (1, 4, 1)
     r = _cli("snapshot", SAMPLES / "codex-sample.jsonl", "--preset", "identity", "--golden", tmp_path / "g",
              "--fast-tokens")
-    assert r.stdout.startswith(f"ctxreplay snapshot: wrote {tmp_path / 'g'}: 1 threads, 4 calls, 1 input file(s)")
+    assert r.stdout.startswith(f"ctxreplay snapshot: wrote {tmp_path / 'g'}: 1 thread, 4 calls, 1 input file")
 
 
 def test_snapshot_replaces_the_whole_directory(tmp_path: Path) -> None:
