@@ -361,13 +361,25 @@ def _locate(td: ThreadDiff, golden: Golden, rp: Replay, first: dict[str, Any]) -
         "kind": kind, "message": i1, "message_new": j1,
         "messages_removed": i2 - i1, "messages_added": j2 - j1, "messages_differing": n_diff_msgs,
         "of_messages": [len(g_msgs), len(n_msgs)],
-        "role": (g_msg or n_msg or {}).get("role"), "block": b,
+        "role": _role(n_msg if tag == "insert" else g_msg), "block": b,
         "block_type": block_type(ref), "tool_use_id": tool_id(ref, msg_for_id),
     }
     label = f"call {k}, message {i1}" + (f" (this run: {j1})" if j1 != i1 else "") + f", block {b}"
-    td.diff = block_diff(_lines(gb) if gb is not None else [], _lines(nb) if nb is not None else [],
-                         f"golden {label}", f"this run {label}")
+    td.diff = block_diff(_block_lines(gb), _block_lines(nb), f"golden {label}", f"this run {label}")
     _explain(td, golden, rp, td.where.get("tool_use_id"))
+
+
+def _role(msg: Any) -> str | None:
+    """A wire message's role, or an OpenAI Responses item's type (items have no role)."""
+    if not isinstance(msg, dict):
+        return None
+    return msg.get("role") or msg.get("type")
+
+
+def _block_lines(b: Any) -> list[str]:
+    if b is None:
+        return []
+    return _lines(b, "content") if isinstance(b, str) else _lines(b)
 
 
 # ---------------------------------------------------------------------------------------- decisions

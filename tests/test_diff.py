@@ -183,6 +183,27 @@ def test_markdown_is_cut_to_the_limit_with_a_note(base: Path) -> None:
     assert "left out" not in full
 
 
+@pytest.mark.parametrize(("target", "role", "block_type", "tool"), [
+    ("openai-chat", "tool", "text", "call_A1b2C3d4"),
+    ("openai-responses", "function_call_output", "function_call_output", "call_A1b2C3d4"),
+    ("gemini", "user", "functionResponse", "callA1b2C3d4"),
+])
+def test_every_target_names_the_message_block_and_decision(base: Path, tmp_path: Path, target: str, role: str,
+                                                           block_type: str, tool: str) -> None:
+    codex = SAMPLES / "codex-sample.jsonl"
+    g = tmp_path / "g"
+    assert _cli("snapshot", codex, "--pipeline", base / "policy-2.toml", "--golden", g, "--target", target,
+                "--fast-tokens", "-q").exit_code == 0
+    code, doc = _diff_json(codex, "--pipeline", base / "policy-1.toml", "--golden", g)
+    assert code == 1 and doc["run"]["target"] == target
+    (t,) = doc["threads"]
+    w = t["where"]
+    assert (t["first_call"], w["kind"], w["role"], w["block_type"], w["tool_use_id"]) == \
+        (3, "changed", role, block_type, tool)
+    assert (t["decision"]["stage"], t["decision"]["tool_use_id"]) == ("tombstone", tool)
+    assert "Exit code: 0" in t["diff"] and "[Old tool result content cleared]" in t["diff"]
+
+
 # ------------------------------------------------------------------------------- inputs
 
 
