@@ -4,6 +4,8 @@ plugin loaded through its `pytest11` entry point (and with `-p` where autoloadin
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,13 +74,12 @@ def test_goldens_written_then_checked_then_a_change_fails_with_the_report(projec
         ("E * decision: tombstone: tombstone (token) from call 3, cache_epoch 4, tool call call_A1b2C3d4; made by "
         "this run only*"),
     ])
-    from click.testing import CliRunner
-
-    from pipeline.cli_regress import diff
-
-    cli = CliRunner().invoke(diff, [str(project.path / "sessions"), "--pipeline", str(project.path / "policy.toml"),
-                                    "--golden", str(project.path / GOLDEN)])
-    assert cli.exit_code == 1
+    # in a process of its own: pytester takes back the modules a test imports (polars, duckdb, ...)
+    # when the test ends, and native extensions cannot be imported twice in one process
+    cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "diff", "sessions", "--pipeline", "policy.toml",
+                          "--golden", str(project.path / GOLDEN), "-q"], cwd=project.path, capture_output=True,
+                         text=True, check=False)
+    assert cli.returncode == 1, cli.stderr
     prefix = "E       "  # pytest's margin of an exception message
     shown = [line[len(prefix):] if line.startswith(prefix) else ("" if line.rstrip() == "E" else None)
              for line in r.stdout.lines]
@@ -127,9 +128,6 @@ def test_no_goldens_options_and_errors(project: pytest.Pytester) -> None:
 
 
 def test_plugin_module_imports_nothing_heavy() -> None:
-    import subprocess
-    import sys
-
     code = ("import sys, pipeline.pytest_plugin; heavy = [m for m in ('polars', 'pyarrow', 'duckdb', 'tiktoken') "
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
