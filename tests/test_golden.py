@@ -14,13 +14,21 @@ import polars as pl
 import pytest
 
 from pipeline.registry import StageContext
-from pipeline.testkit import make_blocks, run_stage, view
+from pipeline.testkit import VIEW, make_blocks, run_stage
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p for p in GOLDEN.glob("*/*") if (p / "input.jsonl").is_file())
 
+# the testkit's compact view plus the cache epoch of every version and decision (a layer that fires
+# must take a new epoch; one that does not must leave epochs alone)
+BLOCK_VIEW = [*VIEW, "cache_epoch"]
 DECISION_VIEW = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id", "from_call",
-                 "action", "reason", "before_sha256", "after_sha256", "replacement"]
+                 "action", "reason", "before_sha256", "after_sha256", "replacement", "cache_epoch"]
+
+
+def view(blocks: pl.LazyFrame | pl.DataFrame) -> pl.DataFrame:
+    df = blocks.collect() if isinstance(blocks, pl.LazyFrame) else blocks
+    return df.select(BLOCK_VIEW).sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call"])
 
 
 def _rows(df: pl.DataFrame) -> list[dict]:
