@@ -16,6 +16,7 @@ from typing import Any
 import click
 import orjson
 
+from pipeline.cli_regress import diff, snapshot
 from pipeline.cli_report import report
 from pipeline.clicommon import CONTEXT, Failure, Interrupted, fail, preset_choice, target_choice
 from pipeline.errors import CtxReplayError, internal_error
@@ -446,6 +447,8 @@ def _toml(doc: dict[str, Any]) -> str:
 
 
 main.add_command(report)  # pipeline/cli_report.py
+main.add_command(snapshot)  # pipeline/cli_regress.py
+main.add_command(diff)  # pipeline/cli_regress.py
 
 if __name__ == "__main__":  # pragma: no cover
     main()
