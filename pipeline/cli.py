@@ -80,9 +80,11 @@ def main() -> None:
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
               "the JSON document is still printed.")
+@click.option("--batch-bytes", type=click.IntRange(min=1), help="Input bytes per batch of session groups (default: "
+              "64 MiB): memory grows with it, not with the whole input.")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
-        quiet: bool) -> None:
+        quiet: bool, batch_bytes: int | None) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
@@ -108,6 +110,8 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
         opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
                           token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
                           progress=_progress(quiet, json_))
+        if batch_bytes:
+            opts.batch_bytes = batch_bytes
         result = do_run(chosen, spec, opts)
     except Failure:
         raise

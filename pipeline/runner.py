@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import gc
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,39 +31,31 @@ import pyarrow.parquet as pq
 
 import pipeline
 from pipeline import crashpoints
-from pipeline.errors import (
-    CheckFailed,
-    InputError,
-    NothingToDo,
-    OutputError,
-    internal_error,
-)
+from pipeline.batches import DEFAULT_BATCH_BYTES, plan
+from pipeline.batchout import RUN_ID_KEY, Totals, Writers
+from pipeline.batchrun import BatchCounter, BatchResult, Env, output_error, run_batch
+from pipeline.errors import CheckFailed, NothingToDo, OutputError
 from pipeline.ledger import Ledger
-from pipeline.loaders import LoadResult, load_paths
+from pipeline.loaders import LoadResult
 from pipeline.outdir import OutputDir, RunLock, ledger_lock_path, new_run_id
-from pipeline.registry import StageContext
 from pipeline.replay import (
     ROW_COLUMNS,
     MessageStore,
     SpanLog,
-    call_counts,
-    call_skeleton,
     replay_thread,
     thread_calls,
     thread_key,
     thread_rows,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec
-from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
-from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE, store_tables
+from pipeline.stagerun import StageFailure
+from pipeline.store import store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
 from pipeline.words import plural
-from schemas.blocks import BLOCKS
 from schemas.calls import CALLS
-from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
+from schemas.check import SchemaMismatch, polars_schema, to_arrow
 from schemas.decisions import DECISION_KEY, STAGE_DECISION
-from schemas.quarantine import QUARANTINE
 
 Progress = Callable[[str], None]
 
@@ -79,13 +70,15 @@ class RunOptions:
     validate: bool = True
     token_counter: str = TIKTOKEN_COUNTER
     progress: Progress | None = None
+    # input bytes per batch of session groups (pipeline/batches.py): memory grows with it, not the corpus
+    batch_bytes: int = DEFAULT_BATCH_BYTES
 
 
 @dataclass
 class RunResult:
     summary: dict[str, Any]
     calls: pl.DataFrame
-    blocks: pl.DataFrame
+    out_dir: Path  # blocks.parquet is read from there on demand (`blocks`)
     violations: list[Violation] = field(default_factory=list)
     # every decision this run applied (reused ones too), with `stage` and `is_provisional`
     # (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet
@@ -94,22 +87,14 @@ class RunResult:
     stage_failures: list[StageFailure] = field(default_factory=list)
 
     @property
+    def blocks(self) -> pl.DataFrame:
+        """The final block versions of the run (blocks.parquet of OUT)."""
+        return pl.read_parquet(self.out_dir / "blocks.parquet")
+
+    @property
     def found_problems(self) -> bool:
         s = self.summary
         return bool(s["quarantined_lines"] or s["violations"] or s["conflicts"] or s.get("stage_failures"))
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Loading and replay build many long-lived small objects; Python's cyclic GC would rescan them
-    over and over (a cost that grows faster than the input), and they hold no cycles worth it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _now() -> str:
@@ -226,35 +211,38 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
 
 def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_name: str, ledger_path: Path,
                 staging: Path, run_id: str, stale: list[str]) -> RunResult:
-    """The run proper, with OUT and the ledger locked: every output goes to `staging`."""
+    """The run proper, with OUT and the ledger locked: every output goes to `staging`, batch by
+    batch (pipeline/batchrun.py); the cache simulation and calls.parquet once at the end."""
     started = _now()
     t_start = time.perf_counter()
     say = opts.progress or (lambda s: None)
-    loaded, blocks, skeleton, counts, calls = _load(paths, say)
-    t_load = time.perf_counter()
-    ledger = Ledger(ledger_path)
+    batches, skipped = plan(paths, opts.batch_bytes)
+    ledger: Any = _LazyLedger(ledger_path)  # opened when first needed: a run with nothing to do leaves no ledger
+    writers = Writers(staging, run_id, opts.out_dir)
     closed = False
     try:
-        counter = TokenCounter(opts.token_counter, cache=ledger)
-        staged = _run_pipeline(blocks, spec, target_name, ledger, counter, calls, staging, say)
-        t_stages = time.perf_counter()
-        final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
-        calls_df, violations, replay_stats = _replay(final, skeleton, target_name, counter, opts, staging, counts, say)
-        t_replay = time.perf_counter()
+        counter = BatchCounter(opts.token_counter, cache=ledger)
+        env = Env(spec, target_name, staging, opts.out_dir, opts.all_calls, opts.validate,
+                  lambda sessions: ledger.earlier_all(spec.sha256, sessions), counter, opts.progress)
+        totals = Totals(skipped=list(skipped))
+        for batch in batches:
+            _take_batch(run_batch(batch.index, batch.files, env), ledger, writers, totals, env)
+        loaded = totals.load_result()
+        _check_something_to_do(paths, loaded)
+        calls_df, applied = totals.frame(totals.calls), totals.frame(totals.applied)
         say("simulating the prompt cache")
-        from pipeline.cachesim import after_replay
-
-        calls_df, cache_sim = after_replay(loaded.blocks, final, calls_df, replay_stats["store_tables"], staged.applied,
-                                           counter.series_counter())
-        _write_tables(staging, loaded, calls_df, final, staged.applied, replay_stats.pop("store_tables"), run_id,
-                      opts.out_dir)
-        if violations:
-            _stage_violations(violations, calls_df, spec, target_name, ledger)
-        summary = _summary(RunFacts(loaded, spec, target_name, calls_df, staged, violations, opts.out_dir,
-                                    ledger_path, {"load": t_load - t_start, "stages": t_stages - t_load,
-                                                  "replay": t_replay - t_stages}, counter))
-        summary.update(threads=replay_stats["threads"], request_store=replay_stats["request_store"], run_id=run_id,
-                       stale_outputs_removed=stale, cache_sim=cache_sim)
+        calls_df, cache_sim = _simulate(totals, calls_df, applied, counter)
+        writers.close()
+        _write_parquet(staging / "calls.parquet", to_arrow(calls_df, CALLS, where="on write (calls)"), run_id=run_id,
+                       out_dir=opts.out_dir)
+        crashpoints.point("write")
+        summary = _summary(RunFacts(loaded, spec, target_name, calls_df, totals, opts.out_dir, ledger_path,
+                                    dict(totals.seconds), counter))
+        summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups={
+            "total": sum(len(b.groups) for b in batches), "batches": len(batches)}, request_store={
+            "messages": writers.kinds["message"], "envelopes": sum(writers.kinds.values()) - writers.kinds["message"],
+            "call_message_rows": totals.call_message_rows, "bytes": writers.bytes,
+            "token_conflicts": totals.token_conflicts})
         crashpoints.phase("ledger")
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
@@ -269,92 +257,73 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         _write_json(staging / "summary.json", summary, out_dir=opts.out_dir)
         crashpoints.point("write")
-        return RunResult(summary, calls_df, pl.from_arrow(final), violations, staged.applied,  # type: ignore[arg-type]
-                         list(staged.failures))
+        return RunResult(summary, calls_df, opts.out_dir, totals.violations, applied, list(totals.failures))
     finally:
+        writers.abort()
         if not closed:
             ledger.close()
 
 
-def _load(paths: list[Path], say: Progress) -> tuple[LoadResult, pl.DataFrame, pl.DataFrame,
-                                                      dict[tuple[str, str], int], CallMap]:
-    """Load and check the inputs; the blocks every call sees, the call skeleton, the calls per
-    thread and their keys."""
-    say(f"loading {plural(len(paths), 'path')}")
-    crashpoints.phase("load")
+class _LazyLedger:
+    """A Ledger opened at its first use."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._ledger: Ledger | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._ledger is None:
+            self._ledger = Ledger(self.path)
+        return getattr(self._ledger, name)
+
+    def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+
+
+def _take_batch(b: BatchResult, ledger: Ledger, writers: Writers, totals: Totals, env: Env) -> None:
+    """A batch's new decisions and violations queued in the ledger (committed with the run), its
+    spills and tables written, its counts added to the totals."""
+    r = b.out
+    if r is None:
+        totals.add(b)
+        return
+    for rows, stage, version, digest in r.new_decisions:
+        ledger.stage(rows, spec_sha256=env.spec.sha256, stage=stage, stage_version=version, config_digest=digest)
+    _write_spills(r.spills, env.staging / "spill")
+    if r.violations:
+        _stage_violations(r.violations, r.calls, env.spec, env.target, ledger)
+    writers.write_batch(r.tables)
+    totals.add(b)
+
+
+def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame, counter: TokenCounter,
+              ) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """The prompt-cache simulation over every call of the run (cachesim.after_replay, from the
+    per-call facts and the request store the batches kept)."""
+    from pipeline import calibrate
+    from pipeline.cachesim import Prepared, simulate
+    from pipeline.errors import CtxReplayError
+    from pipeline.prices import PriceBook
+
+    t0 = time.perf_counter()
+    warnings: list[str] = []
     try:
-        with _gc_paused():
-            loaded: LoadResult = load_paths(paths)
-    except OSError as exc:
-        raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
-    for ld in loaded.loads:
-        ld.check()
-    _check_something_to_do(paths, loaded)
-    blocks = pl.from_arrow(loaded.blocks)
-    assert isinstance(blocks, pl.DataFrame)
-    check_frame(blocks, BLOCKS, where="on load")
-    skeleton = call_skeleton(blocks)
-    counts = call_counts(blocks)
-    calls = CallMap.from_blocks(blocks, counts)
-    # rows no call ever sees (compacted away before any call) leave the table now
-    blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
-    return loaded, blocks, skeleton, counts, calls
-
-
-def _run_pipeline(blocks: pl.DataFrame, spec: PipelineSpec, target_name: str, ledger: Ledger, counter: TokenCounter,
-                  calls: CallMap, staging: Path, say: Progress) -> StagesResult:
-    """Run the stages with the ledger's view of these sessions; queue their new decisions in the
-    ledger and write what they spilled."""
-    target = get_target(target_name)
-    # every target shipped today takes images; one that does not says so with `supports_images = False`
-    ctx = StageContext(target=target_name, window_tokens=spec.window_tokens,
-                       count_tokens=counter.series_counter(), token_counter_version=counter.name,
-                       supports_images=bool(getattr(target, "supports_images", True)))
-    sessions = sorted(blocks.get_column("session_id").unique().to_list())
-    view = LedgerView.translate(ledger.earlier_all(spec.sha256, sessions), calls)
-    crashpoints.phase("stages")
-    staged = run_stages(blocks, spec, view, ctx, say)
-    for o in staged.outcomes:
-        ledger.stage(o.new, spec_sha256=spec.sha256, stage=o.name, stage_version=o.stage.version,
-                     config_digest=o.config_digest)
-    _write_spills(staged.spills, staging / "spill")
-    return staged
-
-
-def _replay(final: pa.Table, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, opts: RunOptions,
-            staging: Path, counts: dict[tuple[str, str], int], say: Progress,
-            ) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
-    say("replaying calls")
-    crashpoints.phase("replay")
-    try:
-        with _gc_paused():
-            return replay_all(pl.from_arrow(final), skeleton, target_name, counter,  # type: ignore[arg-type]
-                              all_calls=opts.all_calls, validate=opts.validate, out_dir=staging, progress=say,
-                              counts=counts)
-    except OSError as exc:
-        raise _output_error(opts.out_dir, exc) from exc
-    except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
-        raise internal_error(exc, "while replaying") from exc
-
-
-def _write_tables(staging: Path, loaded: LoadResult, calls_df: pl.DataFrame, final: pa.Table,
-                  applied: pl.DataFrame, store: tuple[pa.Table, pa.Table], run_id: str, out_dir: Path) -> None:
-    """calls, blocks, quarantine, decisions and the request store (messages, call_messages)."""
-    calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
-    quarantine = pa.Table.from_pylist(
-        [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
-          "raw_base64": q.raw_base64} for q in loaded.quarantine],
-        schema=QUARANTINE)
-    crashpoints.phase("write")
-    messages_t, call_messages_t = store
-    for name, table in (("calls.parquet", calls_t), ("blocks.parquet", final),
-                        ("quarantine.parquet", quarantine), ("decisions.parquet", applied.to_arrow()),
-                        (MESSAGES_FILE, messages_t)):
-        _write_parquet(staging / name, table, run_id=run_id, out_dir=out_dir)
-        crashpoints.point("write")
-    # without the Arrow schema in the file, its dictionary-encoded columns read back as strings
-    _write_parquet(staging / CALL_MESSAGES_FILE, call_messages_t, run_id=run_id, out_dir=out_dir, store_schema=False)
-    crashpoints.point("write")
+        prices: Any = PriceBook.load()
+    except CtxReplayError as exc:
+        prices = None
+        warnings.append(f"no prices: {exc}")
+    rec = totals.frame(totals.recorded)
+    facts = rec.join(totals.frame(totals.times), on=["session_id", "thread_id", "call"], how="left")
+    prep = Prepared(calibrate.fit(calls, rec), facts)
+    res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices)
+    summary = res.summary
+    if prices is not None:
+        prices.save()
+        warnings.extend(prices.warnings)
+    summary["warnings"] = warnings
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return res.calls, summary
 
 
 def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
@@ -375,12 +344,6 @@ def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
                       f"session transcripts (*.jsonl), e.g. ~/.claude/projects")
 
 
-def _output_error(out_dir: Path, exc: OSError) -> OutputError:
-    where = f" ({exc.filename})" if exc.filename else ""
-    return OutputError(f"cannot write the outputs in {out_dir}: {exc.strerror or exc}{where}. The previous "
-                       f"outputs are kept; free some space or pass an --out you can write to")
-
-
 def _write_spills(spills: pl.DataFrame, spill_dir: Path) -> None:
     """Write what the stages spilled to the content-addressed store OUT/spill/<sha256> (stages do no
     I/O: they name the texts through their `spilled_texts` hook)."""
@@ -393,7 +356,7 @@ def _write_spills(spills: pl.DataFrame, spill_dir: Path) -> None:
             if not path.exists():
                 path.write_text(text, encoding="utf-8", errors="surrogatepass")
     except OSError as exc:
-        raise _output_error(spill_dir.parent, exc) from exc
+        raise output_error(spill_dir.parent, exc) from exc
 
 
 def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
@@ -411,8 +374,6 @@ def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: Pi
     ledger.stage(new, spec_sha256=spec.sha256, stage=stage, stage_version=1, config_digest=spec.sha256)
 
 
-RUN_ID_KEY = b"ctxreplay_run_id"
-
 
 def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path, **options: Any) -> None:
     """Write into the staging directory (no temp file needed: nothing reads it before it is
@@ -421,14 +382,14 @@ def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path, *
     try:
         pq.write_table(table.replace_schema_metadata(meta), path, **options)
     except OSError as exc:
-        raise _output_error(out_dir, exc) from exc
+        raise output_error(out_dir, exc) from exc
 
 
 def _write_json(path: Path, obj: Any, *, out_dir: Path) -> None:
     try:
         path.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
     except OSError as exc:
-        raise _output_error(out_dir, exc) from exc
+        raise output_error(out_dir, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -439,8 +400,7 @@ class RunFacts:
     spec: PipelineSpec
     target: str
     calls: pl.DataFrame
-    stages: StagesResult
-    violations: list[Violation]
+    totals: Totals
     out_dir: Path
     ledger_path: Path
     timings: dict[str, float]
@@ -449,7 +409,7 @@ class RunFacts:
 
 def _summary(f: RunFacts) -> dict[str, Any]:
     """summary.json (README: "Outputs")."""
-    calls, stage_stats = f.calls, f.stages.stats()
+    calls, t = f.calls, f.totals
     pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
     return {
         "pipeline": f.spec.name,
@@ -457,16 +417,16 @@ def _summary(f: RunFacts) -> dict[str, Any]:
         "target": f.target,
         **_input_counts(f.loaded),
         "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
-        "threads": f.loaded.threads,
+        "threads": t.threads,
         "calls": calls.height,
         "recorded_calls": calls.height - pending,
         "pending_calls": pending,
-        "decisions": {k: v["decisions"] for k, v in stage_stats.items()},
-        "decisions_by_stage": stage_stats,
-        "conflicts": f.stages.conflicts,
-        "stage_failures": [x.as_dict() for x in f.stages.failures],
-        "violations": len(f.violations),
-        "violations_by_rule": dict(sorted(Counter(v.rule for v in f.violations).items())),
+        "decisions": {k: v["decisions"] for k, v in t.stage_stats.items()},
+        "decisions_by_stage": t.stage_stats,
+        "conflicts": sum(v["conflicts"] for v in t.stage_stats.values()),
+        "stage_failures": [x.as_dict() for x in t.failures],
+        "violations": len(t.violations),
+        "violations_by_rule": dict(sorted(Counter(v.rule for v in t.violations).items())),
         "loader_stats": dict(sorted(f.loaded.stats.items())),
         "tokens": {"counter": f.counter.name, "texts_counted": f.counter.counted, "cache_hits": f.counter.cache_hits},
         "timings_seconds": {k: round(v, 3) for k, v in f.timings.items()},

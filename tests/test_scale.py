@@ -1,0 +1,126 @@
+"""Issue 10: session groups in batches give the outputs of one batch; groups tie a session's files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import orjson
+import polars as pl
+import pytest
+
+from pipeline.batches import Group, pack, session_groups
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
+from pipeline.tokens import CHARS4_COUNTER
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "data" / "samples"
+FIXTURES = ROOT / "tests" / "fixtures" / "loaders"
+
+# summary keys that may differ between two runs of the same inputs
+VOLATILE = {"run_id", "seconds", "timings_seconds", "out_dir", "ledger", "stale_outputs_removed", "cache_sim",
+            "decisions_by_stage", "groups"}
+
+
+def _run(paths: list[Path], out: Path, preset: str = "default", **kw: Any) -> dict[str, Any]:
+    return run(paths, load_spec(preset=preset), RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, **kw)).summary
+
+
+def _outputs(out: Path) -> dict[str, pl.DataFrame]:
+    """Every table of a run, in its row order (requests/ as one table of name -> bytes)."""
+    names = ["calls", "blocks", "decisions", "quarantine", "messages", "call_messages"]
+    got = {n: pl.read_parquet(out / f"{n}.parquet") for n in names}
+    req = sorted((out / "requests").iterdir())
+    got["requests"] = pl.DataFrame({"name": [p.name for p in req], "data": [p.read_bytes() for p in req]})
+    return got
+
+
+def _sorted(df: pl.DataFrame) -> pl.DataFrame:
+    cols = [c for c, t in df.schema.items() if t.is_numeric() or t in (pl.String, pl.Boolean, pl.Binary)]
+    return df.sort(cols, nulls_last=True)
+
+
+def _summary_core(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in s.items() if k not in VOLATILE}
+
+
+def _stage_counts(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: {kk: vv for kk, vv in v.items() if kk != "seconds"} for k, v in s["decisions_by_stage"].items()}
+
+
+def test_small_batches_give_the_outputs_of_one_batch(tmp_path: Path) -> None:
+    """Every session group in a batch of its own: the same rows (batches keep their order, so only
+    the row order across groups may differ), the same summary counts, the same cache simulation."""
+    inputs = [SAMPLES, FIXTURES]
+    one = _run(inputs, tmp_path / "one")
+    many = _run(inputs, tmp_path / "many", batch_bytes=1)
+    assert many["groups"]["batches"] > 5 and one["groups"]["batches"] == 1
+    assert _summary_core(many) == _summary_core(one)
+    assert _stage_counts(many) == _stage_counts(one)
+    assert {k: v for k, v in many["cache_sim"].items() if k != "seconds"} == \
+        {k: v for k, v in one["cache_sim"].items() if k != "seconds"}
+    a, b = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    for name in a:
+        assert _sorted(a[name]).equals(_sorted(b[name])), name
+    # each distinct message once, even when several batches hold it
+    assert b["messages"].get_column("sha256").is_unique().all()
+
+
+def test_a_run_twice_writes_the_same_rows_in_the_same_order(tmp_path: Path) -> None:
+    for n in ("a", "b"):
+        _run([SAMPLES, FIXTURES], tmp_path / n, batch_bytes=20_000)
+    a, b = _outputs(tmp_path / "a"), _outputs(tmp_path / "b")
+    for name in a:
+        assert a[name].equals(b[name]), name
+
+
+def _cc_line(sid: str, uuid: str, parent: str | None, role: str, text: str, **kw: Any) -> bytes:
+    msg: dict[str, Any] = {"role": role, "content": [{"type": "text", "text": text}]}
+    if role == "assistant":
+        msg.update(id=f"msg_{uuid}", model="claude-sonnet-4-5", usage={"input_tokens": 10, "output_tokens": 2})
+    return orjson.dumps({"type": role, "sessionId": sid, "uuid": uuid, "parentUuid": parent,
+                         "timestamp": "2026-01-01T00:00:00Z", "message": msg, **kw}) + b"\n"
+
+
+def test_a_sessions_files_form_one_group(tmp_path: Path) -> None:
+    """Main file, subagent file and sidecar, and a backup copy of the session under another name,
+    land in one group; another session is a group of its own."""
+    sid = "11111111-2222-4333-8444-555555555555"
+    proj = tmp_path / "proj"
+    (proj / sid / "subagents").mkdir(parents=True)
+    main = proj / f"{sid}.jsonl"
+    main.write_bytes(_cc_line(sid, "u1", None, "user", "hi") + _cc_line(sid, "a1", "u1", "assistant", "yo"))
+    sub = proj / sid / "subagents" / "agent-abc.jsonl"
+    sub.write_bytes(_cc_line(sid, "s1", None, "user", "task", isSidechain=True, agentId="abc"))
+    meta = proj / sid / "subagents" / "agent-abc.meta.json"
+    meta.write_text('{"agentType": "general"}')
+    backup = tmp_path / "backup" / "old-copy.jsonl"  # no uuid in the name: tied by the sessionId inside
+    backup.parent.mkdir()
+    shutil.copy(main, backup)
+    other_sid = "99999999-2222-4333-8444-555555555555"
+    other = proj / f"{other_sid}.jsonl"
+    other.write_bytes(_cc_line(other_sid, "u1", None, "user", "hi"))
+    groups = session_groups([main, sub, meta, backup, other])
+    assert sorted(sorted(p.name for p in g.files) for g in groups) == sorted([
+        [f"{other_sid}.jsonl"], sorted([f"{sid}.jsonl", "agent-abc.jsonl", "agent-abc.meta.json", "old-copy.jsonl"])])
+
+
+def test_groups_pack_into_batches_by_bytes_in_order() -> None:
+    gs = [Group([Path(f"/g{i}")], b) for i, b in enumerate([40, 30, 50, 200, 10])]
+    assert [[g.key for g in b.groups] for b in pack(gs, 100)] == [["/g0", "/g1"], ["/g2"], ["/g3"], ["/g4"]]
+    assert [[g.key for g in b.groups] for b in pack(gs, 70)] == [["/g0", "/g1"], ["/g2"], ["/g3"], ["/g4"]]
+    assert [[g.key for g in b.groups] for b in pack(gs, 69)] == [["/g0"], ["/g1"], ["/g2"], ["/g3"], ["/g4"]]
+    assert len(pack(gs, 10**9)) == 1
+
+
+@pytest.mark.slow
+def test_the_corpus_in_small_batches_equals_one_batch(corpus: Path, tmp_path: Path) -> None:
+    one = _run([corpus], tmp_path / "one", preset="claude-code")
+    many = _run([corpus], tmp_path / "many", preset="claude-code", batch_bytes=2_000_000)
+    assert many["groups"]["batches"] > 3
+    assert _summary_core(many) == _summary_core(one)
+    a, b = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    for name in a:
+        assert _sorted(a[name]).equals(_sorted(b[name])), name
