@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import crashpoints
-from pipeline.batchrun import BatchResult, output_error
+from pipeline.batchrun import BLOCK_ORDER, DECISION_ORDER, BatchResult, output_error
 from pipeline.loaders import LoadResult
 from pipeline.stagerun import StageFailure
 from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE
@@ -52,10 +52,11 @@ class Writers:
             crashpoints.point("write")
 
     def _new_messages(self, t: pa.Table) -> pa.Table:
-        shas = t.column("sha256").to_pylist()
-        keep = [sha not in self.seen for sha in shas]
+        keep = []
+        for sha in t.column("sha256").to_pylist():  # a batch's parts may share a message: once
+            keep.append(sha not in self.seen)
+            self.seen.add(sha)
         t = t.filter(pa.array(keep, pa.bool_()))
-        self.seen.update(shas)
         self.kinds.update(t.column("kind").to_pylist())
         self.bytes += int(pc.sum(pc.binary_length(t.column("canonical_json"))).as_py() or 0)
         return t
@@ -76,6 +77,12 @@ class Writers:
         except OSError as exc:
             raise output_error(self.out_dir, exc) from exc
 
+    def request_store(self, totals: Totals) -> dict[str, Any]:
+        """The summary's `request_store` section."""
+        n = self.kinds["message"]
+        return {"messages": n, "envelopes": sum(self.kinds.values()) - n, "call_message_rows": totals.call_message_rows,
+                "bytes": self.bytes, "token_conflicts": totals.token_conflicts}
+
     def close(self) -> None:
         try:
             for w in self.open.values():
@@ -91,6 +98,42 @@ class Writers:
         self.open = {}
 
 
+def _scalar_columns(t: pa.Table, first: list[str]) -> list[str]:
+    rest = [f.name for f in t.schema if f.name not in first
+            and (pa.types.is_integer(f.type) or pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+                 or pa.types.is_boolean(f.type) or pa.types.is_floating(f.type) or pa.types.is_timestamp(f.type))]
+    return [c for c in first if c in t.column_names] + rest
+
+
+def _decoded(t: pa.Table) -> pa.Table:
+    """Dictionary-encoded columns as plain values (batches from a run and from the previous run's
+    files then concatenate; on disk they are plain strings either way)."""
+    for i, f in enumerate(t.schema):
+        if pa.types.is_dictionary(f.type):
+            t = t.set_column(i, f.name, pc.cast(t.column(i), f.type.value_type))
+    return t
+
+
+SORT_KEYS = {
+    "blocks": BLOCK_ORDER, "decisions": DECISION_ORDER, "quarantine": ["file", "line"], "messages": ["sha256"],
+    "call_messages": ["thread_key", "slot", "first_call"],
+}
+
+
+def sorted_tables(parts: list[dict[str, pa.Table]]) -> dict[str, pa.Table]:
+    """Each output of a batch (from one or more sources) in one order fixed by its keys and then
+    every other plain column, so that the rows come out the same whatever the run."""
+    out: dict[str, pa.Table] = {}
+    for name, first in SORT_KEYS.items():
+        tables = [_decoded(p[name]) for p in parts if p[name].num_rows] or [_decoded(parts[0][name])]
+        t = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        # blocks, messages and call_messages: their keys are unique; decisions and quarantine: every column
+        keys = _scalar_columns(t, first) if name in ("decisions", "quarantine") else first
+        out[name] = t.take(pc.sort_indices(t, sort_keys=[(k, "ascending", "at_end") for k in keys])) \
+            if t.num_rows > 1 else t
+    return out
+
+
 @dataclass
 class Totals:
     """The batches' results summed, and the per-call facts for the cache simulation."""
@@ -99,8 +142,8 @@ class Totals:
     skipped: list[dict[str, str]] = field(default_factory=list)
     stats: Counter[str] = field(default_factory=Counter)
     calls: list[pl.DataFrame] = field(default_factory=list)
-    recorded: list[pl.DataFrame] = field(default_factory=list)
-    times: list[pl.DataFrame] = field(default_factory=list)
+    facts: list[pl.DataFrame] = field(default_factory=list)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # manifest records, in group order
     applied: list[pl.DataFrame] = field(default_factory=list)
     stage_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     failures: list[StageFailure] = field(default_factory=list)
@@ -111,24 +154,23 @@ class Totals:
     token_conflicts: int = 0
     seconds: Counter[str] = field(default_factory=Counter)
     sim_store: Any = None
+    request_store: dict[str, Any] | None = None  # the summary's, when taken from the previous run
 
     def add(self, b: BatchResult) -> None:
-        from pipeline.cachesim import SimStore
-
         ld = b.loaded
         self.loads.extend(ld.loads)
         self.skipped.extend(ld.skipped)
         self.stats.update(ld.stats)
         self.loaded_threads += ld.threads
+        self.groups.extend(b.groups)
         r = b.out
         if r is None:
             return
         self.calls.append(r.calls)
-        self.recorded.append(r.recorded)
-        self.times.append(r.answer_times)
+        self.facts.append(r.facts)
         self.applied.append(r.applied)
         for name, st in r.stage_stats.items():
-            self.stage_stats[name] = _merge_stats(self.stage_stats.get(name), st)
+            self.stage_stats[name] = merge_stats(self.stage_stats.get(name), st)
         self.failures = _merge_failures(self.failures, r.failures)
         self.violations.extend(r.violations)
         rs = r.replay_stats
@@ -136,9 +178,14 @@ class Totals:
         self.call_message_rows += rs["request_store"]["call_message_rows"]
         self.token_conflicts += rs["request_store"]["token_conflicts"]
         self.seconds.update(r.seconds)
+
+    def add_store(self, tables: dict[str, pa.Table]) -> None:
+        """A batch's request store into the cache simulation's (each batch once)."""
+        from pipeline.cachesim import SimStore
+
         if self.sim_store is None:
             self.sim_store = SimStore()
-        _add_to_sim(self.sim_store, r.tables["messages"], r.tables["call_messages"])
+        _add_to_sim(self.sim_store, tables["messages"], tables["call_messages"])
 
     def load_result(self) -> LoadResult:
         loads = sorted(self.loads, key=lambda ld: ld.path)
@@ -163,7 +210,7 @@ def _add_to_sim(st: Any, messages: pa.Table, call_messages: pa.Table) -> None:
         st.add_span(key, slot, first, last, ids[sha])
 
 
-def _merge_stats(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+def merge_stats(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
     if a is None:
         return dict(b)
     out = dict(a)

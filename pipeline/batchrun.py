@@ -12,8 +12,10 @@ and the counts the summary sums.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ import polars as pl
 import pyarrow as pa
 
 from pipeline import crashpoints
+from pipeline.batches import Group
 from pipeline.errors import InputError, OutputError, internal_error
 from pipeline.loaders import LoadResult, load_paths
 from pipeline.registry import StageContext
@@ -64,14 +67,16 @@ class BatchResult:
     loaded: LoadResult  # accounting only: its blocks are dropped
     # None when the batch's files hold no line at all (nothing to stage, replay or write)
     out: BatchOutputs | None = None
+    groups: list[dict[str, Any]] = field(default_factory=list)  # per group: what the manifest keeps
+    reused: bool = False  # groups taken from the previous run (pipeline/reuse.py)
 
 
 @dataclass
 class BatchOutputs:
     tables: dict[str, pa.Table]  # blocks, quarantine, decisions, messages, call_messages
     calls: pl.DataFrame
-    recorded: pl.DataFrame  # calibrate.recorded_facts of the loaded blocks
-    answer_times: pl.DataFrame
+    # per call: calibrate.recorded_facts of the loaded blocks and cachesim.answer_times of the final ones
+    facts: pl.DataFrame
     new_decisions: list[tuple[pl.DataFrame, str, int, str]]  # rows, stage, stage_version, config_digest
     spills: pl.DataFrame
     stage_stats: dict[str, dict[str, Any]]
@@ -124,39 +129,47 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_batch(files: list[Path], say: Progress) -> tuple[LoadResult, pl.DataFrame, pl.DataFrame,
-                                                          dict[tuple[str, str], int], CallMap]:
-    """Load and check a batch's files; the blocks every call sees, the call skeleton, the calls per
-    thread and their keys."""
-    say(f"loading {plural(len(files), 'file')}")
+def load_batch(groups: list[Group], say: Progress) -> tuple[LoadResult, list[LoadResult], pl.DataFrame]:
+    """Load a batch group by group (each group as a load of all the files would read it); the
+    batch's accounting, each group's, and the blocks of the batch (checked)."""
+    say(f"loading {plural(sum(len(g.files) for g in groups), 'file')}")
     crashpoints.phase("load")
+    parts: list[LoadResult] = []
     try:
         with gc_paused():
-            loaded: LoadResult = load_paths(list(files))
+            for g in groups:
+                parts.append(load_paths(list(g.files)))
     except OSError as exc:
         raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
-    for ld in loaded.loads:
-        ld.check()
+    stats: Counter[str] = Counter()
+    for lr in parts:
+        stats.update(lr.stats)
+        for ld in lr.loads:
+            ld.check()
+    tables = [lr.blocks for lr in parts if lr.blocks.num_rows]
+    loaded = LoadResult(pa.concat_tables(tables) if tables else BLOCKS.empty_table(),
+                        sorted((ld for lr in parts for ld in lr.loads), key=lambda ld: ld.path),
+                        [s for lr in parts for s in lr.skipped], dict(stats), sum(lr.threads for lr in parts))
     blocks = pl.from_arrow(loaded.blocks)
     assert isinstance(blocks, pl.DataFrame)
     check_frame(blocks, BLOCKS, where="on load")
-    skeleton = call_skeleton(blocks)
-    counts = call_counts(blocks)
-    calls = CallMap.from_blocks(blocks, counts)
-    return loaded, blocks, skeleton, counts, calls
+    return loaded, parts, blocks
 
 
-def run_batch(index: int, files: list[Path], env: Env) -> BatchResult:
+def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
     """Load, run the stages and replay one batch (see the module docstring)."""
     from pipeline.cachesim import answer_times
     from pipeline.calibrate import recorded_facts
 
     say = env.progress or (lambda s: None)
     t0 = time.perf_counter()
-    loaded, blocks, skeleton, counts, calls = load_batch(files, say)
+    loaded, parts, blocks = load_batch(groups, say)
     if not any(ld.lines for ld in loaded.loads) and not loaded.quarantine:
         loaded.blocks = BLOCKS.empty_table()
-        return BatchResult(index, loaded)
+        return BatchResult(index, loaded, None, [_group_facts(lr, None) for lr in parts])
+    skeleton = call_skeleton(blocks)
+    counts = call_counts(blocks)
+    calls = CallMap.from_blocks(blocks, counts)
     t1 = time.perf_counter()
     counter = env.counter
     recorded = recorded_facts(blocks, counter.series_counter())
@@ -165,24 +178,60 @@ def run_batch(index: int, files: list[Path], env: Env) -> BatchResult:
     staged = _stages(blocks, env, calls, say)
     del blocks
     t2 = time.perf_counter()
-    final = to_arrow(staged.blocks.sort(BLOCK_ORDER, maintain_order=True), BLOCKS, where="on write (blocks)")
+    final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
     calls_df, violations, replay_stats = _replay(final, skeleton, env, counts, say)
     t3 = time.perf_counter()
-    times = answer_times(pl.from_arrow(final))  # type: ignore[arg-type]
-    applied = staged.applied.sort(DECISION_ORDER, maintain_order=True, nulls_last=True)
+    facts = recorded.join(answer_times(pl.from_arrow(final)),  # type: ignore[arg-type]
+                          on=["session_id", "thread_id", "call"], how="left")
+    applied = staged.applied
     messages, call_messages = replay_stats.pop("store_tables")
-    quarantine = pa.Table.from_pylist(
+    loaded.blocks = BLOCKS.empty_table()
+    if isinstance(counter, BatchCounter):
+        counter.forget()
+    out = BatchOutputs(
+        {"blocks": final, "quarantine": quarantine_table(loaded), "decisions": applied.to_arrow(),
+         "messages": messages, "call_messages": call_messages},
+        calls_df, facts, [(o.new, o.name, o.stage.version, o.config_digest) for o in staged.outcomes],
+        staged.spills, staged.stats(), list(staged.failures), violations, replay_stats, applied,
+        {"load": t1 - t0, "stages": t2 - t1, "replay": t3 - t2})
+    return BatchResult(index, loaded, out, [_group_facts(lr, out) for lr in parts])
+
+
+def quarantine_table(loaded: LoadResult) -> pa.Table:
+    return pa.Table.from_pylist(
         [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
           "raw_base64": q.raw_base64} for q in loaded.quarantine], schema=QUARANTINE)
-    loaded.blocks = BLOCKS.empty_table()
-    counter.forget() if isinstance(counter, BatchCounter) else None
-    return BatchResult(index, loaded, BatchOutputs(
-        {"blocks": final, "quarantine": quarantine, "decisions": applied.to_arrow(),
-                        "messages": messages, "call_messages": call_messages},
-        calls_df.sort("session_id", "thread_id", "call"), recorded, times,
-        [(o.new, o.name, o.stage.version, o.config_digest) for o in staged.outcomes], staged.spills,
-        staged.stats(), list(staged.failures), violations, replay_stats, applied,
-        {"load": t1 - t0, "stages": t2 - t1, "replay": t3 - t2}))
+
+
+def _group_facts(lr: LoadResult, out: BatchOutputs | None) -> dict[str, Any]:
+    """What the manifest keeps of one group (pipeline/manifest.py): its sessions, its accounting,
+    its replayed threads and violations, and its decisions counted per stage as a re-run that
+    reuses them all would count them."""
+    from pipeline.manifest import load_to_dict
+
+    sessions = sorted(set(lr.blocks.column("session_id").to_pylist())) if lr.blocks.num_rows else []
+    facts: dict[str, Any] = {"sessions": sessions, "loads": [load_to_dict(ld) for ld in lr.loads],
+                             "skipped": lr.skipped, "stats": dict(lr.stats), "loaded_threads": lr.threads,
+                             "threads": 0, "violations": [], "stage_stats": {}}
+    if out is None or not sessions:
+        return facts
+    mine = pl.col("session_id").is_in(sessions)
+    calls = out.calls.filter(mine)
+    facts["threads"] = calls.select("session_id", "thread_id").unique().height
+    keys = set(calls.get_column("thread_key").to_list())
+    facts["violations"] = [dataclasses.asdict(v) for v in out.violations if v.thread_key in keys]
+    d = out.applied.filter(mine)
+    for name in out.stage_stats:
+        own = d.filter(pl.col("stage") == name)
+        prov = int(own.get_column("is_provisional").sum())
+        conflicts = int((own.get_column("action") == "conflict").sum())
+        by_reason = Counter(f"{a}:{r}" for a, r in zip(own.get_column("action").to_list(),
+                                                       own.get_column("reason").to_list(), strict=True))
+        facts["stage_stats"][name] = {"decisions": own.height, "new_decisions": 0,
+                                      "reused_decisions": own.height - prov - conflicts,
+                                      "provisional_decisions": prov, "conflicts": conflicts,
+                                      "by_reason": dict(sorted(by_reason.items())), "seconds": 0.0}
+    return facts
 
 
 def _stages(blocks: pl.DataFrame, env: Env, calls: CallMap, say: Progress) -> Any:
@@ -222,5 +271,16 @@ def output_error(out_dir: Path, exc: OSError) -> OutputError:
                        f"outputs are kept; free some space or pass an --out you can write to")
 
 
-__all__ = ["BLOCK_ORDER", "DECISION_ORDER", "BatchCounter", "BatchOutputs", "BatchResult", "Env", "gc_paused", "load_batch",
-           "output_error", "run_batch"]
+__all__ = [
+    "BLOCK_ORDER",
+    "DECISION_ORDER",
+    "BatchCounter",
+    "BatchOutputs",
+    "BatchResult",
+    "Env",
+    "gc_paused",
+    "load_batch",
+    "output_error",
+    "quarantine_table",
+    "run_batch",
+]

@@ -82,9 +82,11 @@ def main() -> None:
               "the JSON document is still printed.")
 @click.option("--batch-bytes", type=click.IntRange(min=1), help="Input bytes per batch of session groups (default: "
               "64 MiB): memory grows with it, not with the whole input.")
+@click.option("--full", is_flag=True, help="Run every session group again, even those whose files did not change "
+              "since the previous run in OUT (by default their outputs are reused).")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
-        quiet: bool, batch_bytes: int | None) -> None:
+        quiet: bool, batch_bytes: int | None, full: bool) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
@@ -110,6 +112,7 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
         opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
                           token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
                           progress=_progress(quiet, json_))
+        opts.reuse = not full
         if batch_bytes:
             opts.batch_bytes = batch_bytes
         result = do_run(chosen, spec, opts)

@@ -30,9 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import pipeline
-from pipeline import crashpoints
+from pipeline import crashpoints, manifest
 from pipeline.batches import DEFAULT_BATCH_BYTES, plan
-from pipeline.batchout import RUN_ID_KEY, Totals, Writers
+from pipeline.batchout import RUN_ID_KEY, Totals, Writers, sorted_tables
 from pipeline.batchrun import BatchCounter, BatchResult, Env, output_error, run_batch
 from pipeline.errors import CheckFailed, NothingToDo, OutputError
 from pipeline.ledger import Ledger
@@ -72,6 +72,8 @@ class RunOptions:
     progress: Progress | None = None
     # input bytes per batch of session groups (pipeline/batches.py): memory grows with it, not the corpus
     batch_bytes: int = DEFAULT_BATCH_BYTES
+    # reuse the outputs of the groups whose files did not change since the previous run (OUT/manifest.json)
+    reuse: bool = True
 
 
 @dataclass
@@ -212,11 +214,13 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
 def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_name: str, ledger_path: Path,
                 staging: Path, run_id: str, stale: list[str]) -> RunResult:
     """The run proper, with OUT and the ledger locked: every output goes to `staging`, batch by
-    batch (pipeline/batchrun.py); the cache simulation and calls.parquet once at the end."""
+    batch (pipeline/batchrun.py), reusing the unchanged groups of the previous run
+    (pipeline/manifest.py); the cache simulation and calls.parquet once at the end."""
     started = _now()
     t_start = time.perf_counter()
-    say = opts.progress or (lambda s: None)
     batches, skipped = plan(paths, opts.batch_bytes)
+    conf = manifest.config(spec.sha256, target_name, opts.token_counter, opts.all_calls, opts.validate, ledger_path)
+    plan_ = _Plan.make(batches, *(manifest.prior(opts.out_dir, conf) if opts.reuse else (None, "--full")))
     ledger: Any = _LazyLedger(ledger_path)  # opened when first needed: a run with nothing to do leaves no ledger
     writers = Writers(staging, run_id, opts.out_dir)
     closed = False
@@ -225,24 +229,26 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         env = Env(spec, target_name, staging, opts.out_dir, opts.all_calls, opts.validate,
                   lambda sessions: ledger.earlier_all(spec.sha256, sessions), counter, opts.progress)
         totals = Totals(skipped=list(skipped))
-        for batch in batches:
-            _take_batch(run_batch(batch.index, batch.files, env), ledger, writers, totals, env)
+        if plan_.all_reused:
+            calls_df, cache_sim, applied = _reuse_everything(plan_, totals, staging, run_id)
+        else:
+            for batch in batches:
+                _take_batch(_batch_parts(batch, plan_, env, staging), ledger, writers, totals, env)
+            _check_something_to_do(paths, totals.load_result())
+            calls_df = totals.frame(totals.calls).sort("session_id", "thread_id", "call")
+            applied = totals.frame(totals.applied)
+            (opts.progress or (lambda s: None))("simulating the prompt cache")
+            calls_df, cache_sim = _simulate(totals, calls_df, applied)
+            writers.close()
+            _write_parquet(staging / "calls.parquet", to_arrow(calls_df, CALLS, where="on write (calls)"),
+                           run_id=run_id, out_dir=opts.out_dir)
+            crashpoints.point("write")
         loaded = totals.load_result()
-        _check_something_to_do(paths, loaded)
-        calls_df, applied = totals.frame(totals.calls), totals.frame(totals.applied)
-        say("simulating the prompt cache")
-        calls_df, cache_sim = _simulate(totals, calls_df, applied, counter)
-        writers.close()
-        _write_parquet(staging / "calls.parquet", to_arrow(calls_df, CALLS, where="on write (calls)"), run_id=run_id,
-                       out_dir=opts.out_dir)
-        crashpoints.point("write")
+        manifest.write_manifest(staging, conf, plan_.records(totals.groups), len(totals.failures))
         summary = _summary(RunFacts(loaded, spec, target_name, calls_df, totals, opts.out_dir, ledger_path,
                                     dict(totals.seconds), counter))
-        summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups={
-            "total": sum(len(b.groups) for b in batches), "batches": len(batches)}, request_store={
-            "messages": writers.kinds["message"], "envelopes": sum(writers.kinds.values()) - writers.kinds["message"],
-            "call_message_rows": totals.call_message_rows, "bytes": writers.bytes,
-            "token_conflicts": totals.token_conflicts})
+        summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups=plan_.counts(),
+                       request_store=totals.request_store or writers.request_store(totals))
         crashpoints.phase("ledger")
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
@@ -281,24 +287,113 @@ class _LazyLedger:
             self._ledger.close()
 
 
-def _take_batch(b: BatchResult, ledger: Ledger, writers: Writers, totals: Totals, env: Env) -> None:
+@dataclass
+class _Plan:
+    """Which groups of which batches run again and which are reused from the previous run."""
+
+    batches: list[Any]
+    prior: manifest.Prior | None
+    why: str
+    files: dict[str, list[dict[str, Any]]]  # group key -> its files' fingerprints
+    reused: dict[str, dict[str, Any]]  # group key -> its record in the previous manifest
+
+    @classmethod
+    def make(cls, batches: list[Any], prior: manifest.Prior | None, why: str) -> _Plan:
+        files = {g.key: manifest.group_files(g) for b in batches for g in b.groups}
+        reused = {}
+        if prior is not None:
+            for key, fs in files.items():
+                rec = prior.reusable(key, fs)
+                if rec is not None:
+                    reused[key] = rec
+        return cls(batches, prior, why, files, reused)
+
+    @property
+    def all_reused(self) -> bool:
+        return bool(self.files) and len(self.reused) == len(self.files)
+
+    def counts(self) -> dict[str, Any]:
+        old = self.prior.groups if self.prior else {}
+        rerun = sum(1 for k in self.files if k not in self.reused and k in old)
+        out: dict[str, Any] = {"total": len(self.files), "batches": len(self.batches), "reused": len(self.reused),
+                               "rerun": rerun, "new": len(self.files) - len(self.reused) - rerun}
+        if self.why:
+            out["not_reused_because"] = self.why
+        return out
+
+    def records(self, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The manifest's group records: the reused ones as they were, the others from this run."""
+        by_key = {**self.reused, **{r["key"]: r for r in fresh}}
+        return [{**by_key[k], "key": k, "files": self.files[k]} for k in sorted(self.files) if k in by_key]
+
+
+def _batch_parts(batch: Any, plan_: _Plan, env: Env, staging: Path) -> list[BatchResult]:
+    """The batch's groups that run again (run_batch) and those reused (reuse_batch)."""
+    from pipeline.reuse import link_spills, reuse_batch
+
+    fresh = [g for g in batch.groups if g.key not in plan_.reused]
+    old = [plan_.reused[g.key] for g in batch.groups if g.key in plan_.reused]
+    parts = []
+    if fresh:
+        r = run_batch(batch.index, fresh, env)
+        for g, rec in zip(fresh, r.groups, strict=True):
+            rec["key"] = g.key
+        parts.append(r)
+    if old:
+        assert plan_.prior is not None
+        parts.append(reuse_batch(batch.index, old, plan_.prior, staging))
+        link_spills(plan_.prior.run_dir, staging)
+    return parts
+
+
+def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
+                      ) -> tuple[pl.DataFrame, dict[str, Any], pl.DataFrame]:
+    """Nothing changed: the previous run's outputs copied, its accounting summed again."""
+    from pipeline.batchout import merge_stats
+    from pipeline.outdir import read_summary
+    from pipeline.reuse import reuse_all
+
+    assert plan_.prior is not None
+    run = plan_.prior.run_dir
+    records = [plan_.reused[k] for k in sorted(plan_.reused)]
+    loaded, _ = reuse_all(records, plan_.prior, staging, run_id)
+    totals.loads, totals.stats = loaded.loads, Counter(loaded.stats)
+    totals.skipped.extend(loaded.skipped)
+    totals.loaded_threads = loaded.threads
+    for r in records:
+        for name, st in r["stage_stats"].items():
+            totals.stage_stats[name] = merge_stats(totals.stage_stats.get(name), st)
+        totals.threads += r["threads"]
+        totals.violations.extend(Violation(**v) for v in r["violations"])
+    before = read_summary(run)
+    totals.request_store = before.get("request_store")
+    calls = pl.read_parquet(staging / "calls.parquet")
+    return calls, before.get("cache_sim", {}), pl.read_parquet(staging / "decisions.parquet")
+
+
+def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, totals: Totals, env: Env) -> None:
     """A batch's new decisions and violations queued in the ledger (committed with the run), its
-    spills and tables written, its counts added to the totals."""
-    r = b.out
-    if r is None:
-        totals.add(b)
-        return
-    for rows, stage, version, digest in r.new_decisions:
-        ledger.stage(rows, spec_sha256=env.spec.sha256, stage=stage, stage_version=version, config_digest=digest)
-    _write_spills(r.spills, env.staging / "spill")
-    if r.violations:
-        _stage_violations(r.violations, r.calls, env.spec, env.target, ledger)
-    writers.write_batch(r.tables)
-    totals.add(b)
+    spills and tables written (its reused groups' rows with the others, in one order), its counts
+    added to the totals."""
+    outs = [p.out for p in parts if p.out is not None]
+    for p in parts:
+        if p.out is not None and not p.reused:
+            for rows, stage, version, digest in p.out.new_decisions:
+                ledger.stage(rows, spec_sha256=env.spec.sha256, stage=stage, stage_version=version,
+                             config_digest=digest)
+            _write_spills(p.out.spills, env.staging / "spill")
+            if p.out.violations:
+                _stage_violations(p.out.violations, p.out.calls, env.spec, env.target, ledger)
+        totals.add(p)
+    if outs:
+        tables = sorted_tables([o.tables for o in outs])
+        writers.write_batch(tables)
+        facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
+        writers.append("call_facts", facts.to_arrow())
+        totals.add_store(tables)
 
 
-def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame, counter: TokenCounter,
-              ) -> tuple[pl.DataFrame, dict[str, Any]]:
+def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
     """The prompt-cache simulation over every call of the run (cachesim.after_replay, from the
     per-call facts and the request store the batches kept)."""
     from pipeline import calibrate
@@ -313,9 +408,8 @@ def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame, counte
     except CtxReplayError as exc:
         prices = None
         warnings.append(f"no prices: {exc}")
-    rec = totals.frame(totals.recorded)
-    facts = rec.join(totals.frame(totals.times), on=["session_id", "thread_id", "call"], how="left")
-    prep = Prepared(calibrate.fit(calls, rec), facts)
+    facts = totals.frame(totals.facts)
+    prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp")), facts)
     res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices)
     summary = res.summary
     if prices is not None:

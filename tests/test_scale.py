@@ -42,8 +42,8 @@ def _sorted(df: pl.DataFrame) -> pl.DataFrame:
     return df.sort(cols, nulls_last=True)
 
 
-def _summary_core(s: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in s.items() if k not in VOLATILE}
+def _summary_core(s: dict[str, Any], *also: str) -> dict[str, Any]:
+    return {k: v for k, v in s.items() if k not in VOLATILE and k not in also}
 
 
 def _stage_counts(s: dict[str, Any]) -> dict[str, Any]:
@@ -124,3 +124,76 @@ def test_the_corpus_in_small_batches_equals_one_batch(corpus: Path, tmp_path: Pa
     a, b = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
     for name in a:
         assert _sorted(a[name]).equals(_sorted(b[name])), name
+
+
+# ------------------------------------------------------------------------------ incremental re-runs
+
+
+def _tree(tmp: Path) -> Path:
+    tree = tmp / "tree"
+    shutil.copytree(SAMPLES, tree / "samples")
+    shutil.copytree(FIXTURES, tree / "fixtures")
+    return tree
+
+
+def _same_outputs(a: Path, b: Path) -> None:
+    x, y = _outputs(a), _outputs(b)
+    for name in x:
+        assert x[name].equals(y[name]), name
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
+def test_an_unchanged_rerun_reuses_every_group_and_writes_the_same_outputs(tmp_path: Path, batch_bytes: int) -> None:
+    tree = _tree(tmp_path)
+    out = tmp_path / "o"
+    first = _run([tree], out, batch_bytes=batch_bytes)
+    snap = tmp_path / "first"
+    shutil.copytree(out / "current", snap)
+    again = _run([tree], out, batch_bytes=batch_bytes)
+    g = again["groups"]
+    assert g["reused"] == g["total"] == first["groups"]["total"] > 5 and g["rerun"] == g["new"] == 0
+    assert first["groups"]["new"] == first["groups"]["total"]
+    assert _summary_core(again, "tokens") == _summary_core(first, "tokens")  # nothing counted again
+    assert _stage_counts(again) == {k: {**v, "new_decisions": 0, "reused_decisions": v["decisions"]
+                                        - v["provisional_decisions"] - v["conflicts"]}
+                                    for k, v in _stage_counts(first).items()}
+    _same_outputs(snap, out)
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
+def test_a_grown_file_reruns_its_group_only_and_equals_a_fresh_run(tmp_path: Path, batch_bytes: int) -> None:
+    tree = _tree(tmp_path)
+    main = next((tree / "samples" / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
+    full = main.read_bytes()
+    lines = full.splitlines(keepends=True)
+    main.write_bytes(b"".join(lines[:-4]))  # the session before its last lines were written
+    out = tmp_path / "o"
+    _run([tree], out, batch_bytes=batch_bytes)
+    main.write_bytes(full)  # the session grew
+    grown = _run([tree], out, batch_bytes=batch_bytes)
+    g = grown["groups"]
+    assert (g["rerun"], g["new"], g["reused"]) == (1, 0, g["total"] - 1)
+    fresh = _run([tree], tmp_path / "fresh", batch_bytes=batch_bytes)
+    assert _summary_core(grown, "tokens") == _summary_core(fresh, "tokens")
+    _same_outputs(tmp_path / "fresh", out)
+    # a new file is a new group; a removed one is gone from the outputs
+    (tree / "samples" / "codex-sample.jsonl").unlink()
+    shutil.copy(tree / "samples" / "openclaw-sample.jsonl", tree / "samples" / "copy-9f1e.jsonl")
+    after = _run([tree], out, batch_bytes=batch_bytes)
+    assert after["groups"]["new"] + after["groups"]["rerun"] >= 1
+    _run([tree], tmp_path / "fresh2", batch_bytes=batch_bytes)
+    _same_outputs(tmp_path / "fresh2", out)
+
+
+def test_a_changed_pipeline_reruns_every_group(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    out = tmp_path / "o"
+    _run([tree], out)
+    other = _run([tree], out, preset="minimal")
+    assert other["groups"]["reused"] == 0 and other["groups"]["new"] == other["groups"]["total"]
+    assert "pipeline_sha256" in other["groups"]["not_reused_because"]
+    _run([tree], tmp_path / "fresh", preset="minimal")
+    _same_outputs(tmp_path / "fresh", out)
+    full = _run([tree], out, preset="minimal", reuse=False)  # --full
+    assert full["groups"]["reused"] == 0 and full["groups"]["not_reused_because"] == "--full"
+    _same_outputs(tmp_path / "fresh", out)
