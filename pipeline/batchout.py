@@ -187,6 +187,10 @@ class Totals:
             self.sim_store = SimStore()
         _add_to_sim(self.sim_store, tables["messages"], tables["call_messages"])
 
+    @property
+    def n_calls(self) -> int:
+        return sum(c.height for c in self.calls)
+
     def load_result(self) -> LoadResult:
         loads = sorted(self.loads, key=lambda ld: ld.path)
         return LoadResult(BLOCKS.empty_table(), loads, self.skipped, dict(self.stats), threads=self.loaded_threads)

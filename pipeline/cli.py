@@ -110,8 +110,12 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
             raise Failure("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
                           "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
         opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
-                          token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
-                          progress=_progress(quiet, json_))
+                          token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER)
+        if _progress(quiet, json_) is not None:  # a terminal: files, groups, calls, ETA (pipeline/progress.py)
+            from pipeline.progress import RunProgress
+
+            opts.display = RunProgress()
+            opts.progress = opts.display.note
         opts.reuse = not full
         if batch_bytes:
             opts.batch_bytes = batch_bytes

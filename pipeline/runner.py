@@ -74,6 +74,8 @@ class RunOptions:
     batch_bytes: int = DEFAULT_BATCH_BYTES
     # reuse the outputs of the groups whose files did not change since the previous run (OUT/manifest.json)
     reuse: bool = True
+    # a live display (pipeline/progress.py RunProgress): start / advance per batch / close
+    display: Any = None
 
 
 @dataclass
@@ -229,11 +231,17 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         env = Env(spec, target_name, staging, opts.out_dir, opts.all_calls, opts.validate,
                   lambda sessions: ledger.earlier_all(spec.sha256, sessions), counter, opts.progress)
         totals = Totals(skipped=list(skipped))
+        shown = opts.display
+        if shown is not None:
+            shown.start(sum(len(b.files) for b in batches), len(plan_.files), sum(b.bytes for b in batches))
         if plan_.all_reused:
             calls_df, cache_sim, applied = _reuse_everything(plan_, totals, staging, run_id)
         else:
             for batch in batches:
+                before = totals.n_calls
                 _take_batch(_batch_parts(batch, plan_, env, staging), ledger, writers, totals, env)
+                if shown is not None:
+                    shown.advance(len(batch.files), len(batch.groups), batch.bytes, totals.n_calls - before)
             _check_something_to_do(paths, totals.load_result())
             calls_df = totals.frame(totals.calls).sort("session_id", "thread_id", "call")
             applied = totals.frame(totals.applied)
@@ -265,6 +273,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         crashpoints.point("write")
         return RunResult(summary, calls_df, opts.out_dir, totals.violations, applied, list(totals.failures))
     finally:
+        if opts.display is not None:
+            opts.display.close()
         writers.abort()
         if not closed:
             ledger.close()

@@ -197,3 +197,34 @@ def test_a_changed_pipeline_reruns_every_group(tmp_path: Path) -> None:
     full = _run([tree], out, preset="minimal", reuse=False)  # --full
     assert full["groups"]["reused"] == 0 and full["groups"]["not_reused_because"] == "--full"
     _same_outputs(tmp_path / "fresh", out)
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+def test_the_progress_display_counts_files_groups_and_calls(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from pipeline.progress import RunProgress
+
+    buf = io.StringIO()
+    shown = RunProgress(Console(file=buf, force_terminal=True, width=200))
+    s = _run([SAMPLES], tmp_path / "o", batch_bytes=1, display=shown)
+    text = buf.getvalue()
+    g = s["groups"]["total"]
+    assert f"files {s['files']}/{s['files']}" in text and f"groups {g}/{g}" in text
+    assert f"calls {s['calls']}" in text and "ETA" in text
+    assert f"groups 1/{g}" in text  # it moved batch by batch
+
+
+def test_no_progress_without_a_terminal_or_with_q(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    for flags in ([], ["-q"]):
+        r = CliRunner().invoke(main, ["run", str(SAMPLES), "--out", str(tmp_path / "o"), "--fast-tokens", *flags])
+        assert r.exit_code == 0, r.output
+        assert "ETA" not in r.stderr and "groups" not in r.stderr
