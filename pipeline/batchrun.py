@@ -146,6 +146,7 @@ def load_batch(groups: list[Group], say: Progress) -> tuple[LoadResult, list[Loa
         stats.update(lr.stats)
         for ld in lr.loads:
             ld.check()
+            ld.digests = {}  # used inside the load only
     tables = [lr.blocks for lr in parts if lr.blocks.num_rows]
     loaded = LoadResult(pa.concat_tables(tables) if tables else BLOCKS.empty_table(),
                         sorted((ld for lr in parts for ld in lr.loads), key=lambda ld: ld.path),

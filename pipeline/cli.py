@@ -82,11 +82,13 @@ def main() -> None:
               "the JSON document is still printed.")
 @click.option("--batch-bytes", type=click.IntRange(min=1), help="Input bytes per batch of session groups (default: "
               "64 MiB): memory grows with it, not with the whole input.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), help="Worker processes for the batches (default: one per "
+              "core); the outputs are the same for any number.")
 @click.option("--full", is_flag=True, help="Run every session group again, even those whose files did not change "
               "since the previous run in OUT (by default their outputs are reused).")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
-        quiet: bool, batch_bytes: int | None, full: bool) -> None:
+        quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
@@ -117,6 +119,7 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
             opts.display = RunProgress()
             opts.progress = opts.display.note
         opts.reuse = not full
+        opts.jobs = jobs  # None: one per core
         if batch_bytes:
             opts.batch_bytes = batch_bytes
         result = do_run(chosen, spec, opts)
@@ -247,6 +250,8 @@ def request(out_dir: Path, thread: str, call: int | None, target: str | None, ca
 @click.option("--diff", is_flag=True, help="Also replay the transcript as recorded (no stage) at the same call: "
               "its request's hash, where it first differs, and each changed block's recorded text against "
               "the replayed one.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), help="Worker processes for the batches (default: one per "
+              "core); the outputs are the same for any number.")
 @click.option("--full", is_flag=True, help="Unfold long texts (by default: first and last lines).")
 @click.option("--json", "json_", is_flag=True, help="The same as one JSON document on stdout.")
 def why(out_dir: Path, thread: str, call: int | None, stage_name: str | None, changed_only: bool, diff: bool,

@@ -33,7 +33,7 @@ import pipeline
 from pipeline import crashpoints, manifest
 from pipeline.batches import DEFAULT_BATCH_BYTES, plan
 from pipeline.batchout import RUN_ID_KEY, Totals, Writers, sorted_tables
-from pipeline.batchrun import BatchCounter, BatchResult, Env, output_error, run_batch
+from pipeline.batchrun import BatchCounter, BatchResult, Env, output_error
 from pipeline.errors import CheckFailed, NothingToDo, OutputError
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult
@@ -53,6 +53,7 @@ from pipeline.store import store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
 from pipeline.words import plural
+from pipeline.workers import batch_results, default_jobs
 from schemas.calls import CALLS
 from schemas.check import SchemaMismatch, polars_schema, to_arrow
 from schemas.decisions import DECISION_KEY, STAGE_DECISION
@@ -76,6 +77,8 @@ class RunOptions:
     reuse: bool = True
     # a live display (pipeline/progress.py RunProgress): start / advance per batch / close
     display: Any = None
+    # worker processes for the batches (pipeline/workers.py); None: one per core
+    jobs: int | None = 1
 
 
 @dataclass
@@ -237,9 +240,12 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         if plan_.all_reused:
             calls_df, cache_sim, applied = _reuse_everything(plan_, totals, staging, run_id)
         else:
-            for batch in batches:
+            jobs = [(b.index, [g for g in b.groups if g.key not in plan_.reused]) for b in batches]
+            results = batch_results([j for j in jobs if j[1]], env, opts.jobs or default_jobs(), ledger)
+            for batch, (_, fresh) in zip(batches, jobs, strict=True):
                 before = totals.n_calls
-                _take_batch(_batch_parts(batch, plan_, env, staging), ledger, writers, totals, env)
+                parts = _batch_parts(batch, fresh, next(results) if fresh else None, plan_, staging)
+                _take_batch(parts, ledger, writers, totals, env)
                 if shown is not None:
                     shown.advance(len(batch.files), len(batch.groups), batch.bytes, totals.n_calls - before)
             _check_something_to_do(paths, totals.load_result())
@@ -337,18 +343,17 @@ class _Plan:
         return [{**by_key[k], "key": k, "files": self.files[k]} for k in sorted(self.files) if k in by_key]
 
 
-def _batch_parts(batch: Any, plan_: _Plan, env: Env, staging: Path) -> list[BatchResult]:
-    """The batch's groups that run again (run_batch) and those reused (reuse_batch)."""
+def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_: _Plan,
+                 staging: Path) -> list[BatchResult]:
+    """The batch's groups that ran again (`result` of run_batch over `fresh`) and those reused."""
     from pipeline.reuse import link_spills, reuse_batch
 
-    fresh = [g for g in batch.groups if g.key not in plan_.reused]
-    old = [plan_.reused[g.key] for g in batch.groups if g.key in plan_.reused]
     parts = []
-    if fresh:
-        r = run_batch(batch.index, fresh, env)
-        for g, rec in zip(fresh, r.groups, strict=True):
+    if result is not None:
+        for g, rec in zip(fresh, result.groups, strict=True):
             rec["key"] = g.key
-        parts.append(r)
+        parts.append(result)
+    old = [plan_.reused[g.key] for g in batch.groups if g.key in plan_.reused]
     if old:
         assert plan_.prior is not None
         parts.append(reuse_batch(batch.index, old, plan_.prior, staging))

@@ -228,3 +228,37 @@ def test_no_progress_without_a_terminal_or_with_q(tmp_path: Path) -> None:
         r = CliRunner().invoke(main, ["run", str(SAMPLES), "--out", str(tmp_path / "o"), "--fast-tokens", *flags])
         assert r.exit_code == 0, r.output
         assert "ETA" not in r.stderr and "groups" not in r.stderr
+
+
+# ------------------------------------------------------------------------------ --jobs
+
+
+def _ledger_rows(path: Path) -> tuple[list[tuple], int]:
+    import duckdb
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        rows = con.execute("SELECT * EXCLUDE (spec_sha256) FROM decisions ORDER BY seq").fetchall()
+        tokens = con.execute("SELECT count(*) FROM token_cache").fetchall()[0][0]
+    finally:
+        con.close()
+    return rows, tokens
+
+
+def test_jobs_1_and_2_write_the_same_outputs_and_ledger(tmp_path: Path) -> None:
+    one = _run([SAMPLES, FIXTURES], tmp_path / "one", batch_bytes=20_000, jobs=1)
+    two = _run([SAMPLES, FIXTURES], tmp_path / "two", batch_bytes=20_000, jobs=2)
+    assert two["groups"]["batches"] > 3
+    assert _summary_core(one, "tokens") == _summary_core(two, "tokens")
+    assert _stage_counts(one) == _stage_counts(two)
+    _same_outputs(tmp_path / "one", tmp_path / "two")
+    assert _ledger_rows(tmp_path / "one" / "ledger.duckdb") == _ledger_rows(tmp_path / "two" / "ledger.duckdb")
+    # a re-run with workers after a grown file: the same as with none
+    for out in ("one", "two"):
+        f = next((SAMPLES / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
+        tree = tmp_path / f"tree-{out}"
+        shutil.copytree(SAMPLES, tree)
+        (tree / f.relative_to(SAMPLES)).write_bytes(f.read_bytes() + f.read_bytes().splitlines(keepends=True)[-1])
+    a = _run([tmp_path / "tree-one"], tmp_path / "one", jobs=1, batch_bytes=20_000)
+    b = _run([tmp_path / "tree-two"], tmp_path / "two", jobs=2, batch_bytes=20_000)
+    assert a["groups"]["new"] == b["groups"]["new"] > 0
