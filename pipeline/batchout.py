@@ -41,14 +41,17 @@ class Writers:
         self.seen: set[str] = set()  # sha256 of the messages written
         self.kinds: Counter[str] = Counter()
         self.bytes = 0
+        # per file: the batch index of each row group written (one row group per batch that has rows),
+        # so that a re-run reads back only the row groups of the batches it reuses (manifest.json)
+        self.row_groups: dict[str, list[int]] = {}
 
-    def write_batch(self, tables: dict[str, pa.Table]) -> None:
+    def write_batch(self, tables: dict[str, pa.Table], batch: int) -> None:
         crashpoints.phase("write")
         for name in FILES:
             table = tables[name]
             if name == "messages":
                 table = self._new_messages(table)
-            self.append(name, table)
+            self.append(name, table, batch)
             crashpoints.point("write")
 
     def _new_messages(self, t: pa.Table) -> pa.Table:
@@ -61,8 +64,9 @@ class Writers:
         self.bytes += int(pc.sum(pc.binary_length(t.column("canonical_json"))).as_py() or 0)
         return t
 
-    def append(self, name: str, table: pa.Table) -> None:
-        path = self.staging / FILES.get(name, f"{name}.parquet")
+    def append(self, name: str, table: pa.Table, batch: int) -> None:
+        file = FILES.get(name, f"{name}.parquet")
+        path = self.staging / file
         try:
             w = self.open.get(name)
             if w is None:
@@ -73,7 +77,8 @@ class Writers:
             if table.num_rows or w.schema is None:
                 if not table.schema.equals(w.schema, check_metadata=False):
                     table = table.cast(w.schema)
-                w.write_table(table.replace_schema_metadata(w.schema.metadata))
+                w.write_table(table.replace_schema_metadata(w.schema.metadata), row_group_size=max(table.num_rows, 1))
+                self.row_groups.setdefault(file, []).append(batch)
         except OSError as exc:
             raise output_error(self.out_dir, exc) from exc
 

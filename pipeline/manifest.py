@@ -80,6 +80,7 @@ class Prior:
 
     run_dir: Path
     groups: dict[str, dict[str, Any]]  # group key -> its record
+    row_groups: dict[str, list[int]]  # output file -> the batch of each of its row groups
 
     def reusable(self, key: str, files: list[dict[str, Any]]) -> dict[str, Any] | None:
         rec = self.groups.get(key)
@@ -105,7 +106,7 @@ def prior(out_dir: Path, conf: dict[str, Any]) -> tuple[Prior | None, str]:
         return None, "the previous run has no call facts"
     if doc.get("stage_failures"):
         return None, "plug-in stages failed in the previous run"
-    return Prior(run, {g["key"]: g for g in doc.get("groups", [])}), ""
+    return Prior(run, {g["key"]: g for g in doc.get("groups", [])}, doc.get("row_groups") or {}), ""
 
 
 # -------------------------------------------------------------------------------- file loads
@@ -127,10 +128,11 @@ def load_from_dict(d: dict[str, Any], quarantine: list[QuarantineRow]) -> FileLo
     return ld
 
 
-def write_manifest(run_dir: Path, conf: dict[str, Any], groups: list[dict[str, Any]], stage_failures: int) -> None:
+def write_manifest(run_dir: Path, conf: dict[str, Any], groups: list[dict[str, Any]], stage_failures: int,
+                   row_groups: dict[str, list[int]]) -> None:
     tmp = run_dir / f".{MANIFEST_FILE}"
-    tmp.write_bytes(orjson.dumps({"config": conf, "groups": groups, "stage_failures": stage_failures},
-                                 option=orjson.OPT_SORT_KEYS))
+    tmp.write_bytes(orjson.dumps({"config": conf, "groups": groups, "stage_failures": stage_failures,
+                                  "row_groups": row_groups}, option=orjson.OPT_SORT_KEYS))
     os.replace(tmp, run_dir / MANIFEST_FILE)
 
 

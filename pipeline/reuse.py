@@ -12,6 +12,7 @@ from typing import Any
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.batchout import merge_stats
@@ -26,13 +27,27 @@ from schemas.blocks import BLOCKS
 KEYS = ["session_id", "thread_id", "call"]
 
 
-def _read(path: Path, column: str, values: list[Any]) -> pa.Table:
-    return pq.read_table(path, filters=[(column, "in", values)]) if values else pq.read_table(path).slice(0, 0)
+def _reader(prior: Prior, batches: set[int]) -> Any:
+    """read(file, column, values): the rows of a previous output whose `column` is in `values`,
+    from the row groups of these previous batches only (where the manifest says which they are)."""
+
+    def read(path: Path, column: str, values: list[Any]) -> pa.Table:
+        f = pq.ParquetFile(path)
+        if not values:
+            return f.schema_arrow.empty_table()
+        where = prior.row_groups.get(path.name)
+        if where is None or len(where) != f.num_row_groups or None in batches:
+            return pq.read_table(path, filters=[(column, "in", values)])
+        t = f.read_row_groups([i for i, b in enumerate(where) if b in batches])
+        return t.filter(pc.is_in(pc.cast(t.column(column), pa.string()), pa.array(values, pa.string())))
+
+    return read
 
 
 def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging: Path) -> BatchResult:
     """The reused groups of one batch as a BatchResult (no new decisions, no stage time)."""
     run = prior.run_dir
+    _read = _reader(prior, {r.get("batch") for r in records})
     sessions = sorted({s for r in records for s in r["sessions"]})
     files = sorted({ld["path"] for r in records for ld in r["loads"]})
     quarantine = _read(run / "quarantine.parquet", "file", files)
@@ -43,7 +58,7 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
     decisions = _read(run / "decisions.parquet", "session_id", sessions)
     assert isinstance(calls, pl.DataFrame)
     tables = {"blocks": _read(run / "blocks.parquet", "session_id", sessions), "quarantine": quarantine,
-              "decisions": decisions, "messages": _read(run / MESSAGES_FILE, "sha256", shas),
+              "decisions": decisions, "messages": _reader(prior, {None})(run / MESSAGES_FILE, "sha256", shas),
               "call_messages": call_messages}
     facts = pl.from_arrow(_read(run / FACTS_FILE, "session_id", sessions))
     assert isinstance(facts, pl.DataFrame)
@@ -109,10 +124,70 @@ def link_spills(run: Path, staging: Path) -> None:
             _link(p, dest / p.name)
 
 
-def copy_parquet(src: Path, dest: Path, run_id: str, *, store_schema: bool = True) -> None:
-    """A whole output file of the previous run, row group by row group, under this run's id."""
+def _relabel(src: Path, dest: Path, run_id: str) -> bool:
+    """Copy a Parquet file of the previous run and put this run's id in its footer in place of the
+    old one (same length: the data pages are not read). False when that cannot be done safely."""
     from pipeline.batchout import RUN_ID_KEY
 
+    old = (pq.read_schema(src).metadata or {}).get(RUN_ID_KEY)
+    new = run_id.encode()
+    if old is None or len(old) != len(new):
+        return False
+    shutil.copyfile(src, dest)
+    with open(dest, "r+b") as fh:
+        fh.seek(-8, os.SEEK_END)
+        n = int.from_bytes(fh.read(4), "little")
+        if fh.read(4) != b"PAR1":
+            return False
+        fh.seek(-8 - n, os.SEEK_END)
+        footer = fh.read(n)
+        patched = _patch_footer(footer, old, new)
+        if patched is None or len(patched) != n:
+            return False
+        fh.seek(-8 - n, os.SEEK_END)
+        fh.write(patched)
+    meta = pq.read_schema(dest).metadata or {}
+    return meta.get(RUN_ID_KEY) == new and pq.ParquetFile(dest).metadata.num_rows == pq.ParquetFile(src).metadata.num_rows
+
+
+def _patch_footer(footer: bytes, old: bytes, new: bytes) -> bytes | None:
+    """The footer with the run id replaced: in the key-value metadata and inside the base64 Arrow
+    schema (a thrift binary after the key `ARROW:schema`: field header 0x18, varint length)."""
+    import base64
+
+    out = footer.replace(old, new)
+    at = out.find(b"ARROW:schema")
+    if at < 0:
+        return out
+    i = at + len(b"ARROW:schema")
+    if out[i] != 0x18:
+        return None
+    i += 1
+    length, shift = 0, 0
+    while True:
+        b = out[i]
+        i += 1
+        length |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    raw = base64.b64decode(out[i:i + length])
+    if old not in raw:
+        return None
+    enc = base64.b64encode(raw.replace(old, new))
+    if len(enc) != length:
+        return None
+    return out[:i] + enc + out[i + length:]
+
+
+def copy_parquet(src: Path, dest: Path, run_id: str, *, store_schema: bool = True) -> None:
+    """A whole output file of the previous run under this run's id: relabelled in place when it
+    can be, else rewritten row group by row group."""
+    from pipeline.batchout import RUN_ID_KEY
+
+    if _relabel(src, dest, run_id):
+        return
+    dest.unlink(missing_ok=True)
     f = pq.ParquetFile(src)
     schema = f.schema_arrow
     schema = schema.with_metadata({**(schema.metadata or {}), RUN_ID_KEY: run_id.encode()})

@@ -258,7 +258,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
                            run_id=run_id, out_dir=opts.out_dir)
             crashpoints.point("write")
         loaded = totals.load_result()
-        manifest.write_manifest(staging, conf, plan_.records(totals.groups), len(totals.failures))
+        row_groups = plan_.prior.row_groups if plan_.all_reused and plan_.prior else writers.row_groups
+        manifest.write_manifest(staging, conf, plan_.records(totals.groups), len(totals.failures), row_groups)
         summary = _summary(RunFacts(loaded, spec, target_name, calls_df, totals, opts.out_dir, ledger_path,
                                     dict(totals.seconds), counter))
         summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups=plan_.counts(),
@@ -338,9 +339,12 @@ class _Plan:
         return out
 
     def records(self, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The manifest's group records: the reused ones as they were, the others from this run."""
+        """The manifest's group records: the reused ones as they were, the others from this run;
+        each with the batch that holds its rows (when every group is reused, the previous one's)."""
         by_key = {**self.reused, **{r["key"]: r for r in fresh}}
-        return [{**by_key[k], "key": k, "files": self.files[k]} for k in sorted(self.files) if k in by_key]
+        batch_of = {} if self.all_reused else {g.key: b.index for b in self.batches for g in b.groups}
+        return [{**by_key[k], "key": k, "files": self.files[k], "batch": batch_of.get(k, by_key[k].get("batch"))}
+                for k in sorted(self.files) if k in by_key]
 
 
 def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_: _Plan,
@@ -402,9 +406,9 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
         totals.add(p)
     if outs:
         tables = sorted_tables([o.tables for o in outs])
-        writers.write_batch(tables)
+        writers.write_batch(tables, parts[0].index)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
-        writers.append("call_facts", facts.to_arrow())
+        writers.append("call_facts", facts.to_arrow(), parts[0].index)
         totals.add_store(tables)
 
 

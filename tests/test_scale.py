@@ -14,6 +14,7 @@ from pipeline.batches import Group, pack, session_groups
 from pipeline.runner import RunOptions, run
 from pipeline.spec import load_spec
 from pipeline.tokens import CHARS4_COUNTER
+from tests.crashkit import out_state
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -158,6 +159,7 @@ def test_an_unchanged_rerun_reuses_every_group_and_writes_the_same_outputs(tmp_p
                                         - v["provisional_decisions"] - v["conflicts"]}
                                     for k, v in _stage_counts(first).items()}
     _same_outputs(snap, out)
+    out_state(out)  # every output file names the new run (relabelled, not the previous run's id)
 
 
 @pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
