@@ -154,6 +154,10 @@ def _human(s: dict[str, Any]) -> str:
         (f"  {plural(s['sessions'], 'session')}, {plural(s['threads'], 'thread')}, {plural(s['calls'], 'call')} "
          f"({s['recorded_calls']:,} recorded + {s['pending_calls']:,} pending)"),
     ]
+    g = s.get("groups")
+    if g:
+        lines.append(f"  {plural(g['total'], 'session group')} in {plural(g['batches'], 'batch', 'batches')}: "
+                     f"{g['reused']:,} reused from the previous run, {g['rerun']:,} re-run, {g['new']:,} new")
     if s["decisions"]:
         lines.append("  decisions: " + ", ".join(f"{k} {v:,}" for k, v in s["decisions"].items()))
     else:

@@ -520,9 +520,21 @@ class RunFacts:
     counter: TokenCounter
 
 
+def _stage_names(spec: PipelineSpec) -> list[str]:
+    """The stages' names in pipeline order, as run_stages names them (`pairing#2` for a second use)."""
+    seen: Counter[str] = Counter()
+    out = []
+    for rs in spec.stages:
+        seen[rs.stage.name] += 1
+        out.append(rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}")
+    return out
+
+
 def _summary(f: RunFacts) -> dict[str, Any]:
     """summary.json (README: "Outputs")."""
     calls, t = f.calls, f.totals
+    order = {n: i for i, n in enumerate(_stage_names(f.spec))}
+    t.stage_stats = dict(sorted(t.stage_stats.items(), key=lambda kv: order.get(kv[0], len(order))))
     pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
     return {
         "pipeline": f.spec.name,
