@@ -254,8 +254,6 @@ def request(out_dir: Path, thread: str, call: int | None, target: str | None, ca
 @click.option("--diff", is_flag=True, help="Also replay the transcript as recorded (no stage) at the same call: "
               "its request's hash, where it first differs, and each changed block's recorded text against "
               "the replayed one.")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), help="Worker processes for the batches (default: one per "
-              "core); the outputs are the same for any number.")
 @click.option("--full", is_flag=True, help="Unfold long texts (by default: first and last lines).")
 @click.option("--json", "json_", is_flag=True, help="The same as one JSON document on stdout.")
 def why(out_dir: Path, thread: str, call: int | None, stage_name: str | None, changed_only: bool, diff: bool,
