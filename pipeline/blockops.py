@@ -16,7 +16,7 @@ from schemas.blocks import BLOCKS, CONTENT_COLUMNS
 from schemas.check import conform, polars_schema
 from schemas.decisions import STAGE_DECISION
 
-# Fixed namespace for synthetic ids: never change it (layer-semantics §1).
+# Fixed namespace for synthetic ids: never change it (it is part of every synthetic row id).
 PIPELINE_NS = uuid.UUID("6f1c2a9e-5b7d-4c3e-9a41-7d2e8b0c5f13")
 
 BLOCK_SCHEMA = polars_schema(BLOCKS)
@@ -89,7 +89,7 @@ def new_rows(frame: pl.LazyFrame, *, keep: Iterable[str] = (), **values: pl.Expr
 
 
 def synthetic_id(session_id: str, layer: str, kind: str, source_id: str, occurrence: int) -> str:
-    """uuid5 over content, fixed namespace (layer-semantics §1)."""
+    """uuid5 over `session_id|layer|kind|source_id|occurrence` in the fixed namespace."""
     return str(uuid.uuid5(PIPELINE_NS, f"{session_id}|{layer}|{kind}|{source_id}|{occurrence}"))
 
 
@@ -140,9 +140,12 @@ def decisions_from(
     after_len: pl.Expr | None = None,
     replacement: pl.Expr | None = None,
     from_call: pl.Expr | None = None,
+    cache_epoch: pl.Expr | None = None,
 ) -> pl.LazyFrame:
     """Decision rows for the blocks in `changed` (a blocks-shaped frame); returns STAGE_DECISION."""
-    lit = lambda v: pl.lit(v) if isinstance(v, str) else v  # noqa: E731
+    def lit(v: str | pl.Expr) -> pl.Expr:
+        return pl.lit(v) if isinstance(v, str) else v
+
     return conform(
         changed.select(
             "session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id",
@@ -154,7 +157,7 @@ def decisions_from(
             before_len=before_len if before_len is not None else pl.lit(None, pl.Int64),
             after_len=after_len if after_len is not None else pl.lit(None, pl.Int64),
             replacement=replacement if replacement is not None else pl.lit(None, pl.String),
-            cache_epoch=pl.col("cache_epoch"),
+            cache_epoch=cache_epoch if cache_epoch is not None else pl.col("cache_epoch"),
         ),
         STAGE_DECISION,
     )
@@ -170,6 +173,9 @@ def replace_where(
     from_call: pl.Expr | None = None,
 ) -> tuple[pl.LazyFrame, pl.LazyFrame]:
     """Replace columns of the rows where `mask` holds; one decision per changed row.
+
+    Retired: stages edit blocks with `pipeline.marks` (a chain of these makes plans that double with
+    every step). Kept only until stages/pairing.py has moved to the marks API.
 
     With `from_call`, rows that other calls saw before that call keep their old version up to it
     (last_call = from_call) and a new version starts there. Rows whose content hash does not change
@@ -217,7 +223,9 @@ def drop_where(
     blocks: pl.LazyFrame, mask: pl.Expr, *, reason: str | pl.Expr, from_call: pl.Expr | None = None,
     action: str = "drop",
 ) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """Drop rows where `mask` holds (from `from_call` on when given); one decision per row."""
+    """Drop rows where `mask` holds (from `from_call` on when given); one decision per row.
+
+    Retired like `replace_where`: use `pipeline.marks.mark_drop`."""
     fc = from_call if from_call is not None else pl.col("first_call")
     marked = blocks.with_columns(_m=mask.fill_null(False), _from=pl.max_horizontal(fc.cast(pl.Int32), pl.col("first_call")))
     marked = marked.with_columns(

@@ -2,8 +2,8 @@
 
 Time in the blocks table: call k's request = the versions with first_call <= k < last_call (null
 last_call = open). These helpers build per-call quantities (the fast token estimate, request
-tokens, messages and turns, carried-forward values) columnar from first_call / last_call deltas,
-and re-apply a stage's frozen ledger decisions (layer-semantics §11).
+tokens, messages and turns, carried-forward values) columnar from first_call / last_call deltas.
+(The runner re-applies frozen ledger decisions: pipeline/stagerun.py.)
 """
 
 from __future__ import annotations
@@ -11,27 +11,21 @@ from __future__ import annotations
 import polars as pl
 
 from pipeline import tokens
-from pipeline.blockops import BLOCK_SCHEMA, drop_where, replace_where
+
+# re-exported for the stages that import them from here (pipeline.constants is their home)
+from pipeline.constants import (  # noqa: F401
+    BLOCK_KEY,
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    PART_KEY,
+    SERVER_TOOL_CALL_TYPES,
+    THINKING_TYPES,
+    THREAD,
+    TOOL_CALL_TYPES,
+    VERSION_KEY,
+    chars4_tokens,
+)
 from pipeline.registry import StageContext
-from schemas.blocks import CONTENT_COLUMNS
-from schemas.check import conform
-from schemas.decisions import STAGE_DECISION
-
-THREAD = ["session_id", "thread_id"]
-BLOCK_KEY = ["session_id", "thread_id", "entry_id", "block_pos"]
-PART_KEY = [*BLOCK_KEY, "part_pos"]
-VERSION_KEY = [*PART_KEY, "first_call"]
-
-MESSAGE_OVERHEAD_TOKENS = 3
-NO_CALL = 2**31 - 1  # stands for an open last_call in the scans
-
-# Block types as the loaders write them. A thinking block of any provider is `thinking` or
-# `redacted_thinking`; a client tool call (answered by a `tool_result` row) is `tool_use`.
-# `server_tool_use` (a call the provider ran itself, its result in the same assistant message) is
-# deliberately not a tool call here: nothing pairs, validates or clears it.
-THINKING_TYPES = ("thinking", "redacted_thinking")
-TOOL_CALL_TYPES = ("tool_use",)
-SERVER_TOOL_CALL_TYPES = ("server_tool_use",)
 
 
 def visible_at(call: pl.Expr | str) -> pl.Expr:
@@ -67,7 +61,7 @@ def row_tokens_expr(ctx: StageContext) -> pl.Expr:
 def text_tokens(texts: list[str], ctx: StageContext) -> list[int]:
     """Tokens of a few literal texts (placeholders, markers) with the same counter."""
     if ctx.count_tokens is None:
-        return [(len(t) + 3) // 4 for t in texts]
+        return [chars4_tokens(len(t)) for t in texts]
     return [int(x) for x in ctx.count_tokens(pl.Series(texts, dtype=pl.String)).to_list()]
 
 
@@ -90,7 +84,7 @@ def firing_epoch(k: int, ep: list[int], last_epoch: int) -> int:
 def messages(blocks: pl.LazyFrame) -> pl.LazyFrame:
     """One row per message: order, visible span, role, flags, turn index.
 
-    A turn starts at a user message that carries no tool result (layer-semantics §1); rows before
+    A turn starts at a user message that carries no tool result (docs/layers.md); rows before
     the first such message are turn 0. Snip markers never start a turn.
     """
     m = blocks.group_by([*THREAD, "msg_key"]).agg(
@@ -154,80 +148,3 @@ def forward_by_call(events: pl.LazyFrame, grid: pl.LazyFrame, cols: list[str]) -
         .sort([*THREAD, "call"])
         .with_columns([pl.col(c).forward_fill().over(THREAD, order_by="call") for c in cols])
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# frozen decisions (layer-semantics §11)
-
-
-def _replacement_struct() -> pl.DataType:
-    return pl.Struct({c: BLOCK_SCHEMA[c] for c in CONTENT_COLUMNS})
-
-
-def reapply_ledger(blocks: pl.LazyFrame, ledger: pl.LazyFrame, *, actions: tuple[str, ...],
-                   apply_on_mismatch: bool = False) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """Re-apply this stage's earlier decisions (replace-like with a replacement, drop-like without).
-
-    A decision targets the version of its block visible at `from_call`. When that version's
-    content hash differs from the decision's `before_sha256` (the input changed since it was
-    made), the decision is not applied and a `conflict` decision is written instead (the stage
-    then decides afresh; `--strict` runs fail on conflicts); with `apply_on_mismatch` (positional
-    decisions such as a snip) it is applied all the same and the conflict only recorded. A target
-    that no longer exists is a `conflict` too (reason `missing_target`).
-    Returns (blocks, decisions: re-applied + conflicts).
-    """
-    led = materialize(ledger.filter(pl.col("action").is_in(list(actions))).select(
-        *PART_KEY,
-        _lf=pl.col("from_call").cast(pl.Int32),
-        _la=pl.col("action"),
-        _lr=pl.col("reason"),
-        _lb=pl.col("before_sha256"),
-        _lrep=pl.col("replacement"),
-        _le=pl.col("cache_epoch").cast(pl.Int32),
-    ))
-    targets = blocks.select(*VERSION_KEY, "last_call", "content_sha256", "cache_epoch").join(
-        led, on=PART_KEY, how="inner", nulls_equal=True,
-    ).filter(visible_at("_lf"))
-    ok_hash = pl.col("content_sha256") == pl.col("_lb")
-    good = targets if apply_on_mismatch else targets.filter(ok_hash)
-    bad = targets.filter(~ok_hash)
-    missing = led.join(targets.select(*PART_KEY, "_lf"), on=[*PART_KEY, "_lf"], how="anti", nulls_equal=True)
-
-    conflicts = pl.concat([
-        bad.select(*PART_KEY, _lf="_lf", _reason=pl.lit("hash_mismatch"), _before="_lb", _after="content_sha256",
-                   _epoch="cache_epoch"),
-        missing.select(*PART_KEY, _lf="_lf", _reason=pl.lit("missing_target"), _before="_lb",
-                       _after=pl.lit(None, pl.String), _epoch=pl.lit(0, pl.Int32)),
-    ])
-    conflict_dec = conform(conflicts.select(
-        *PART_KEY, tool_use_id=pl.lit(None, pl.String), from_call="_lf", action=pl.lit("conflict"),
-        reason="_reason", before_sha256="_before", after_sha256="_after", before_len=pl.lit(None, pl.Int64),
-        after_len=pl.lit(None, pl.Int64), replacement=pl.lit(None, pl.String), cache_epoch="_epoch",
-    ), STAGE_DECISION)
-
-    cols = list(BLOCK_SCHEMA.names())
-    apply = good.select(*VERSION_KEY, "_lf", "_la", "_lr", "_lrep", "_le")
-    marked = blocks.join(apply, on=VERSION_KEY, how="left", nulls_equal=True)
-    # replace-like decisions: the replacement JSON holds the new content columns
-    rep = pl.col("_lrep").str.json_decode(_replacement_struct())
-    has_rep = pl.col("_la").is_not_null() & pl.col("_lrep").is_not_null()
-    new_values = {c: pl.when(has_rep).then(rep.struct.field(c)).otherwise(pl.col(c)) for c in CONTENT_COLUMNS}
-    new_values["cache_epoch"] = pl.when(has_rep).then(pl.col("_le")).otherwise(pl.col("cache_epoch"))
-    out, d1 = replace_where(marked, has_rep, new_values, action=pl.col("_la"), reason=pl.col("_lr"),  # type: ignore[arg-type]
-                            from_call=pl.col("_lf"))
-    # replace_where keeps only block columns: join the ledger columns back for the drops
-    out = out.join(apply.filter(pl.col("_lrep").is_null()), on=VERSION_KEY, how="left", nulls_equal=True)
-    out, d2 = drop_where(out, pl.col("_la").is_not_null(), reason=pl.col("_lr"), from_call=pl.col("_lf"),
-                         action=pl.col("_la"))  # type: ignore[arg-type]
-    d2 = d2.join(led.select(*PART_KEY, from_call="_lf", _le="_le"), on=[*PART_KEY, "from_call"], how="left") \
-        .with_columns(cache_epoch=pl.coalesce("_le", "cache_epoch")).drop("_le")
-    return materialize(out.select(cols)), materialize(pl.concat([d1, d2.select(d1.collect_schema().names()),
-                                                                 conflict_dec]))
-
-
-def with_epoch(decisions: pl.LazyFrame, epochs: pl.LazyFrame) -> pl.LazyFrame:
-    """Set decisions' cache_epoch from `epochs` (PART_KEY, from_call, _epoch) where given."""
-    return decisions.join(epochs, on=[*PART_KEY, "from_call"], how="left").with_columns(
-        cache_epoch=pl.coalesce(pl.col("_epoch").cast(pl.Int32), pl.col("cache_epoch"))
-    ).drop("_epoch")
-

@@ -16,9 +16,11 @@ from typing import Any
 import click
 import orjson
 
+from pipeline.cli_regress import diff, snapshot
 from pipeline.cli_report import report
-from pipeline.clicommon import CONTEXT, Failure, Interrupted, fail
+from pipeline.clicommon import CONTEXT, Failure, Interrupted, fail, preset_choice, target_choice
 from pipeline.errors import CtxReplayError, internal_error
+from pipeline.words import plural
 
 _fail = fail
 
@@ -65,18 +67,19 @@ def main() -> None:
 @main.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
-@click.option("--preset", help="A preset from data/pipelines (default: default).")
+@click.option("--preset", type=preset_choice(), help="A preset from data/pipelines (default: default).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("ctxreplay-out"), show_default=True,
               help="Output directory.")
 @click.option("--ledger", "ledger_path", type=click.Path(path_type=Path),
               help="Ledger file (default: OUT/ledger.duckdb).")
-@click.option("--target", help="Wire shape of the assembled requests (default: the spec's [pipeline] target, "
-                               "else anthropic).")
+@click.option("--target", type=target_choice(), help="Wire shape of the assembled requests (default: the spec's "
+              "[pipeline] target, else anthropic).")
 @click.option("--all-calls", is_flag=True, help="Also write every call's request to requests/<thread_key>.jsonl.")
 @click.option("--json", "json_", is_flag=True, help="Print the summary as one JSON document on stdout.")
 @click.option("--strict", is_flag=True, help="Exit 1 when lines were quarantined or requests violate the target.")
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
+              "the JSON document is still printed.")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
         quiet: bool) -> None:
@@ -113,12 +116,14 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     s = result.summary
     if json_:
         click.echo(orjson.dumps(s, option=orjson.OPT_SORT_KEYS).decode())
-    else:
+    elif not quiet:
         click.echo(_human(s))
     if strict and result.found_problems:
         if not json_:
-            click.echo(f"--strict: {s['quarantined_lines']} quarantined line(s), {s['violations']} violation(s), "
-                       f"{s['conflicts']} ledger conflict(s)", err=True)
+            failed = len(s.get("stage_failures") or [])
+            click.echo(f"--strict: {plural(s['quarantined_lines'], 'quarantined line')}, "
+                       f"{plural(s['violations'], 'violation')}, {plural(s['conflicts'], 'ledger conflict')}"
+                       + (f", {plural(failed, 'plug-in stage failure')}" if failed else ""), err=True)
             for v in result.violations[:20]:
                 click.echo(f"  {v}", err=True)
         sys.exit(1)
@@ -130,31 +135,34 @@ SHOW_SKIPPED = 5
 def _human(s: dict[str, Any]) -> str:
     lines = [
         f"ctxreplay: pipeline '{s['pipeline']}' ({s['pipeline_sha256'][:12]}), target {s['target']}",
-        (f"  read {s['files']} files, {s['lines']:,} lines: {s['message_lines']:,} message, "
+        (f"  read {plural(s['files'], 'file')}, {plural(s['lines'], 'line')}: {s['message_lines']:,} message, "
          f"{s['other_lines']:,} other, {s['quarantined_lines']:,} quarantined"),
-        (f"  {s['sessions']} sessions, {s['threads']} threads, {s['calls']:,} calls "
-         f"({s['recorded_calls']:,} recorded + {s['pending_calls']} pending)"),
+        (f"  {plural(s['sessions'], 'session')}, {plural(s['threads'], 'thread')}, {plural(s['calls'], 'call')} "
+         f"({s['recorded_calls']:,} recorded + {s['pending_calls']:,} pending)"),
     ]
     if s["decisions"]:
         lines.append("  decisions: " + ", ".join(f"{k} {v:,}" for k, v in s["decisions"].items()))
     else:
         lines.append("  decisions: none (no context layers in this pipeline)")
     if s["violations"]:
-        lines.append(f"  {s['violations']} violation(s) of the {s['target']} rules (recorded in the ledger): "
+        lines.append(f"  {plural(s['violations'], 'violation')} of the {s['target']} rules (recorded in the ledger): "
                      + ", ".join(f"{k} {v}" for k, v in s["violations_by_rule"].items()))
+    for f in s.get("stage_failures") or []:
+        lines.append(f"  plug-in stage '{f['stage']}' (#{f['position']}, {f['owner']}) skipped for "
+                     f"{len(f['sessions'])} session(s) ({f['kind']}): {f['message']}")
     if s["quarantined_lines"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in (s.get("quarantine_codes") or s["quarantine_reasons"]).items())
-        lines.append(f"  {s['quarantined_lines']} of {s['lines']:,} lines quarantined ({reasons}); everything else "
+        lines.append(f"  {s['quarantined_lines']:,} of {plural(s['lines'], 'line')} quarantined ({reasons}); everything else "
                      f"was replayed. See them with: ctxreplay ledger {s['out_dir']} --quarantine")
     glued = sum(1 for r in s["recovered_lines"] if "objects" in r)
     if glued:
-        lines.append(f"  recovered {glued} line(s) holding more than one JSON object")
+        lines.append(f"  recovered {plural(glued, 'line')} holding more than one JSON object")
     if len(s["recovered_lines"]) > glued:
-        lines.append(f"  {len(s['recovered_lines']) - glued} line(s) read with a repair or a note (bytes that are "
-                     "not UTF-8 replaced, a copy of a session read once, ...): recovered_lines in summary.json")
+        lines.append(f"  {plural(len(s['recovered_lines']) - glued, 'line')} read with a repair or a note (bytes "
+                     "that are not UTF-8 replaced, a copy of a session read once, ...): recovered_lines in summary.json")
     skipped = s.get("skipped_files") or []
     if skipped:
-        lines.append(f"  skipped {len(skipped)} file(s):")
+        lines.append(f"  skipped {plural(len(skipped), 'file')}:")
         lines += [f"    {x['file']}: {x['reason']}" for x in skipped[:SHOW_SKIPPED]]
         if len(skipped) > SHOW_SKIPPED:
             lines.append(f"    ... and {len(skipped) - SHOW_SKIPPED} more (all in {s['out_dir']}/summary.json)")
@@ -164,56 +172,166 @@ def _human(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _dump(doc: Any) -> str:
+    """One JSON document (an object with named keys) for --json."""
+    return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS, default=str).decode()
+
+
+def _retry_on_republish(fn: Any) -> Any:
+    """Call fn() again once when a newer run was published while it read the old one (its files removed)."""
+    try:
+        return fn()
+    except FileNotFoundError:
+        return fn()
+
+
+THREAD_HELP = ("THREAD is a thread key (`ctxreplay threads OUT` lists them) or any unique prefix of one; a "
+               "session id or prefix alone means that session's main thread; SESSION/THREAD takes a prefix of each.")
+
+
 @main.command(context_settings=CONTEXT)
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.argument("thread_key")
+@click.argument("thread")
 @click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
-@click.option("--target", default=None,
-              help="Wire shape (default: the run's own, as stored; another one is shaped anew from the blocks).")
-@click.option("--canonical", is_flag=True,
-              help="Print exactly the hashed bytes (no newline): `| sha256sum` gives its request_sha256.")
-def request(out_dir: Path, thread_key: str, call: int | None, target: str | None, canonical: bool) -> None:
-    """Print one call's request from a run's output directory, rebuilt from its request store.
+@click.option("--target", type=target_choice(), help="Wire shape (default: the target the run used, from its "
+              "summary.json).")
+@click.option("--canonical", is_flag=True, help="Print exactly the bytes whose sha256 is request_sha256 in "
+              "calls.parquet (sorted keys, no whitespace, no newline at the end).")
+def request(out_dir: Path, thread: str, call: int | None, target: str | None, canonical: bool) -> None:
+    """Print one call's request (JSON, indented) from a run's output directory, rebuilt from its
+    request store.
 
     It reads the run OUT shows (OUT/current): byte for byte the request whose sha256 is in
     calls.parquet, in the run's own target, with no stage or shaping run again (`--target` another
-    wire shape: shaped anew from the run's final blocks).
+    wire shape: shaped anew from the run's final blocks); `--canonical | sha256sum` prints that sha256. THREAD is a thread key or a unique prefix of one (a session id or prefix alone:
+    its main thread; SESSION/THREAD: a prefix of each).
 
     \b
     Example:
-      ctxreplay request ctxreplay-out 8d1e0b7c-... --call 3
+      ctxreplay request ctxreplay-out 5f0c1d2e --call 3 --canonical | sha256sum
     """
     from pipeline.store import request_json
+    from pipeline.threads import RunView
 
-    try:
-        data = request_json(out_dir, thread_key, call, target)
-    except FileNotFoundError:  # a newer run was published and the one we read removed: read that
-        data = request_json(out_dir, thread_key, call, target)
+    def assemble() -> bytes:
+        view = RunView(out_dir)  # once: every file read comes from the same run
+        ref = view.thread(thread)
+        return request_json(view.run_dir, ref.key, call, target)
+
+    data = _retry_on_republish(assemble)
     if canonical:
         click.echo(data, nl=False)
+    else:
+        click.echo(orjson.dumps(orjson.loads(data), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("thread")
+@click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
+@click.option("--stage", "stage_name", help="Only the blocks this stage changed, and its decisions (`pairing` also "
+              "takes pairing#2).")
+@click.option("--changed", "changed_only", is_flag=True, help="Only the blocks a layer changed, dropped, inserted "
+              "or moved.")
+@click.option("--diff", is_flag=True, help="Also replay the transcript as recorded (no stage) at the same call: "
+              "its request's hash, where it first differs, and each changed block's recorded text against "
+              "the replayed one.")
+@click.option("--full", is_flag=True, help="Unfold long texts (by default: first and last lines).")
+@click.option("--json", "json_", is_flag=True, help="The same as one JSON document on stdout.")
+def why(out_dir: Path, thread: str, call: int | None, stage_name: str | None, changed_only: bool, diff: bool,
+        full: bool, json_: bool) -> None:
+    """Show one call's request block by block, with the decision behind every change.
+
+    Every block a layer changed, dropped, inserted or moved carries its decisions inline: stage,
+    action and reason, the call it applies from, cache_epoch, and the size before and after
+    (bytes). Dropped blocks are shown struck through, where the transcript had them, though the
+    request no longer holds them. Then the wire request: its messages, and which of them hold
+    changes. A decision is shown when it applies at this call (from_call <= call) to a block
+    the request holds or the transcript held there; provisional decisions (for the pending call,
+    not frozen in the ledger) are marked. The session's transcript files are read again (they
+    must be where `run` read them, unchanged). THREAD as for `ctxreplay request`.
+
+    \b
+    Example:
+      ctxreplay why ctxreplay-out 9e953218 --call 40 --changed
+    """
+    from pipeline.threads import RunView
+    from pipeline.why import WhyOptions, build, render, to_json
+
+    def make() -> dict[str, Any]:
+        view = RunView(out_dir)
+        return build(view, view.thread(thread), WhyOptions(call=call, stage=stage_name, diff=diff, full=full,
+                                                           changed_only=changed_only))
+
+    doc = _retry_on_republish(make)
+    if json_:
+        click.echo(to_json(doc).decode())
+    else:
+        click.echo(render(doc, color=sys.stdout.isatty()), nl=False)
+
+
+@main.command(context_settings=CONTEXT)
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--session", "session", help="Only this session (a unique prefix of its id).")
+@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+def threads(out_dir: Path, session: str | None, json_: bool) -> None:
+    """List the threads of a run, one line each.
+
+    Per thread: SESSION/THREAD (what `request`, `why` and `ledger --thread` take), kind (main,
+    subagent, compaction agent, branch, sidechain, request), its own calls (a thread that shares
+    history with another reports only the calls after it: their range is shown), models, the
+    time of its first and last call, the pending request's prompt tokens, the decisions applied
+    to it by stage (provisional ones counted), and the target's rule violations in its pending
+    request.
+
+    \b
+    Example:
+      ctxreplay threads ctxreplay-out --session 5f0c
+    """
+    from pipeline.threads import RunView, render_threads, threads_table
+
+    def make() -> tuple[Any, list[dict[str, Any]], str | None]:
+        view = RunView(out_dir)
+        sid = view.session(session) if session else None
+        return view, threads_table(view, sid), sid
+
+    view, rows, sid = _retry_on_republish(make)
+    if json_:
+        click.echo(_dump({"out_dir": str(out_dir), "run_id": view.summary.get("run_id"), "session": sid,
+                          "target": view.target, "count": len(rows), "threads": rows}))
         return
-    click.echo(orjson.dumps(orjson.loads(data), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2).decode())
+    click.echo(render_threads(rows, view))
+    calls = sum(r["calls"] for r in rows)
+    click.echo(f"{plural(len(rows), 'thread')}, {plural(len({r['session_id'] for r in rows}), 'session')}, "
+               f"{plural(calls, 'own call')} + {len(rows):,} pending")
 
 
 @main.command(context_settings=CONTEXT)
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--ledger", "ledger_path", type=click.Path(path_type=Path), help="Ledger file (default: OUT/ledger.duckdb).")
-@click.option("--stage", "stage_name", help="Only this stage's decisions.")
-@click.option("--session", "session_id", help="Only this session's decisions.")
+@click.option("--stage", "stage_name", help="Only this stage's decisions (`pairing` also takes pairing#2).")
+@click.option("--session", "session_id", help="Only this session's decisions (a unique prefix of its id).")
+@click.option("--thread", "thread", help="Only this thread's decisions (as THREAD of `ctxreplay request`).")
 @click.option("--quarantine", is_flag=True, help="Show the quarantined lines of the run instead.")
-@click.option("--limit", type=int, default=50, show_default=True, help="Rows to list (0: all).")
+@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Rows to list (0: all).")
 @click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
-def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, session_id: str | None, quarantine: bool,
-           limit: int, json_: bool) -> None:
-    """Query a run's ledger: decisions by stage and reason, the runs, or the quarantined lines.
+def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, session_id: str | None,
+           thread: str | None, quarantine: bool, limit: int, json_: bool) -> None:
+    """Count and list the decisions of the run OUT shows, and the ledger's frozen ones.
+
+    The run's counts equal its summary's: each stage, action and reason with its frozen
+    decisions (in the ledger) and its provisional ones (made for a thread's pending call: applied
+    to that request, not frozen, since the transcript may still grow). Listed rows carry their
+    ledger seq (#n) when frozen. Without a run in OUT: the ledger's decisions, per namespace.
 
     \b
     Example:
-      ctxreplay ledger ctxreplay-out --stage tombstone --limit 10
+      ctxreplay ledger ctxreplay-out --stage tombstone --session 9e95 --limit 10
     """
     import polars as pl
 
-    from pipeline.ledger import Ledger
+    from pipeline.ledger_query import LedgerQuery, query
+    from pipeline.ledger_query import render as render_ledger
     from pipeline.outdir import resolve_run
 
     if quarantine:
@@ -223,67 +341,62 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
         q = pl.read_parquet(q_path)
         rows = q.head(limit) if limit else q
         if json_:
-            click.echo(orjson.dumps(rows.to_dicts()).decode())
+            click.echo(_dump({"count": q.height, "rows": rows.to_dicts()}))
         else:
-            click.echo(f"{q.height} quarantined line(s)")
+            click.echo(f"{plural(q.height, 'quarantined line')}")
             for r in rows.iter_rows(named=True):
                 code = f"[{r['code']}] " if r.get("code") else ""
                 click.echo(f"{r['file']}:{r['line']}: {code}{r['reason']}\n    {r['raw'][:200]}")
         return
-    path = ledger_path or out_dir / "ledger.duckdb"
-    if not path.is_file():
-        raise Failure(f"{path}: no ledger here; run `ctxreplay run ... --out {out_dir}` first or pass --ledger")
-    try:
-        led = Ledger(path, read_only=True)
-    except CtxReplayError as exc:
-        raise _fail(exc) from exc
-    try:
-        by = led.decision_counts(stage=stage_name, session_id=session_id)
-        listed = led.decisions(stage=stage_name, session_id=session_id, with_replacement=False, limit=limit or None)
-        runs = led.runs()
-    finally:
-        led.close()
-    total = int(by["len"].sum()) if by.height else 0
+    doc = _retry_on_republish(lambda: query(out_dir, ledger_path, LedgerQuery(stage=stage_name, session=session_id,
+                                                                             thread=thread, limit=limit)))
+    text, notes = render_ledger(doc)
     if json_:
-        click.echo(orjson.dumps({"runs": runs.height, "decisions": total, "by_reason": by.to_dicts(),
-                                 "rows": listed.to_dicts()}, default=str).decode())
-        return
-    click.echo(f"{path}: {runs.height} run(s), {total} decision(s)")
-    for r in by.iter_rows(named=True):
-        click.echo(f"  {r['spec_sha256'][:12]}  {r['stage']:<14} {r['action']:<12} {r['reason']:<24} {r['len']:>7}")
-    for r in listed.iter_rows(named=True):
-        click.echo(f"  #{r['seq']} {r['stage']} {r['action']} {r['reason']} thread {r['session_id'][:8]}/{r['thread_id']} "
-                   f"entry {r['entry_id'][:12]} block {r['block_pos']}.{r['part_pos']} from call {r['from_call']}")
+        click.echo(_dump(doc))
+    else:
+        click.echo(text)
+    for n in notes:
+        click.echo(f"ctxreplay: {n}", err=True)
 
 
 @main.command(context_settings=CONTEXT)
 @click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
 def stages(json_: bool) -> None:
-    """List the registered stages with version, parameters, defaults and docs.
+    """List the registered stages: owner package and version, what each needs, and its parameters
+    with their defaults as a [[stage]] table you can paste into a spec. Plug-ins that failed to load
+    are listed at the end.
 
     \b
     Example:
       ctxreplay stages --json
     """
-    from pipeline.registry import load_stages, params_doc
+    from pipeline.registry import PLUGIN_ERRORS, describe, load_stages
 
     reg = load_stages()
-    out = [{"name": s.name, "version": s.version, "module": s.module, "doc": s.doc.splitlines()[0] if s.doc else "",
-            "params": params_doc(s.params)} for s in sorted(reg.values(), key=lambda s: s.name)]
+    out = [describe(s) for s in sorted(reg.values(), key=lambda s: (not s.is_builtin, s.name))]
+    errors = [{"entry_point": e.entry_point, "package": e.package, "message": e.message, "stage": e.stage}
+              for e in PLUGIN_ERRORS]
     if json_:
-        click.echo(orjson.dumps(out, option=orjson.OPT_SORT_KEYS, default=str).decode())
+        click.echo(orjson.dumps({"stages": out, "plugin_errors": errors}, option=orjson.OPT_SORT_KEYS,
+                                default=str).decode())
         return
     if not out:
         click.echo("no stages registered")
     for s in out:
-        click.echo(f"{s['name']} (v{s['version']}): {s['doc']}")
-        for p in s["params"]:
-            click.echo(f"    {p['name']} = {p['default']!r}  {p['doc']}")
+        owner = f"{s['owner']} {s['owner_version'] or ''}".strip() + (" (built-in)" if s["builtin"] else "")
+        click.echo(f"# {s['name']} v{s['version']}, from {owner}: {s['doc']}")
+        needs = [f"requires {', '.join(s['requires'])} earlier" if s["requires"] else "",
+                 f"reads {', '.join(s['reads'])}'s params" if s["reads"] else ""]
+        if any(needs):
+            click.echo("# " + "; ".join(x for x in needs if x))
+        click.echo(s["toml"] + "\n")
+    for e in errors:
+        click.echo(f"plug-in {e['package']} (entry point '{e['entry_point']}') was not loaded: {e['message']}")
 
 
 @main.command(context_settings=CONTEXT)
 @click.argument("spec", required=False)
-@click.option("--preset", help="Explain a preset instead of a file.")
+@click.option("--preset", type=preset_choice(), help="Explain a preset instead of a file.")
 @click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
 def explain(spec: str | None, preset: str | None, json_: bool) -> None:
     """Print the resolved pipeline spec (defaults filled in) and its sha256.
@@ -306,6 +419,23 @@ def explain(spec: str | None, preset: str | None, json_: bool) -> None:
     click.echo(_toml(sp.resolved()))
 
 
+@main.command(context_settings=CONTEXT)
+@click.argument("preset", type=preset_choice(), default="default")
+def init(preset: str) -> None:
+    """Print a commented pipeline spec to start from: PRESET (default: default) with every stage's
+    parameters spelled out, each with its type, default and one-line doc as TOML comments, and
+    the stages it does not use commented out after it. As printed it is the preset:
+    `ctxreplay explain` gives it the preset's sha256.
+
+    \b
+    Example:
+      ctxreplay init default > mine.toml && ctxreplay explain mine.toml
+    """
+    from pipeline.spec_init import init_spec
+
+    click.echo(init_spec(preset), nl=False)
+
+
 def _toml(doc: dict[str, Any]) -> str:
     def val(v: Any) -> str:
         return orjson.dumps(v).decode() if not isinstance(v, bool) else ("true" if v else "false")
@@ -317,6 +447,8 @@ def _toml(doc: dict[str, Any]) -> str:
 
 
 main.add_command(report)  # pipeline/cli_report.py
+main.add_command(snapshot)  # pipeline/cli_regress.py
+main.add_command(diff)  # pipeline/cli_regress.py
 
 if __name__ == "__main__":  # pragma: no cover
     main()

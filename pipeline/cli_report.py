@@ -33,8 +33,14 @@ BY = ("session", "day", "month", "model", "project")
               help="Count agent_progress copies of requests whose subagent file is missing.")
 @click.option("--workers", type=click.IntRange(min=1), help="Processes for the scan (default: CPU count "
               "for inputs of 48 MB and more, else 1).")
+@click.option("--sim", "sim_out", type=click.Path(path_type=Path), metavar="OUT",
+              help="Instead of PATHS: recorded vs simulated cache and cost of the run in OUT, per session.")
+@click.option("--calls", "per_call", is_flag=True, help="With --sim: per call too.")
+@click.option("--breaks", "breaks_out", type=click.Path(path_type=Path), metavar="OUT",
+              help="Instead of PATHS: every cache break of the run in OUT, its cause, tokens and cost.")
 def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
-           prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None) -> None:
+           prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
+           sim_out: Path | None, per_call: bool, breaks_out: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
     PATHS are files or directories (searched recursively). Without PATHS: what ccusage reads,
@@ -43,10 +49,20 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     line of a response), priced with genai-prices (version in the output) and --prices; a
     model without a price is listed under unpriced_models and warned about, never counted as 0.
 
+    --sim OUT and --breaks OUT read the outputs of a `ctxreplay run --out OUT` instead: the
+    prompt-cache simulation of its requests against the recorded usage, and the cache breaks
+    (recorded and simulated) with their causes.
+
     \b
     Example:
       ctxreplay report ~/.claude/projects --by day --since 20260201 --tz UTC
+      ctxreplay report --breaks ctxreplay-out
     """
+    if sim_out is not None or breaks_out is not None:
+        _run_views(paths, sim_out, per_call, breaks_out, json_)
+        return
+    if per_call:
+        raise Failure("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
     import orjson
 
     from pipeline.prices import PriceBook
@@ -98,8 +114,8 @@ def _warnings(doc: dict[str, Any]) -> None:
         click.echo(f"ctxreplay report: {w}", file=err)
 
 
-def _fmt_int(n: int) -> str:
-    return f"{n:,}"
+def _fmt_int(n: int | None) -> str:
+    return "–" if n is None else f"{n:,}"
 
 
 def _table(doc: dict[str, Any]) -> None:
@@ -147,3 +163,136 @@ def _cost(r: dict[str, Any]) -> str:
         return "unpriced"
     s = f"{r['cost_usd']:,.4f}"
     return s + " + unpriced" if r["unpriced_models"] else s
+
+
+# ---------------------------------------------------------------------------------------------
+# views of a run: --sim OUT, --breaks OUT
+
+
+def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, breaks_out: Path | None,
+               json_: bool) -> None:
+    import orjson
+
+    if paths:
+        raise Failure("--sim / --breaks read a run's outputs (OUT), not transcripts: drop the PATHS, or run "
+                      "`ctxreplay report PATHS` on its own")
+    if sim_out is not None and breaks_out is not None:
+        raise Failure("give one of --sim OUT and --breaks OUT")
+    if per_call and sim_out is None:
+        raise Failure("--calls goes with --sim OUT")
+    from pipeline.breaks import breaks_view, load_run, sim_view
+
+    out = sim_out if sim_out is not None else breaks_out
+    assert out is not None
+    try:
+        calls, summary, _ = load_run(out)
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    if sim_out is not None:
+        doc = sim_view(calls, summary, per_call=per_call)
+        if json_:
+            click.echo(orjson.dumps(doc).decode())
+        else:
+            _sim_table(doc, str(out))
+        if doc["unpriced_models"]:
+            click.echo(f"ctxreplay report: no price for {', '.join(doc['unpriced_models'])}: their calls are left out "
+                       f"of the costs", file=sys.stderr)
+    else:
+        doc = breaks_view(calls, summary)
+        if json_:
+            click.echo(orjson.dumps(doc).decode())
+        else:
+            _breaks_table(doc, str(out))
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:+.1%}"
+
+
+def _usd(v: float | None) -> str:
+    return "–" if v is None else f"{v:,.4f}"
+
+
+def _console() -> Any:
+    import shutil
+
+    from rich.console import Console
+
+    width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+
+
+def _sim_table(doc: dict[str, Any], out: str) -> None:
+    from rich.table import Table
+
+    t = doc["totals"]
+    click.echo(f"ctxreplay report --sim {out}: {len(doc['sessions'])} session(s), {t.get('calls', 0):,} calls; "
+               f"pipeline {doc['pipeline']}; prices: {doc['prices']}")
+    table = Table(show_footer=True)
+    table.add_column("Session", footer="Total", no_wrap=True)
+    table.add_column("Calls", justify="right", footer=f"{t.get('calls', 0):,}")
+    specs = [("Cache read rec", "rec_read", _fmt_int), ("sim", "sim_read", _fmt_int), ("Δ", "read_diff", _pct),
+             ("Cache write rec", "rec_write", _fmt_int), ("sim", "sim_write", _fmt_int), ("Δ", "write_diff", _pct),
+             ("Cost rec", "rec_cost", _usd), ("sim", "sim_cost", _usd), ("Δ", "cost_diff", _pct)]
+    for label, k, f in specs:
+        table.add_column(label, justify="right", footer=f(t.get(k)) if t.get(k) is not None else "–")
+    table.add_column("Agree", justify="right", footer=_rate(t.get("agreement")))
+    table.add_column("Breaks rec/sim", justify="right",
+                     footer=f"{t.get('rec_breaks', 0)}/{t.get('sim_breaks', 0)}")
+    for r in doc["sessions"]:
+        table.add_row(r["session_id"], f"{r['calls']:,}", *[f(r[k]) if r[k] is not None else "–" for _, k, f in specs],
+                      _rate(r["agreement"]), f"{r['rec_breaks']}/{r['sim_breaks']}")
+    _console().print(table)
+    cal = doc.get("calibration") or {}
+    for fam, d in (cal.get("families") or {}).items():
+        click.echo(f"calibration {fam}: ratio {d.get('ratio_family')} over {d.get('threads')} thread(s) "
+                   f"(per thread {d.get('thread_ratio_min')} - {d.get('thread_ratio_max')}, median "
+                   f"{d.get('thread_ratio_median')}); calibrated prompt within {d.get('fit_mape', 0):.1%} of the recorded "
+                   f"one at the median call, {d.get('fit_p90_ape', 0):.1%} at p90")
+    pre = cal.get("preamble_tokens") or {}
+    if pre:
+        click.echo(f"preamble (system, tools, injected; per thread and compaction segment): median "
+                   f"{pre['median']:,.0f} tokens, {pre['min']:,.0f} - {pre['max']:,.0f}")
+    if "calls" in doc:
+        table = Table()
+        for label in ("Thread", "Call", "Time", "Prompt", "Read rec", "sim", "Write rec", "sim", "Class rec/sim",
+                      "Break rec / sim"):
+            table.add_column(label, justify="left" if label in ("Thread", "Time", "Class rec/sim", "Break rec / sim")
+                             else "right", no_wrap=label == "Thread")
+        for r in doc["calls"]:
+            brk = " / ".join(x or "–" for x in (r["recorded_break_cause"], r["sim_break_cause"]))
+            table.add_row(r["thread_key"], str(r["call"]), r["timestamp"] or "", _fmt_int(r["calibrated_prompt_tokens"]),
+                          _fmt_int(r["recorded_cache_read_tokens"]), _fmt_int(r["sim_cache_read_tokens"]),
+                          _fmt_int(r["recorded_cache_write_tokens"]), _fmt_int(r["sim_cache_write_tokens"]),
+                          f"{r['rec_class']}/{r['sim_class']}", brk if brk != "– / –" else "")
+        _console().print(table)
+
+
+def _breaks_table(doc: dict[str, Any], out: str) -> None:
+    from rich.table import Table
+
+    rows = doc["breaks"]
+    click.echo(f"ctxreplay report --breaks {out}: {sum(r['source'] == 'recorded' for r in rows)} recorded and "
+               f"{sum(r['source'] == 'sim' for r in rows)} simulated cache break(s); pipeline {doc['pipeline']}")
+    table = Table()
+    for label in ("Source", "Thread", "Call", "Time", "Cause", "Detail", "Re-written", "Cost (USD)"):
+        table.add_column(label, justify="right" if label in ("Call", "Re-written", "Cost (USD)") else "left",
+                         no_wrap=label in ("Thread", "Time"), overflow="fold")
+    for r in rows:
+        table.add_row(r["source"], r["thread_key"], str(r["call"]), r["timestamp"] or "", r["cause"], r["detail"] or "",
+                      _fmt_int(r["tokens"]), _usd(r["cost_usd"]))
+    _console().print(table)
+    for src in ("recorded", "sim"):
+        d = doc["by_cause"][src]
+        parts = [f"{c} {v['breaks']}" for c, v in d.items() if isinstance(v, dict)]
+        click.echo(f"{src}: {d['total']} break(s){': ' + ', '.join(parts) if parts else ''}; "
+                   f"unexplained {d['unexplained_share']:.0%}")
+    table = Table(title="Share of cost caused by breaks")
+    for label in ("Session", "Breaks rec", "Cost rec", "Break cost rec", "Share rec", "Breaks sim", "Cost sim",
+                  "Break cost sim", "Share sim"):
+        table.add_column(label, justify="left" if label == "Session" else "right", no_wrap=label == "Session")
+    for r in doc["sessions"]:
+        table.add_row(r["session_id"], str(r["rec_breaks"]), _usd(r["rec_cost"]), _usd(r["rec_break_cost"]),
+                      _rate(r["rec_break_share"]), str(r["sim_breaks"]), _usd(r["sim_cost"]), _usd(r["sim_break_cost"]),
+                      _rate(r["sim_break_share"]))
+    _console().print(table)

@@ -45,7 +45,30 @@ class LockError(CtxReplayError):
 
 
 class StageFailed(CtxReplayError):
-    """A stage raised instead of returning a StageResult (a bug in that stage)."""
+    """A stage failed at a position of the pipeline: it raised, returned something other than a
+    StageResult of frames in the declared schemas, or ran past its time budget.
+
+    Facts: `stage` (its name in the run, e.g. `pairing#2`), `position` (1-based), `cause` (the
+    exception, or a short text), `kind` (`raised`, `result`, `schema`, `duplicates`, `timeout`,
+    `worker`). A built-in stage's failure stops the run (a bug in ctxreplay); a plug-in's is
+    quarantined by the runner (pipeline/stagerun.py).
+    """
+
+    def __init__(self, stage: str, position: int, cause: BaseException | str, *, kind: str = "raised",
+                 message: str | None = None) -> None:
+        self.stage, self.position, self.cause, self.kind = stage, position, cause, kind
+        if message is None:
+            what = f"{type(cause).__name__}: {_first_line(cause)}" if isinstance(cause, BaseException) else cause
+            message = f"stage '{stage}' (#{position}) failed: {what}"
+        self.message = message
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
 class CheckFailed(CtxReplayError):
@@ -67,7 +90,7 @@ def write_traceback(exc: BaseException) -> Path | None:
 def internal_error(exc: BaseException, where: str = "") -> CheckFailed:
     """A one-paragraph CheckFailed for an exception that is a bug, its traceback kept in a file."""
     path = write_traceback(exc)
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    first = _first_line(exc)
     kept = f"the traceback was written to {path}" if path else "the traceback could not be written to a file"
     place = f" {where}" if where else ""
     err = CheckFailed(f"internal error{place} ({type(exc).__name__}: {first}): this is a bug in ctxreplay; {kept}. "

@@ -1,6 +1,8 @@
 """The content-replacement ledger: an embedded DuckDB file (default OUT/ledger.duckdb).
 
-Tables: `decisions` (append-only, namespaced by spec_sha256), `runs` (one row per completed run,
+Tables: `decisions` (append-only, namespaced by spec_sha256), `decision_calls` (the call key of each
+decision: the message that answers the call it applies from, so a decision follows its history
+whatever the thread is named in a later run), `runs` (one row per completed run,
 with the `run_id` of its outputs), `specs` (resolved spec per sha256), `token_cache` (token counts
 by text sha256 and counter). A run writes everything in one transaction: a crash leaves the ledger
 as before or after the run. Two runs never share a ledger at once: the runner holds a lock on it
@@ -38,6 +40,9 @@ CREATE TABLE IF NOT EXISTS decisions (
 CREATE TABLE IF NOT EXISTS runs (
     run_seq BIGINT NOT NULL, spec_sha256 VARCHAR NOT NULL, spec_name VARCHAR, started_at VARCHAR,
     finished_at VARCHAR, input_files VARCHAR, versions VARCHAR, counts VARCHAR
+);
+CREATE TABLE IF NOT EXISTS decision_calls (
+    spec_sha256 VARCHAR NOT NULL, seq BIGINT NOT NULL, call_key VARCHAR NOT NULL
 );
 CREATE TABLE IF NOT EXISTS specs (spec_sha256 VARCHAR PRIMARY KEY, resolved VARCHAR);
 CREATE TABLE IF NOT EXISTS token_cache (
@@ -79,6 +84,7 @@ class Ledger:
                 raise LedgerError(f"{self.path}: not a usable ctxreplay ledger: {exc}. Pass another file with "
                                   f"--ledger") from exc
         self._pending: list[pa.Table] = []
+        self._pending_calls: list[pa.Table] = []
         self._pending_tokens: list[pa.Table] = []
 
     def close(self) -> None:
@@ -102,6 +108,25 @@ class Ledger:
             self.con.unregister("_sessions")
         return conform(pl.from_arrow(t), STAGE_DECISION)  # type: ignore[arg-type]
 
+    def earlier_all(self, spec_sha256: str, sessions: list[str]) -> pl.DataFrame:
+        """Every decision of this namespace for these sessions, in seq order: STAGE_DECISION columns
+        plus `stage`, `seq` and `call_key` (null for decisions written before call keys)."""
+        schema = {**polars_schema(STAGE_DECISION), "stage": pl.String, "seq": pl.Int64, "call_key": pl.String}
+        if not sessions:
+            return pl.DataFrame(schema=schema)
+        cols = ", ".join(f"d.{f.name}" for f in STAGE_DECISION)
+        self.con.register("_sessions", pa.table({"session_id": sessions}))
+        try:
+            t = self.con.sql(
+                f"SELECT {cols}, d.stage, d.seq, c.call_key FROM decisions d LEFT JOIN decision_calls c "
+                f"ON c.spec_sha256 = d.spec_sha256 AND c.seq = d.seq WHERE d.spec_sha256 = $spec "
+                f"AND d.session_id IN (SELECT session_id FROM _sessions) ORDER BY d.seq",
+                params={"spec": spec_sha256},
+            ).to_arrow_table()
+        finally:
+            self.con.unregister("_sessions")
+        return pl.from_arrow(t).cast(schema)  # type: ignore[union-attr,arg-type]
+
     def next_seq(self, spec_sha256: str) -> int:
         """The next free seq of this namespace, counting the rows queued for this run's commit."""
         rows = self.con.execute("SELECT coalesce(max(seq), -1) FROM decisions WHERE spec_sha256 = ?",
@@ -111,15 +136,23 @@ class Ledger:
 
     def stage(self, rows: pl.DataFrame, *, spec_sha256: str, stage: str, stage_version: int,
               config_digest: str) -> int:
-        """Queue new decision rows (STAGE_DECISION columns) of one stage for the commit at the end of
-        the run: tagged with the namespace, the stage and the next seq numbers. Returns how many."""
+        """Queue new decision rows (STAGE_DECISION columns, and `call_key` where known) of one stage
+        for the commit at the end of the run: tagged with the namespace, the stage and the next seq
+        numbers. Returns how many."""
         if rows.height == 0:
             return 0
         seq = self.next_seq(spec_sha256)
+        seqs = pl.int_range(seq, seq + rows.height, dtype=pl.Int64)
         tagged = conform(rows, STAGE_DECISION).with_columns(
-            spec_sha256=pl.lit(spec_sha256), seq=pl.int_range(seq, seq + rows.height, dtype=pl.Int64),
+            spec_sha256=pl.lit(spec_sha256), seq=seqs,
             stage=pl.lit(stage), stage_version=pl.lit(stage_version, pl.Int32), config_digest=pl.lit(config_digest))
         self._pending.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{stage}'"))
+        if "call_key" in rows.columns:
+            keys = rows.select(spec_sha256=pl.lit(spec_sha256), seq=seqs, call_key="call_key").filter(
+                pl.col("call_key").is_not_null())
+            if keys.height:
+                self._pending_calls.append(keys.to_arrow().cast(pa.schema(
+                    [("spec_sha256", pa.string()), ("seq", pa.int64()), ("call_key", pa.string())])))
         return rows.height
 
     def commit_run(self, run: dict[str, Any], spec_resolved: dict[str, Any]) -> None:
@@ -133,6 +166,10 @@ class Ledger:
                 con.execute(f"INSERT INTO decisions SELECT {', '.join(DECISIONS.names)} FROM _new{i}")
                 con.unregister(f"_new{i}")
                 crashpoints.point("ledger")
+            for i, t in enumerate(self._pending_calls):
+                con.register(f"_call{i}", t)
+                con.execute(f"INSERT INTO decision_calls SELECT spec_sha256, seq, call_key FROM _call{i}")
+                con.unregister(f"_call{i}")
             for i, t in enumerate(self._pending_tokens):
                 con.register(f"_tok{i}", t)
                 con.execute(f"INSERT OR IGNORE INTO token_cache SELECT counter, sha256, tokens FROM _tok{i}")
@@ -159,6 +196,7 @@ class Ledger:
             raise
         finally:
             self._pending = []
+            self._pending_calls = []
             self._pending_tokens = []
 
     def _where(self, stage: str | None, session_id: str | None) -> tuple[str, dict[str, str]]:

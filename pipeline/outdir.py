@@ -95,7 +95,8 @@ class RunLock:
 
         for _ in range(5):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # 0o666 less the umask, like every other file a run writes
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             except OSError as exc:
                 raise OutputError(f"cannot create the lock file {self.path} for {self.what}: {exc.strerror}. "
                                   f"Pass a directory you can write to") from exc

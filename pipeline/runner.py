@@ -34,13 +34,10 @@ import pipeline
 from pipeline import crashpoints
 from pipeline.errors import (
     CheckFailed,
-    CtxReplayError,
     InputError,
     NothingToDo,
     OutputError,
-    StageFailed,
     internal_error,
-    write_traceback,
 )
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult, load_paths
@@ -58,9 +55,11 @@ from pipeline.replay import (
     thread_rows,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec
+from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
 from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE, store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from pipeline.words import plural
 from schemas.blocks import BLOCKS
 from schemas.calls import CALLS
 from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
@@ -91,10 +90,13 @@ class RunResult:
     # every decision this run applied (reused ones too), with `stage` and `is_provisional`
     # (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet
     decisions: pl.DataFrame | None = None
+    # plug-in stages quarantined for some sessions (their effect skipped there)
+    stage_failures: list[StageFailure] = field(default_factory=list)
 
     @property
     def found_problems(self) -> bool:
-        return bool(self.summary["quarantined_lines"] or self.summary["violations"] or self.summary["conflicts"])
+        s = self.summary
+        return bool(s["quarantined_lines"] or s["violations"] or s["conflicts"] or s.get("stage_failures"))
 
 
 @contextlib.contextmanager
@@ -112,102 +114,6 @@ def _gc_paused() -> Iterator[None]:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def run_stages(blocks: pl.DataFrame, spec: PipelineSpec, ledger: Ledger | None, ctx: StageContext,
-               progress: Progress | None = None, pending: pl.DataFrame | None = None,
-               spill_dir: Path | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Run every stage in order; returns the final blocks and per-stage counts. New decisions are
-    queued in the ledger (written with the run's commit).
-
-    `pending` (session_id, thread_id, pending_call) marks each thread's pending call: decisions
-    that apply only from it on are provisional (the transcript may still grow before that request
-    is sent), so they are applied in this run but not frozen in the ledger.
-    """
-    sessions = sorted(blocks.get_column("session_id").unique().to_list())
-    applied: list[pl.DataFrame] = []
-    stats: dict[str, Any] = {}
-    seen: Counter[str] = Counter()
-    for i, rs in enumerate(spec.stages, start=1):
-        st = rs.stage
-        seen[st.name] += 1
-        # a stage used twice (pairing runs before and after snip) keeps its decisions apart
-        name = st.name if seen[st.name] == 1 else f"{st.name}#{seen[st.name]}"
-        where = f"after stage '{name}' (#{i})"
-        if progress:
-            progress(f"stage {i}/{len(spec.stages)}: {name}")
-        earlier = ledger.earlier(spec.sha256, name, sessions) if ledger else \
-            pl.LazyFrame(schema=pl.from_arrow(STAGE_DECISION.empty_table()).schema)
-        t0 = time.perf_counter()
-        blocks_before = blocks
-        crashpoints.point("stage")
-        try:
-            res = st.fn(blocks.lazy(), rs.params, earlier, ctx)
-            if not (isinstance(getattr(res, "blocks", None), pl.LazyFrame | pl.DataFrame)
-                    and isinstance(getattr(res, "decisions", None), pl.LazyFrame | pl.DataFrame)):
-                raise StageFailed(f"stage '{name}' (#{i}, from {st.module}) returned {type(res).__name__}, not a "
-                                  f"StageResult(blocks, decisions) of polars frames; fix the stage")
-            check_frame(res.blocks, BLOCKS, where=where)
-            check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{st.name}' (#{i})")
-            blocks = res.blocks.lazy().collect()
-            decisions = res.decisions.lazy().collect()
-        except CtxReplayError:
-            raise
-        except Exception as exc:
-            raise _stage_failed(name, i, st.module, exc) from exc
-        dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1)
-        if dupes.height:
-            raise CheckFailed(f"stage '{st.name}' made {dupes.height} duplicate decisions for the same block and "
-                              f"call (first: {dupes.row(0, named=True)}); this is a bug in the stage")
-        earlier_df = earlier.collect()
-        if spill_dir is not None:
-            _write_spills(st.module, blocks_before, decisions, spill_dir)
-        if pending is not None:
-            marked = decisions.join(pending, on=["session_id", "thread_id"], how="left").with_columns(
-                is_provisional=pl.col("pending_call").is_not_null() & (pl.col("from_call") >= pl.col("pending_call"))
-            ).drop("pending_call")
-        else:
-            marked = decisions.with_columns(is_provisional=pl.lit(False))
-        frozen = marked.filter(~pl.col("is_provisional")).drop("is_provisional")
-        provisional = decisions.height - frozen.height
-        applied.append(marked.with_columns(stage=pl.lit(name), stage_version=pl.lit(st.version, pl.Int32)))
-        new = frozen.join(earlier_df.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True)
-        # the same decision key with another outcome than the ledger holds is a conflict
-        clash = frozen.join(earlier_df.select(*DECISION_KEY, pl.col("after_sha256").alias("_was")),
-                               on=DECISION_KEY, how="inner", nulls_equal=True).filter(
-            pl.col("after_sha256").ne_missing(pl.col("_was")))
-        conflicts = clash.drop("_was").with_columns(action=pl.lit("conflict"),
-                                                    reason=pl.lit("ledger_mismatch"))
-        new = pl.concat([new, conflicts.select(new.columns)]).sort(DECISION_KEY)
-        if ledger is not None:
-            ledger.stage(new, spec_sha256=spec.sha256, stage=name, stage_version=st.version,
-                         config_digest=rs.config_digest)
-        by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
-        stats[name] = {
-            "decisions": decisions.height,
-            "new_decisions": new.height,
-            "reused_decisions": frozen.height - (new.height - conflicts.height),
-            "provisional_decisions": provisional,
-            "conflicts": conflicts.height,
-            "by_reason": dict(sorted(by_reason.items())),
-            "seconds": round(time.perf_counter() - t0, 3),
-        }
-        crashpoints.point("stage")
-    stats["_applied"] = pl.concat(applied) if applied else pl.DataFrame(
-        schema={**pl.from_arrow(STAGE_DECISION.empty_table()).schema, "stage": pl.String,
-                "stage_version": pl.Int32, "is_provisional": pl.Boolean})
-    return blocks, stats
-
-
-def _stage_failed(name: str, i: int, module: str, exc: Exception) -> StageFailed:
-    path = write_traceback(exc)
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    kept = f"the traceback was written to {path}" if path else "no traceback file could be written"
-    builtin = module.startswith("stages.")
-    whose = "this is a bug in ctxreplay; please report it" if builtin else \
-        f"it is not a built-in stage: report it to the authors of {module.split('.')[0]}, or leave it out of the spec"
-    return StageFailed(f"stage '{name}' (#{i}, from {module}) failed with {type(exc).__name__}: {first}. "
-                       f"Nothing was written; {whose} ({kept})")
 
 
 def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, *,
@@ -324,84 +230,34 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
     started = _now()
     t_start = time.perf_counter()
     say = opts.progress or (lambda s: None)
-    say(f"loading {len(paths)} path(s)")
-    crashpoints.phase("load")
-    try:
-        with _gc_paused():
-            loaded: LoadResult = load_paths(paths)
-    except OSError as exc:
-        raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
-    for ld in loaded.loads:
-        ld.check()
-    _check_something_to_do(paths, loaded)
+    loaded, blocks, skeleton, counts, calls = _load(paths, say)
     t_load = time.perf_counter()
-    blocks = pl.from_arrow(loaded.blocks)
-    assert isinstance(blocks, pl.DataFrame)
-    check_frame(blocks, BLOCKS, where="on load")
-    skeleton = call_skeleton(blocks)
-    counts = call_counts(blocks)
-    # rows no call ever sees (compacted away before any call) leave the table now
-    blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
     ledger = Ledger(ledger_path)
     closed = False
     try:
         counter = TokenCounter(opts.token_counter, cache=ledger)
-        # snip dry-runs tombstone with the spec's own tombstone params (none: no dry run)
-        tomb = next((s.params for s in spec.stages if s.stage.name == "tombstone"), None)
-        ctx = StageContext(target=target_name, window_tokens=spec.window_tokens,
-                           count_tokens=counter.series_counter(), token_counter_version=counter.name,
-                           extra={"tombstone": tomb})
-        pending = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": n} for (s, t), n in counts.items()],
-                               schema={"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32})
-        crashpoints.phase("stages")
-        blocks, stage_stats = run_stages(blocks, spec, ledger, ctx, say, pending=pending,
-                                         spill_dir=staging / "spill")
-        applied = stage_stats.pop("_applied")
+        staged = _run_pipeline(blocks, spec, target_name, ledger, counter, calls, staging, say)
         t_stages = time.perf_counter()
-        final = to_arrow(blocks, BLOCKS, where="on write (blocks)")
-        say("replaying calls")
-        crashpoints.phase("replay")
-        try:
-            with _gc_paused():
-                calls_df, violations, replay_stats = replay_all(
-                    pl.from_arrow(final), skeleton, target_name, counter,  # type: ignore[arg-type]
-                    all_calls=opts.all_calls, validate=opts.validate, out_dir=staging, progress=say, counts=counts)
-        except OSError as exc:
-            raise _output_error(opts.out_dir, exc) from exc
-        except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
-            raise internal_error(exc, "while replaying") from exc
+        final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
+        calls_df, violations, replay_stats = _replay(final, skeleton, target_name, counter, opts, staging, counts, say)
         t_replay = time.perf_counter()
-        calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
-        quarantine = pa.Table.from_pylist(
-            [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
-              "raw_base64": q.raw_base64} for q in loaded.quarantine],
-            schema=QUARANTINE)
-        crashpoints.phase("write")
-        messages_t, call_messages_t = replay_stats.pop("store_tables")
-        for name, table in (("calls.parquet", calls_t), ("blocks.parquet", final),
-                            ("quarantine.parquet", quarantine), ("decisions.parquet", applied.to_arrow()),
-                            (MESSAGES_FILE, messages_t)):
-            _write_parquet(staging / name, table, run_id=run_id, out_dir=opts.out_dir)
-            crashpoints.point("write")
-        # without the Arrow schema in the file, its dictionary-encoded columns read back as strings
-        _write_parquet(staging / CALL_MESSAGES_FILE, call_messages_t, run_id=run_id, out_dir=opts.out_dir,
-                       store_schema=False)
-        crashpoints.point("write")
+        say("simulating the prompt cache")
+        from pipeline.cachesim import after_replay
+
+        calls_df, cache_sim = after_replay(loaded.blocks, final, calls_df, replay_stats["store_tables"], staged.applied,
+                                           counter.series_counter())
+        _write_tables(staging, loaded, calls_df, final, staged.applied, replay_stats.pop("store_tables"), run_id,
+                      opts.out_dir)
         if violations:
             _stage_violations(violations, calls_df, spec, target_name, ledger)
-        conflicts = sum(s["conflicts"] for s in stage_stats.values())
-        summary = _summary(loaded, spec, opts, target_name, calls_df, stage_stats, violations, conflicts,
-                           ledger_path, timings={"load": t_load - t_start, "stages": t_stages - t_load,
-                                                 "replay": t_replay - t_stages},
-                           counter=counter)
-        summary["threads"] = replay_stats["threads"]
-        summary["request_store"] = replay_stats["request_store"]
-        summary["run_id"] = run_id
-        summary["stale_outputs_removed"] = stale
-        finished = _now()
+        summary = _summary(RunFacts(loaded, spec, target_name, calls_df, staged, violations, opts.out_dir,
+                                    ledger_path, {"load": t_load - t_start, "stages": t_stages - t_load,
+                                                  "replay": t_replay - t_stages}, counter))
+        summary.update(threads=replay_stats["threads"], request_store=replay_stats["request_store"], run_id=run_id,
+                       stale_outputs_removed=stale, cache_sim=cache_sim)
         crashpoints.phase("ledger")
         ledger.commit_run({
-            "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": finished,
+            "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
             "input_files": [{"path": ld.path, "sha256": ld.sha256} for ld in loaded.loads],
             "versions": summary["versions"], "run_id": run_id,
             "counts": {k: summary[k] for k in ("files", "lines", "calls", "quarantined_lines")},
@@ -413,10 +269,92 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         _write_json(staging / "summary.json", summary, out_dir=opts.out_dir)
         crashpoints.point("write")
-        return RunResult(summary, calls_df, pl.from_arrow(final), violations, applied)  # type: ignore[arg-type]
+        return RunResult(summary, calls_df, pl.from_arrow(final), violations, staged.applied,  # type: ignore[arg-type]
+                         list(staged.failures))
     finally:
         if not closed:
             ledger.close()
+
+
+def _load(paths: list[Path], say: Progress) -> tuple[LoadResult, pl.DataFrame, pl.DataFrame,
+                                                      dict[tuple[str, str], int], CallMap]:
+    """Load and check the inputs; the blocks every call sees, the call skeleton, the calls per
+    thread and their keys."""
+    say(f"loading {plural(len(paths), 'path')}")
+    crashpoints.phase("load")
+    try:
+        with _gc_paused():
+            loaded: LoadResult = load_paths(paths)
+    except OSError as exc:
+        raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
+    for ld in loaded.loads:
+        ld.check()
+    _check_something_to_do(paths, loaded)
+    blocks = pl.from_arrow(loaded.blocks)
+    assert isinstance(blocks, pl.DataFrame)
+    check_frame(blocks, BLOCKS, where="on load")
+    skeleton = call_skeleton(blocks)
+    counts = call_counts(blocks)
+    calls = CallMap.from_blocks(blocks, counts)
+    # rows no call ever sees (compacted away before any call) leave the table now
+    blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
+    return loaded, blocks, skeleton, counts, calls
+
+
+def _run_pipeline(blocks: pl.DataFrame, spec: PipelineSpec, target_name: str, ledger: Ledger, counter: TokenCounter,
+                  calls: CallMap, staging: Path, say: Progress) -> StagesResult:
+    """Run the stages with the ledger's view of these sessions; queue their new decisions in the
+    ledger and write what they spilled."""
+    target = get_target(target_name)
+    # every target shipped today takes images; one that does not says so with `supports_images = False`
+    ctx = StageContext(target=target_name, window_tokens=spec.window_tokens,
+                       count_tokens=counter.series_counter(), token_counter_version=counter.name,
+                       supports_images=bool(getattr(target, "supports_images", True)))
+    sessions = sorted(blocks.get_column("session_id").unique().to_list())
+    view = LedgerView.translate(ledger.earlier_all(spec.sha256, sessions), calls)
+    crashpoints.phase("stages")
+    staged = run_stages(blocks, spec, view, ctx, say)
+    for o in staged.outcomes:
+        ledger.stage(o.new, spec_sha256=spec.sha256, stage=o.name, stage_version=o.stage.version,
+                     config_digest=o.config_digest)
+    _write_spills(staged.spills, staging / "spill")
+    return staged
+
+
+def _replay(final: pa.Table, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, opts: RunOptions,
+            staging: Path, counts: dict[tuple[str, str], int], say: Progress,
+            ) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
+    say("replaying calls")
+    crashpoints.phase("replay")
+    try:
+        with _gc_paused():
+            return replay_all(pl.from_arrow(final), skeleton, target_name, counter,  # type: ignore[arg-type]
+                              all_calls=opts.all_calls, validate=opts.validate, out_dir=staging, progress=say,
+                              counts=counts)
+    except OSError as exc:
+        raise _output_error(opts.out_dir, exc) from exc
+    except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
+        raise internal_error(exc, "while replaying") from exc
+
+
+def _write_tables(staging: Path, loaded: LoadResult, calls_df: pl.DataFrame, final: pa.Table,
+                  applied: pl.DataFrame, store: tuple[pa.Table, pa.Table], run_id: str, out_dir: Path) -> None:
+    """calls, blocks, quarantine, decisions and the request store (messages, call_messages)."""
+    calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
+    quarantine = pa.Table.from_pylist(
+        [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
+          "raw_base64": q.raw_base64} for q in loaded.quarantine],
+        schema=QUARANTINE)
+    crashpoints.phase("write")
+    messages_t, call_messages_t = store
+    for name, table in (("calls.parquet", calls_t), ("blocks.parquet", final),
+                        ("quarantine.parquet", quarantine), ("decisions.parquet", applied.to_arrow()),
+                        (MESSAGES_FILE, messages_t)):
+        _write_parquet(staging / name, table, run_id=run_id, out_dir=out_dir)
+        crashpoints.point("write")
+    # without the Arrow schema in the file, its dictionary-encoded columns read back as strings
+    _write_parquet(staging / CALL_MESSAGES_FILE, call_messages_t, run_id=run_id, out_dir=out_dir, store_schema=False)
+    crashpoints.point("write")
 
 
 def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
@@ -427,11 +365,11 @@ def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
     empty = sum(1 for ld in loaded.loads if ld.lines == 0)
     parts = []
     if empty:
-        parts.append(f"{empty} empty file(s)")
+        parts.append(f"{plural(empty, 'empty file')}")
     skipped = loaded.skipped
     if skipped:
         first = "; ".join(f"{s['file']}: {s['reason']}" for s in skipped[:3])
-        parts.append(f"{len(skipped)} file(s) skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
+        parts.append(f"{plural(len(skipped), 'file')} skipped ({first}{'; ...' if len(skipped) > 3 else ''})")
     found = ", ".join(parts) if parts else "no files there"
     raise NothingToDo(f"no transcripts found under {where}: {found}. Pass the files or directories that hold "
                       f"session transcripts (*.jsonl), e.g. ~/.claude/projects")
@@ -443,18 +381,17 @@ def _output_error(out_dir: Path, exc: OSError) -> OutputError:
                        f"outputs are kept; free some space or pass an --out you can write to")
 
 
-def _write_spills(module: str, blocks_before: pl.DataFrame, decisions: pl.DataFrame, spill_dir: Path) -> None:
-    """Write what a stage spilled to the content-addressed store OUT/spill/<sha256>: a stage that
-    spills exposes `spilled_texts(blocks_before, decisions)` in its module (stages do no I/O)."""
-    spilled = getattr(sys.modules.get(module), "spilled_texts", None)
-    if spilled is None or not decisions.filter(pl.col("action") == "spill").height:
+def _write_spills(spills: pl.DataFrame, spill_dir: Path) -> None:
+    """Write what the stages spilled to the content-addressed store OUT/spill/<sha256> (stages do no
+    I/O: they name the texts through their `spilled_texts` hook)."""
+    if not spills.height:
         return
     try:
         spill_dir.mkdir(parents=True, exist_ok=True)
-        for r in spilled(blocks_before.lazy(), decisions.lazy()).collect().iter_rows(named=True):
-            path = spill_dir / r["sha256"]
+        for sha, text in zip(spills.get_column("sha256").to_list(), spills.get_column("text").to_list()):
+            path = spill_dir / sha
             if not path.exists():
-                path.write_text(r["text"], encoding="utf-8", errors="surrogatepass")
+                path.write_text(text, encoding="utf-8", errors="surrogatepass")
     except OSError as exc:
         raise _output_error(spill_dir.parent, exc) from exc
 
@@ -494,12 +431,53 @@ def _write_json(path: Path, obj: Any, *, out_dir: Path) -> None:
         raise _output_error(out_dir, exc) from exc
 
 
-def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, target: str, calls: pl.DataFrame,
-             stage_stats: dict[str, Any], violations: list[Violation], conflicts: int, ledger_path: Path,
-             timings: dict[str, float], counter: TokenCounter) -> dict[str, Any]:
-    import duckdb
-    import tiktoken
+@dataclass(frozen=True)
+class RunFacts:
+    """What the summary is made of."""
 
+    loaded: LoadResult
+    spec: PipelineSpec
+    target: str
+    calls: pl.DataFrame
+    stages: StagesResult
+    violations: list[Violation]
+    out_dir: Path
+    ledger_path: Path
+    timings: dict[str, float]
+    counter: TokenCounter
+
+
+def _summary(f: RunFacts) -> dict[str, Any]:
+    """summary.json (README: "Outputs")."""
+    calls, stage_stats = f.calls, f.stages.stats()
+    pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
+    return {
+        "pipeline": f.spec.name,
+        "pipeline_sha256": f.spec.sha256,
+        "target": f.target,
+        **_input_counts(f.loaded),
+        "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
+        "threads": f.loaded.threads,
+        "calls": calls.height,
+        "recorded_calls": calls.height - pending,
+        "pending_calls": pending,
+        "decisions": {k: v["decisions"] for k, v in stage_stats.items()},
+        "decisions_by_stage": stage_stats,
+        "conflicts": f.stages.conflicts,
+        "stage_failures": [x.as_dict() for x in f.stages.failures],
+        "violations": len(f.violations),
+        "violations_by_rule": dict(sorted(Counter(v.rule for v in f.violations).items())),
+        "loader_stats": dict(sorted(f.loaded.stats.items())),
+        "tokens": {"counter": f.counter.name, "texts_counted": f.counter.counted, "cache_hits": f.counter.cache_hits},
+        "timings_seconds": {k: round(v, 3) for k, v in f.timings.items()},
+        "out_dir": str(f.out_dir),
+        "ledger": str(f.ledger_path),
+        "versions": _versions(f.spec),
+    }
+
+
+def _input_counts(loaded: LoadResult) -> dict[str, Any]:
+    """Files, bytes and lines read, every line accounted for (message + other + quarantined)."""
     other_kinds: Counter[str] = Counter()
     for ld in loaded.loads:
         other_kinds.update(ld.other_lines)
@@ -509,47 +487,29 @@ def _summary(loaded: LoadResult, spec: PipelineSpec, opts: RunOptions, target: s
     quarantined = sum(ld.quarantined_lines for ld in loaded.loads)
     if message_lines + other_lines + quarantined != lines:
         raise CheckFailed(f"line accounting failed: {message_lines} + {other_lines} + {quarantined} != {lines}")
-    q_reasons = Counter(q.reason for q in loaded.quarantine)
-    q_codes = Counter(q.code for q in loaded.quarantine)
-    formats = Counter(ld.format for ld in loaded.loads)
-    total_bytes = sum(ld.bytes for ld in loaded.loads)
-    pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
     return {
-        "pipeline": spec.name,
-        "pipeline_sha256": spec.sha256,
-        "target": target,
         "files": len(loaded.loads),
-        "files_by_format": dict(sorted(formats.items())),
-        "bytes": total_bytes,
+        "files_by_format": dict(sorted(Counter(ld.format for ld in loaded.loads).items())),
+        "bytes": sum(ld.bytes for ld in loaded.loads),
         "lines": lines,
         "message_lines": message_lines,
         "other_lines": other_lines,
         "other_lines_by_kind": dict(sorted(other_kinds.items())),
         "quarantined_lines": quarantined,
-        "quarantine_reasons": dict(sorted(q_reasons.items())),
-        "quarantine_codes": dict(sorted(q_codes.items())),
+        "quarantine_reasons": dict(sorted(Counter(q.reason for q in loaded.quarantine).items())),
+        "quarantine_codes": dict(sorted(Counter(q.code for q in loaded.quarantine).items())),
         "recovered_lines": [r for ld in loaded.loads for r in ld.recovered],
         "skipped_files": loaded.skipped,
-        "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
-        "threads": loaded.threads,
-        "calls": calls.height,
-        "recorded_calls": calls.height - pending,
-        "pending_calls": pending,
-        "decisions": {k: v["decisions"] for k, v in stage_stats.items()},
-        "decisions_by_stage": stage_stats,
-        "conflicts": conflicts,
-        "violations": len(violations),
-        "violations_by_rule": dict(sorted(Counter(v.rule for v in violations).items())),
-        "loader_stats": dict(sorted(loaded.stats.items())),
-        "tokens": {"counter": counter.name, "texts_counted": counter.counted, "cache_hits": counter.cache_hits},
-        "timings_seconds": {k: round(v, 3) for k, v in timings.items()},
-        "out_dir": str(opts.out_dir),
-        "ledger": str(ledger_path),
-        "versions": {"ctxreplay": pipeline.__version__, "polars": pl.__version__, "pyarrow": pa.__version__,
-                     "duckdb": duckdb.__version__, "tiktoken": tiktoken.__version__,
-                     "python": sys.version.split()[0],
-                     "stages": {s.stage.name: s.stage.version for s in spec.stages}},
     }
+
+
+def _versions(spec: PipelineSpec) -> dict[str, Any]:
+    import duckdb
+    import tiktoken
+
+    return {"ctxreplay": pipeline.__version__, "polars": pl.__version__, "pyarrow": pa.__version__,
+            "duckdb": duckdb.__version__, "tiktoken": tiktoken.__version__, "python": sys.version.split()[0],
+            "stages": {s.stage.name: s.stage.version for s in spec.stages}}
 
 
 __all__ = [
@@ -559,5 +519,4 @@ __all__ = [
     "SchemaMismatch",
     "replay_all",
     "run",
-    "run_stages",
 ]

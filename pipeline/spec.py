@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pipeline.blockops import canonical_json, sha256_hex
 from pipeline.errors import SpecError
-from pipeline.registry import Stage, UnknownStage, get_stage
+from pipeline.registry import RegisteredStage, UnknownStage, get_stage
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "data" / "pipelines"
 PIPELINE_KEYS = {"name", "description", "target", "window_tokens"}
@@ -31,10 +31,16 @@ DEFAULT_TARGET = "anthropic"
 DEFAULT_WINDOW_TOKENS = 200_000
 
 
+STAGE_KEYS = ("use", "time_budget_seconds")  # keys of a [[stage]] table that are not the stage's params
+
+
 @dataclass(frozen=True)
 class ResolvedStage:
-    stage: Stage
+    stage: RegisteredStage
     params: Any  # the stage's frozen params dataclass
+    time_budget_seconds: float | None = None
+    """A plug-in's time budget per run (None: the default); not part of the spec's hash: it decides
+    nothing, it only stops a stage that runs too long."""
 
     @property
     def params_dict(self) -> dict[str, Any]:
@@ -43,8 +49,8 @@ class ResolvedStage:
     @property
     def config_digest(self) -> str:
         """sha256 of what decides the stage's output: name, version, params, and the version of any
-        encoder it depends on (a module's ENCODER_VERSION, e.g. Pillow for images), so an upgrade
-        is an explicit new namespace, never a silent re-decision."""
+        encoder it depends on (the registration's `encoder_version`, e.g. Pillow for images), so an
+        upgrade is an explicit new namespace, never a silent re-decision."""
         return sha256_hex(canonical_json({"stage": self.stage.name, "version": self.stage.version,
                                           "params": self.params_dict,
                                           "encoder": _encoder(self).get("encoder_version")}))
@@ -95,9 +101,7 @@ class PipelineSpec:
 
 
 def _encoder(rs: ResolvedStage) -> dict[str, Any]:
-    import sys
-
-    enc = getattr(sys.modules.get(rs.stage.module), "ENCODER_VERSION", None)
+    enc = rs.stage.encoder_version
     return {"encoder_version": enc} if enc else {}
 
 
@@ -162,7 +166,7 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def resolve_params(st: Stage, raw: dict[str, Any], *, where: str) -> Any:
+def resolve_params(st: RegisteredStage, raw: dict[str, Any], *, where: str) -> Any:
     """Validate `raw` against the stage's params dataclass and build it (defaults filled in)."""
     hints = typing.get_type_hints(st.params)
     fields = {f.name: f for f in dataclasses.fields(st.params)}
@@ -219,20 +223,43 @@ def parse_spec(text: str, *, source: str) -> PipelineSpec:
     raw_stages = doc.get("stage", [])
     if not isinstance(raw_stages, list):
         raise SpecError(f"{source}: 'stage' must be an array of tables: write [[stage]], not [stage]")
-    resolved = []
-    for i, raw in enumerate(raw_stages, start=1):
-        if not isinstance(raw, dict) or "use" not in raw:
-            raise SpecError(f"{source} [[stage]] #{i}: missing 'use' (the stage name), e.g. use = \"sanitize\"")
-        raw = dict(raw)
-        name = raw.pop("use")
-        try:
-            st = get_stage(str(name))
-        except UnknownStage as exc:
-            raise SpecError(f"{source} [[stage]] #{i}: {exc.message}") from exc
-        resolved.append(ResolvedStage(st, resolve_params(st, raw, where=f"{source} [[stage]] #{i} ({name})")))
+    resolved = tuple(_resolve_stage(raw, i, source) for i, raw in enumerate(raw_stages, start=1))
+    check_requires(resolved, source)
     name = str(head.get("name", Path(source).stem))
     settings = {k: v for k, v in head.items() if k not in ("name", "description")}
-    return PipelineSpec(name=name, source=source, stages=tuple(resolved), settings=settings)
+    return PipelineSpec(name=name, source=source, stages=resolved, settings=settings)
+
+
+def _resolve_stage(raw: Any, i: int, source: str) -> ResolvedStage:
+    """One [[stage]] table: its stage, its params, its time budget."""
+    if not isinstance(raw, dict) or "use" not in raw:
+        raise SpecError(f"{source} [[stage]] #{i}: missing 'use' (the stage name), e.g. use = \"sanitize\"")
+    raw = dict(raw)
+    name = raw.pop("use")
+    budget = raw.pop("time_budget_seconds", None)
+    try:
+        st = get_stage(str(name))
+    except UnknownStage as exc:
+        raise SpecError(f"{source} [[stage]] #{i}: {exc.message}") from exc
+    where = f"{source} [[stage]] #{i} ({name})"
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or budget <= 0:
+            raise SpecError(f"{where}: time_budget_seconds must be a positive number of seconds; got {budget!r}")
+        if st.is_builtin:
+            raise SpecError(f"{where}: time_budget_seconds applies to plug-in stages only (built-in stages run "
+                            f"in-process, without a budget); remove it")
+    return ResolvedStage(st, resolve_params(st, raw, where=where), float(budget) if budget is not None else None)
+
+
+def check_requires(stages: tuple[ResolvedStage, ...], source: str) -> None:
+    """Each stage's `requires` must come earlier in the pipeline."""
+    for i, rs in enumerate(stages, start=1):
+        before = {s.stage.name for s in stages[: i - 1]}
+        for need in rs.stage.requires:
+            if need not in before:
+                raise SpecError(
+                    f"{source} [[stage]] #{i} ({rs.stage.name}): needs stage '{need}' earlier in the pipeline, "
+                    f"and there is none before it. Add a [[stage]] with use = \"{need}\" before #{i}")
 
 
 def _check_settings(head: dict[str, Any], source: str) -> None:

@@ -1,23 +1,24 @@
 """Helpers for stage tests and golden cases (also for third-party stage authors).
 
 `make_blocks` builds a blocks frame from a short message-level description, so tests state only
-what matters; `run_stage` runs one registered stage with params given as a dict.
+what matters; `run_stage` runs one registered stage with params given as a dict, as the runner
+does (its frozen decisions in `ledger` re-applied first); `run_golden_dir` checks a golden case
+directory (docs/writing-a-stage.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from pipeline.blockops import empty_decisions
 from pipeline.loaders.base import Block, Compaction, Message, Thread, json_text, threads_to_blocks
 from pipeline.registry import StageContext, StageResult, get_stage
 from pipeline.spec import resolve_params
-from schemas.blocks import BLOCKS
-from schemas.check import check_frame
+from schemas.check import conform, polars_schema
 from schemas.decisions import STAGE_DECISION
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -59,19 +60,39 @@ def make_thread(messages: Iterable[Mapping[str, Any]], *, session_id: str = "s1"
                   [Compaction(at, keep) for at, keep in compactions])
 
 
+def make_context(*, peers: Mapping[str, Mapping[str, Any]] | None = None, **kw: Any) -> StageContext:
+    """A StageContext for a test: `kw` are its fields; `peers` maps the names of stages a stage
+    reads (e.g. snip reads tombstone) to their params as dicts, `{}` for none (None: the stage runs
+    alone and a stage it reads takes its defaults)."""
+    from pipeline.registry import StageRef
+
+    refs = None
+    if peers is not None:
+        refs = []
+        for name, params in peers.items():
+            st = get_stage(name)
+            refs.append(StageRef(st, resolve_params(st, dict(params), where=f"test peer ({name})")))
+    return StageContext(peers=tuple(refs) if refs is not None else None, **kw)
+
+
 def make_blocks(messages: Iterable[Mapping[str, Any]], **kw: Any) -> pl.LazyFrame:
     return pl.from_arrow(threads_to_blocks([make_thread(messages, **kw)])).lazy()  # type: ignore[union-attr]
 
 
 def run_stage(name: str, blocks: pl.LazyFrame, params: Mapping[str, Any] | None = None, *,
               ledger: pl.LazyFrame | None = None, ctx: StageContext | None = None) -> StageResult:
-    """Run one stage and check both outputs against their schemas."""
+    """Run one stage as the runner runs it, in-process: the frozen decisions among `ledger` (earlier
+    decisions of this stage, STAGE_DECISION columns) re-applied first, then the stage; both outputs
+    checked against their schemas (a failure is a `StageFailed`). The decisions returned are the
+    re-applied ones, the conflicts and the stage's own."""
+    from pipeline.stagerun import reapply_and_run
+
     st = get_stage(name)
     p = resolve_params(st, dict(params or {}), where=f"test ({name})")
-    res = st.fn(blocks, p, ledger if ledger is not None else empty_decisions(), ctx or StageContext())
-    check_frame(res.blocks, BLOCKS, where=f"after stage '{name}'")
-    check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{name}'")
-    return res
+    earlier = conform(ledger, STAGE_DECISION).collect() if ledger is not None else \
+        pl.DataFrame(schema=polars_schema(STAGE_DECISION))
+    out, decisions = reapply_and_run(st, blocks.lazy().collect(), p, earlier, ctx or StageContext(), name, 1)
+    return StageResult(out.lazy(), decisions.lazy())
 
 
 def view(blocks: pl.LazyFrame | pl.DataFrame) -> pl.DataFrame:
@@ -173,3 +194,68 @@ def check_replay_against_naive(blocks: pl.DataFrame, target_name: str) -> None:
                               None if len(new) >= len(old) else len(new))
             assert r.prefix_break_message == first_diff, f"call {r.call}"
         prev = naive
+
+
+# ------------------------------------------------------------------ golden case directories
+
+DECISION_VIEW = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id", "from_call",
+                 "action", "reason", "before_sha256", "after_sha256", "replacement", "cache_epoch"]
+# golden block files also carry each version's cache epoch: a layer that fires must take a new
+# epoch, one that does not must leave epochs alone
+GOLDEN_VIEW = [*VIEW, "cache_epoch"]
+
+
+def _golden_view(blocks: pl.LazyFrame | pl.DataFrame) -> pl.DataFrame:
+    df = blocks.collect() if isinstance(blocks, pl.LazyFrame) else blocks
+    return df.select(GOLDEN_VIEW).sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos",
+                                        "first_call"])
+
+
+def _json_rows(df: pl.DataFrame) -> list[dict[str, Any]]:
+    import orjson
+
+    return [orjson.loads(orjson.dumps(r, default=str)) for r in df.to_dicts()]
+
+
+def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    import orjson
+
+    return [orjson.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def _write_jsonl(p: Path, rows: list[dict[str, Any]]) -> None:
+    import orjson
+
+    p.write_text("".join(orjson.dumps(r, option=orjson.OPT_SORT_KEYS).decode() + "\n" for r in rows),
+                 encoding="utf-8")
+
+
+def check_golden(case: Path, stage_name: str | None = None, *, update: bool = False) -> None:
+    """Run a stage on a golden case directory and compare with what is expected there.
+
+    The directory holds `input.jsonl` (one message per line, in the `make_thread` form),
+    `params.toml` (the stage's params; `compactions = [[at, keep_from], ...]` and a `[context]`
+    table of `make_context` keyword arguments are taken out first; a comment says what the case
+    shows), `expected_blocks.jsonl` (the `VIEW` columns and `cache_epoch`) and `expected_decisions.jsonl`
+    (`DECISION_VIEW`), sorted by key. `stage_name` defaults to the name of the parent directory.
+    With `update`, the expected files are (re)written: review their diff like code. Also checks
+    that running the stage on its own output decides nothing and changes nothing (idempotence).
+    """
+    import tomllib
+
+    name = stage_name or case.parent.name
+    cfg = tomllib.loads((case / "params.toml").read_text()) if (case / "params.toml").exists() else {}
+    ctx = make_context(**cfg.pop("context", {}))
+    compactions = [tuple(x) for x in cfg.pop("compactions", [])]
+    blocks = make_blocks(_read_jsonl(case / "input.jsonl"), compactions=compactions)
+    res = run_stage(name, blocks, cfg, ctx=ctx)
+    got_blocks = _json_rows(_golden_view(res.blocks))
+    got_dec = _json_rows(res.decisions.collect().select(DECISION_VIEW).sort(DECISION_VIEW[:7]))
+    if update:
+        _write_jsonl(case / "expected_blocks.jsonl", got_blocks)
+        _write_jsonl(case / "expected_decisions.jsonl", got_dec)
+    assert got_blocks == _read_jsonl(case / "expected_blocks.jsonl"), f"{case}: blocks differ"
+    assert got_dec == _read_jsonl(case / "expected_decisions.jsonl"), f"{case}: decisions differ"
+    again = run_stage(name, res.blocks, cfg, ctx=ctx)
+    assert again.decisions.collect().height == 0, f"{case}: a second pass must decide nothing"
+    assert _json_rows(_golden_view(again.blocks)) == got_blocks, f"{case}: a second pass must change nothing"

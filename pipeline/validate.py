@@ -1,4 +1,4 @@
-"""Validators: the invariants a provider checks before it accepts a request (layer-semantics §10).
+"""Validators: the invariants a provider checks before it accepts a request (docs/layers.md).
 
 One validator per target: `validate_anthropic`, `validate_openai_chat`, `validate_openai_responses`,
 `validate_gemini`. Each takes an assembled request (the target's wire shape) and returns a list of
@@ -14,14 +14,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pipeline.constants import ANTHROPIC_TOOL_ID_PATTERN, TOOL_NAME_PATTERN
 from pipeline.targets import ANTHROPIC_RESULT_PART_TYPES, NATIVE_BLOCK_TYPES, Violation
 
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-ANTHROPIC_TOOL_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
+TOOL_NAME = re.compile(TOOL_NAME_PATTERN)
+ANTHROPIC_TOOL_ID = re.compile(ANTHROPIC_TOOL_ID_PATTERN)
 GEMINI_FUNCTION_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_.:-]{0,63}$")
 STRICT_ID = re.compile(r"^[A-Za-z0-9]{1,40}$")
 
-# Anthropic image limits (layer-semantics §5: the images layer enforces them)
+# Anthropic image limits (the images layer enforces them: docs/layers.md)
 ANTHROPIC_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 ANTHROPIC_MAX_IMAGE_B64 = 5_242_880
 ANTHROPIC_MAX_IMAGES = 100

@@ -30,6 +30,24 @@ CALLS = pa.schema(
         pa.field("recorded_cache_write_tokens", pa.int64()),
         pa.field("recorded_cache_write_5m_tokens", pa.int64()),
         pa.field("recorded_cache_write_1h_tokens", pa.int64()),
+        # cost and prompt cache (pipeline/cachesim.py, pipeline/calibrate.py, pipeline/breaks.py);
+        # null for the pending call; costs null where the model has no price
+        pa.field("preamble_tokens", pa.int64()),  # calibrated tokens the transcript does not hold (system, tools, injected)
+        pa.field("calibrated_prompt_tokens", pa.int64()),  # preamble + ratio × prompt_tokens: the provider's count
+        pa.field("sim_cache_read_tokens", pa.int64()),
+        pa.field("sim_cache_write_5m_tokens", pa.int64()),
+        pa.field("sim_cache_write_1h_tokens", pa.int64()),
+        pa.field("sim_input_tokens", pa.int64()),  # uncached prompt tokens (Anthropic's meaning)
+        pa.field("sim_cost_usd", pa.float64()),  # simulated usage + recorded output, priced
+        pa.field("recorded_cost_usd", pa.float64()),  # recorded usage, priced with the same price book
+        pa.field("sim_break_cause", pa.string()),  # why the simulated read fell short of the previous prefix
+        pa.field("sim_break_detail", pa.string()),
+        pa.field("sim_break_tokens", pa.int64()),  # tokens re-written instead of read
+        pa.field("sim_break_cost_usd", pa.float64()),  # what the break added to the call's cost
+        pa.field("recorded_break_cause", pa.string()),  # the same for the recorded usage
+        pa.field("recorded_break_detail", pa.string()),
+        pa.field("recorded_break_tokens", pa.int64()),
+        pa.field("recorded_break_cost_usd", pa.float64()),
     ],
-    metadata={"name": "calls", "version": "2"},
+    metadata={"name": "calls", "version": "3"},
 )

@@ -43,18 +43,28 @@ import polars as pl
 from PIL import Image, ImageOps
 
 from pipeline.blockops import sha256_hex
-from pipeline.marks import MSG_NO, THREAD_NO, alive, cover_end, finish, mark_replace, start_marks
+from pipeline.constants import IMAGE_OMITTED_TEXT as OMITTED
+from pipeline.constants import IMAGE_STALE_TEXT as STALE
+from pipeline.constants import NO_IMAGE_INPUT_TEXT as NO_IMAGE_INPUT
+from pipeline.constants import polars_format
+from pipeline.marks import (
+    MSG_NO,
+    THREAD_NO,
+    alive,
+    cover_end,
+    finish,
+    mark_replace,
+    mark_replace_from,
+    start_marks,
+)
 from pipeline.registry import StageContext, StageResult, stage
 
-OMITTED = "[image omitted: {reason}]"
-STALE = "[image data removed - already processed by model]"
-NO_IMAGE_INPUT = "image content omitted because you do not support image input"
 SIDES = (1800, 1600, 1400, 1200, 1000, 800)
 QUALITIES = (85, 75, 65, 55, 45, 35)
 SUPPORTED = ("image/jpeg", "image/png", "image/gif", "image/webp")
 MIB = 1024 * 1024
 # Part of the result key and of what the layer's output depends on: another Pillow may encode
-# other bytes. (The registry's `version` is an int; the runner should add this to the digest.)
+# other bytes (declared on the registration: the spec's config digest includes it).
 ENCODER_VERSION = f"Pillow {PIL.__version__}"
 
 
@@ -144,6 +154,37 @@ def _encode_jpeg(img: Image.Image, quality: int) -> bytes:
 
 def fit_image(data: str | None, declared: str | None, p: Images) -> ImageResult:
     """Decide one image payload (pure: same input and params → same result and bytes)."""
+    raw = _payload(data, declared, p)
+    if isinstance(raw, ImageResult):
+        return raw
+    sniffed = sniff_media_type(raw)
+    if sniffed is None:
+        return ImageResult("omit", reason=f"unsupported media type {(declared or '').strip().lower()}")
+    opened = _open(raw, sniffed, p)
+    if isinstance(opened, ImageResult):
+        return opened
+    img, w, h = opened
+    limit = p.max_side_px if p.mode == "enforce" else min(p.target_max_side_px, p.max_side_px)
+    long_edge = max(w, h)
+    needs_resize = long_edge > limit or len(data or "") > p.max_b64_bytes
+    if needs_resize and sniffed == "image/jpeg":
+        # let libjpeg decode at 1/2, 1/4 or 1/8 scale, never below the first candidate size
+        scale = min(limit, long_edge) / long_edge
+        img.draft("RGB", (math.ceil(img.width * scale), math.ceil(img.height * scale)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.load()  # decode once: a truncated or corrupt file is omitted, never sent
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return ImageResult("omit", media_type=sniffed, width=w, height=h, reason="corrupt image data")
+    if not needs_resize:
+        status: Literal["keep", "fix_type"] = "keep" if sniffed == (declared or "").strip().lower() else "fix_type"
+        return ImageResult(status, media_type=sniffed, width=w, height=h, nbytes=len(raw))
+    return _resize(img, w, h, limit, sniffed, p)
+
+
+def _payload(data: str | None, declared: str | None, p: Images) -> bytes | ImageResult:
+    """The decoded bytes, or why the image is omitted before any decoding of pixels."""
     if data is None or declared is None or not declared.strip():
         if data == "":
             return ImageResult("omit", reason="empty payload")
@@ -156,11 +197,12 @@ def fit_image(data: str | None, declared: str | None, p: Images) -> ImageResult:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         return ImageResult("omit", reason="invalid base64")
-    if not raw:
-        return ImageResult("omit", reason="empty payload")
-    sniffed = sniff_media_type(raw)
-    if sniffed is None:
-        return ImageResult("omit", reason=f"unsupported media type {declared.strip().lower()}")
+    return raw if raw else ImageResult("omit", reason="empty payload")
+
+
+def _open(raw: bytes, sniffed: str, p: Images) -> tuple[Image.Image, int, int] | ImageResult:
+    """The image (header read only) and its size with EXIF orientation applied; a header claiming
+    more than `max_pixels` is refused before any pixel is decoded (decompression bombs)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -178,23 +220,13 @@ def fit_image(data: str | None, declared: str | None, p: Images) -> ImageResult:
         orientation = 1
     if orientation in (5, 6, 7, 8):
         w, h = h, w
-    limit = p.max_side_px if p.mode == "enforce" else min(p.target_max_side_px, p.max_side_px)
-    long_edge = max(w, h)
-    needs_resize = long_edge > limit or len(data) > p.max_b64_bytes
-    if needs_resize and sniffed == "image/jpeg":
-        # let libjpeg decode at 1/2, 1/4 or 1/8 scale, never below the first candidate size
-        scale = min(limit, long_edge) / long_edge
-        img.draft("RGB", (math.ceil(img.width * scale), math.ceil(img.height * scale)))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img.load()  # decode once: a truncated or corrupt file is omitted, never sent
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return ImageResult("omit", media_type=sniffed, width=w, height=h, reason="corrupt image data")
-    if not needs_resize:
-        status: Literal["keep", "fix_type"] = "keep" if sniffed == declared.strip().lower() else "fix_type"
-        return ImageResult(status, media_type=sniffed, width=w, height=h, nbytes=len(raw))
+    return img, w, h
+
+
+def _resize(img: Image.Image, w: int, h: int, limit: int, sniffed: str, p: Images) -> ImageResult:
+    """Sides [min(limit, long edge), 1800, …, 800] × JPEG qualities [85, …, 35]: the first that fits."""
     base = _flatten(img)
+    long_edge = max(w, h)
     sides = sorted({min(s, limit, long_edge) for s in (limit, *SIDES)}, reverse=True)
     smallest = None
     for side in sides:
@@ -394,7 +426,7 @@ def _as_text(text: pl.Expr) -> dict[str, pl.Expr]:
     }
 
 
-@stage("images", version=1, params=Images)
+@stage("images", version=1, params=Images, encoder_version=ENCODER_VERSION)
 def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap, re-encode or omit images (user, assistant and tool-result images); replace images of old
     turns when a request holds too many.
@@ -411,11 +443,15 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
     # an image given by URL (no inline data) is sent as it is
     by_url = pl.col("image_data").is_null() & pl.col("extra_json").str.contains('"url"', literal=True).fill_null(False)
     w = start_marks(blocks).with_columns(_is_image=is_image.fill_null(False) & alive() & ~by_url)
-    if not ctx.extra.get("supports_images", True):
+    if not ctx.supports_images:
         w = mark_replace(w, pl.col("_is_image"), _as_text(pl.lit(NO_IMAGE_INPUT)), "image_input_unsupported")
         return finish(w)
 
-    # first sight: one decision per payload, from the block's first call
+    return finish(_mark_stale(_mark_fit(w, params), params))
+
+
+def _mark_fit(w: pl.LazyFrame, params: Images) -> pl.LazyFrame:
+    """First sight: one decision per payload, from the block's first call (measured sizes filled in)."""
     fit = pl.struct(
         is_image=pl.col("_is_image"), image_data=pl.col("image_data"), image_media_type=pl.col("image_media_type")
     ).map_batches(_fit_batch(params), return_dtype=_RESULT_DTYPE)
@@ -436,12 +472,15 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
         w, pl.col("_status") == "resize",
         {"image_data": pl.col("_new_data"), "image_media_type": pl.col("_new_type")}, "image_resize",
     )
-    w = mark_replace(
+    return mark_replace(
         w, pl.col("_status") == "omit",
-        _as_text(pl.format("[image omitted: {}]", pl.col("_reason"))), "image_omitted",
+        _as_text(pl.format(polars_format(OMITTED), pl.col("_reason"))), "image_omitted",
     )
 
-    # per call: too many images in one request
+
+def _mark_stale(w: pl.LazyFrame, params: Images) -> pl.LazyFrame:
+    """Per call: too many images in one request; an image goes stale from that call (in place when
+    that is its first call, else as a new version from there)."""
     still_image = pl.col("_is_image") & (pl.col("_status") != "omit")
     w = w.with_columns(
         _real_user_start=pl.col("_is_first_row") & (pl.col("role") == "user")
@@ -455,10 +494,5 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
         order_key=pl.col("order_key"), block_pos=pl.col("block_pos"), part_pos=pl.col("part_pos"),
     ).map_batches(_stale_batch(params.max_images_per_request, params.keep_recent_image_turns), return_dtype=pl.Int32)
     w = w.with_columns(_stale_from=stale)
-    # stale from its first call: replaced in place; from a later call: a new version from there
-    w = mark_replace(w, pl.col("_stale_from") <= pl.col("first_call"), _as_text(pl.lit(STALE)), "image_stale")
-    w = w.with_columns(
-        _late_from=pl.when(pl.col("_stale_from") > pl.col("first_call")).then(pl.col("_stale_from")).otherwise(None),
-        _late_reason=pl.lit("image_stale"),
-    )
-    return finish(w, late_values=_as_text(pl.lit(STALE)))
+    return mark_replace_from(w, pl.col("_stale_from").is_not_null(), _as_text(pl.lit(STALE)), "image_stale",
+                             pl.col("_stale_from"))

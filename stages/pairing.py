@@ -36,6 +36,13 @@ Per thread, vectorised over all threads of a batch:
 Every changed block version gets one decision; a second pass (the stage runs again after snip)
 decides nothing: synthetic ids are uuid5 over the call's entry id and block position, and rewritten
 ids map to themselves.
+
+Each step is a named function below (`_calls`, `_call_ids`, `_results`, `_match_by_id`,
+`_reattach_orphans`, `_fates`, `_answers`, `_slots`, `_mark_rows`, `_synthetic_results`), working on
+one row per call and one row per result; the changes are marked on the working frame of
+`pipeline.marks` (`mark_replace`, `mark_drop`, an `Insert` for synthetic results) and `finish` turns
+them into blocks and decisions. A move alone changes no content, so its `move` decision is written
+here (`_move_decisions`); a move with a content change is one `replace` decision (`tool_id+displaced`).
 """
 
 from __future__ import annotations
@@ -48,19 +55,19 @@ import polars as pl
 
 from pipeline.blockops import (
     BLOCK_SCHEMA,
-    block_json_expr,
     content_len_expr,
     content_sha_expr,
     decisions_from,
-    drop_where,
-    new_rows,
+    null_columns,
     sha256_hex,
     synthetic_id_expr,
 )
 from pipeline.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
+from pipeline.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 from pipeline.targets import target_family
-from schemas.decisions import STAGE_DECISION
+from schemas.blocks import CONTENT_COLUMNS
+from schemas.decisions import DECISION_KEY
 
 MISSING_TEXT_OPENAI = "aborted"
 MISSING_TEXT = "[tool result missing: the call was interrupted or its result was not recorded]"
@@ -197,7 +204,7 @@ def _count_upto(frames: pl.LazyFrame, counts: pl.LazyFrame, *, at: str, out: str
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("pairing", version=2, params=Pairing)
+@stage("pairing", version=2, params=Pairing, requires=("sanitize",))
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
 
@@ -207,25 +214,47 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     rewrites tool-call ids per target (`replace`/`tool_id`), re-attaches results without a call
     (`replace`/`reattached`) and trims result names (`replace`/`result_name`).
     """
-    target = ctx.target
-    mode = resolve_id_mode(params.tool_id_mode, target)
-    text = missing_text(params, target)
+    mode = resolve_id_mode(params.tool_id_mode, ctx.target)
+    w = materialize(_working_frame(blocks))
+    calls = materialize(_call_ids(_calls(w, params), mode, ctx.target))  # steps 1 and 7
+    results = _match_by_id(_results(w), calls)  # step 1
+    results = _reattach_orphans(results, calls)  # step 2
+    results = materialize(_fates(results, calls))  # steps 3 and 4
+    answers = _answers(calls, results)  # step 5
+    slots = materialize(_slots(w, answers, calls, results))  # step 6
+    w = _mark_rows(w, calls, results, slots)  # steps 6-8 and the drops of steps 2-4
+    w, insert = _synthetic_results(w, slots, missing_text(params, ctx.target))  # step 5
+    w = materialize(w)
+    res = finish(w, [insert])
+    decisions = pl.concat([res.decisions, _move_decisions(w)]).sort(DECISION_KEY)
+    return StageResult(res.blocks, decisions)
 
-    b = blocks.with_columns(
-        _pos=pl.col("order_key") * POS_SHIFT + pl.col("block_pos"),
-        _failed=(
-            (pl.col("role") == "assistant")
-            & pl.col("stop_reason").str.to_lowercase().is_in(FAILED_STOP_REASONS).fill_null(False)
-        ).any().over(MSG),
+
+# position of a block in its thread: an as-of key across rows and the blocks of a row
+_POS = pl.col("order_key") * POS_SHIFT + pl.col("block_pos")
+_IS_CALL = pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & (pl.col("role") == "assistant")
+_IS_SYNTHETIC = (pl.col("block_type") == "tool_result") & (pl.col("origin") == "pairing")
+_IS_RESULT = (pl.col("block_type") == "tool_result") & (pl.col("origin") != "pairing")
+# a call block's columns under the names a result row refers to it by
+_PER_CALL = [*THREAD, "_c_entry", "_c_bp"]
+
+
+def _working_frame(blocks: pl.LazyFrame) -> pl.LazyFrame:
+    """The marks working frame plus each block's position and whether its message is a failed
+    assistant row (stop_reason error/aborted)."""
+    failed = (
+        (pl.col("role") == "assistant")
+        & pl.col("stop_reason").str.to_lowercase().is_in(FAILED_STOP_REASONS).fill_null(False)
     )
-    b = materialize(b)
-    is_call = pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & (pl.col("role") == "assistant")
-    is_synthetic = (pl.col("block_type") == "tool_result") & (pl.col("origin") == "pairing")
-    is_result = (pl.col("block_type") == "tool_result") & (pl.col("origin") != "pairing")
+    return start_marks(blocks).with_columns(_pos=_POS, _failed=failed.any().over(MSG))
 
-    # ---- calls: one row per tool_use block (all its versions)
-    calls = (
-        b.filter(is_call)
+
+def _calls(w: pl.LazyFrame, params: Pairing) -> pl.LazyFrame:
+    """Step 1: one row per tool call block (all its versions): its id and name as first seen, its
+    occurrence of that id in the thread, its rank in its message, the span of calls that see it,
+    and its frame's fate under `failed_frame_policy` (step 4)."""
+    return (
+        w.filter(_IS_CALL)
         .group_by(BLOCK)
         .agg(
             pl.col("msg_key").first(),
@@ -233,6 +262,7 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
             pl.col("_pos").min(),
             pl.col("tool_use_id").sort_by("first_call").first().alias("_cid"),
             pl.col("tool_name").sort_by("first_call").first().alias("_cname"),
+            pl.col("part_pos").sort_by("first_call", "part_pos").first().alias("_cpart"),
             pl.col("_failed").any(),
             pl.col("first_call").min().alias("_fc"),
             open_max("last_call").alias("_lc"),
@@ -246,16 +276,22 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
             _no_synth=pl.col("_failed") & pl.lit(params.failed_frame_policy == "preserve"),
         )
     )
-    # ids: map per occurrence, then resolve collisions first come first kept
+
+
+def _call_ids(calls: pl.LazyFrame, mode: str, target: str) -> pl.LazyFrame:
+    """Step 7: the id each call occurrence gets (`_new_cid`): mapped per `tool_id_mode`, then
+    collisions resolved in thread order, first come first kept."""
     calls = calls.with_columns(_cand=pl.when("_has_id").then(_map_ids_expr(mode, target)))
     calls = calls.with_columns(
         _collides=(pl.col("_pos").rank("ordinal").over([*THREAD, "_cand"]) > 1) & pl.col("_has_id"))
-    calls = calls.with_columns(_new_cid=pl.when("_has_id").then(_collision_expr(mode))).drop("_cand", "_collides")
-    calls = materialize(calls)
+    return calls.with_columns(_new_cid=pl.when("_has_id").then(_collision_expr(mode))).drop("_cand", "_collides")
 
-    # ---- results: one row per tool_result block (all its versions)
-    results = (
-        b.filter(is_result)
+
+def _results(w: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 1: one row per recorded tool result block (all its versions): its id and name as first
+    seen, its position and the span of calls that see it."""
+    return (
+        w.filter(_IS_RESULT)
         .group_by(BLOCK)
         .agg(
             pl.col("msg_key").first(),
@@ -272,29 +308,38 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         .with_columns(_rhas_id=~_blank("_rid"))
     )
 
-    # 1. match by id, per occurrence: the latest earlier call with this id
+
+def _match_by_id(results: pl.LazyFrame, calls: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 1: each result's call by id, per occurrence: the latest earlier call with its id
+    (`_c_entry`, `_c_bp`; null when none)."""
     call_ids = calls.filter("_has_id").select(
         *THREAD, pl.col("_cid").alias("_rid"), "_pos",
         pl.col("entry_id").alias("_c_entry"), pl.col("block_pos").alias("_c_bp"),
     )
-    results = _latest_before(results, call_ids, by=[*THREAD, "_rid"], cols=["_c_entry", "_c_bp"])
+    return _latest_before(results, call_ids, by=[*THREAD, "_rid"], cols=["_c_entry", "_c_bp"])
 
-    # 2. orphans: the frame they sit in (latest tool-call assistant row before them)
+
+def _reattach_orphans(results: pl.LazyFrame, calls: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 2 (results outside their frame): a result that matches no call by id is re-attached
+    (`_attached`) to the one unresolved call of its frame that can own it: names agree, a result
+    without an id needs a single-call frame, and the call's own result is not visible yet where the
+    orphan first is. Otherwise it stays unmatched (an orphan)."""
     frames = (
         calls.filter(~pl.col("_drop_frame"))
         .group_by(MSG)
         .agg(pl.col("order_key").min().alias("_fok"))
         .select(*THREAD, pl.col("msg_key").alias("_frame"), _pos=pl.col("_fok") * POS_SHIFT)
     )
+    # the frame a result sits in: the latest tool-call assistant row before it
     results = _latest_before(results, frames, by=THREAD, cols=["_frame"])
     # a call is resolved from the first call that sees a result carrying its own id
     first_match = (
         results.filter(pl.col("_c_entry").is_not_null())
-        .group_by(*THREAD, "_c_entry", "_c_bp")
+        .group_by(_PER_CALL)
         .agg(pl.col("_fr").min().alias("_first_match"))
     )
     owners = calls.filter(pl.col("_has_id") & ~pl.col("_drop_frame")).join(
-        first_match, left_on=BLOCK, right_on=[*THREAD, "_c_entry", "_c_bp"], how="left",
+        first_match, left_on=BLOCK, right_on=_PER_CALL, how="left",
     ).select(*THREAD, pl.col("msg_key").alias("_frame"), pl.col("entry_id").alias("_o_entry"),
              pl.col("block_pos").alias("_o_bp"), "_cname", "_m", "_first_match")
     orphans = results.filter(pl.col("_c_entry").is_null() & pl.col("_frame").is_not_null())
@@ -315,40 +360,26 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         .filter(pl.col("_n") == 1)
         .select(*BLOCK, "_o_entry", "_o_bp")
     )
-    results = results.join(cand, on=BLOCK, how="left").with_columns(
+    return results.join(cand, on=BLOCK, how="left").with_columns(
         _attached=pl.col("_c_entry").is_null() & pl.col("_o_entry").is_not_null(),
         _c_entry=pl.coalesce("_c_entry", "_o_entry"),
         _c_bp=pl.coalesce("_c_bp", "_o_bp"),
     ).drop("_o_entry", "_o_bp", "_frame")
 
-    # 3. duplicates (first real result by position wins) and fates
+
+def _fates(results: pl.LazyFrame, calls: pl.LazyFrame) -> pl.LazyFrame:
+    """Steps 3 and 4: duplicates and failed frames. Per call, its results ranked (its own result
+    first, then the first by position); the first is `_chosen`, a re-attached one seen before it
+    stands in for it until then (`_interim`); every other result gets a `_fate` (a drop reason)
+    and `_fate_from` (the call it is dropped from; null: from its first call)."""
     cinfo = calls.select(
         *THREAD, pl.col("entry_id").alias("_c_entry"), pl.col("block_pos").alias("_c_bp"),
         "_new_cid", "_cname", "_drop_frame", "_lc", "_fc",
     )
-    results = results.join(cinfo, on=[*THREAD, "_c_entry", "_c_bp"], how="left")
-    # The call's own result (matched by its id) always wins over a re-attached one; a result that
-    # an earlier pass closed before its call leaves (a stand-in, see below) ranks after the others.
-    per_call = [*THREAD, "_c_entry", "_c_bp"]
+    results = results.join(cinfo, on=_PER_CALL, how="left")
+    results = _rank_per_call(results)
     results = results.with_columns(
-        _stand_in=(pl.col("_lr").is_not_null() & _lt_open(pl.col("_lr"), pl.col("_lc"))),
-    ).with_columns(
-        _rank=pl.struct(pl.col("_attached").cast(pl.Int8), pl.col("_stand_in").cast(pl.Int8), "_pos", "_fr")
-        .rank("ordinal").over(per_call),
-    ).with_columns(
-        _p_fr=pl.col("_fr").filter(pl.col("_rank") == 1).first().over(per_call),
-    ).with_columns(
-        # a re-attached result (or one an earlier pass made a stand-in) seen before the call's own
-        # result stands in for it until then, like a synthetic one: it never sits beside it
-        _interim=(pl.col("_rank") > 1) & (pl.col("_attached") | pl.col("_stand_in"))
-        & (pl.col("_fr") < pl.col("_p_fr")),
-    ).with_columns(
-        # one stand-in per call: the first candidate
-        _interim=pl.col("_interim")
-        & (pl.col("_rank") == pl.col("_rank").filter(pl.col("_interim")).min().over(per_call)),
-    )
-    results = results.with_columns(
-        _drop_reason=pl.when(pl.col("_c_entry").is_null()).then(pl.lit("orphan"))
+        _fate=pl.when(pl.col("_c_entry").is_null()).then(pl.lit("orphan"))
         .when(pl.col("_drop_frame")).then(pl.lit("failed_frame"))
         .when(pl.col("_interim")).then(pl.lit("superseded"))
         .when((pl.col("_rank") > 1) & pl.col("_attached")).then(pl.lit("orphan"))
@@ -359,32 +390,67 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     ).with_columns(
         # a result whose call leaves the request (compaction, snip) goes with it, from then on; a
         # stand-in goes when the call's own result arrives
-        _drop_from=pl.when(pl.col("_drop_reason").is_not_null() & pl.col("_c_entry").is_not_null()
+        _fate_from=pl.when(pl.col("_fate").is_not_null() & pl.col("_c_entry").is_not_null()
                            & ~pl.col("_drop_frame") & (pl.col("_rank") == 1))
         .then(pl.col("_lc"))
         .when(pl.col("_interim") & ~pl.col("_drop_frame"))
         .then(pl.min_horizontal(pl.col("_p_fr"), pl.col("_lc")))
         .otherwise(pl.lit(None, pl.Int32)),
         _chosen=pl.col("_c_entry").is_not_null() & ~pl.col("_drop_frame").fill_null(False) & (pl.col("_rank") == 1),
-    ).with_columns(_interim=pl.col("_interim") & pl.col("_c_entry").is_not_null()
-                   & ~pl.col("_drop_frame").fill_null(False))
-    results = materialize(results)
+    )
+    return results.with_columns(_interim=pl.col("_interim") & pl.col("_c_entry").is_not_null()
+                                & ~pl.col("_drop_frame").fill_null(False))
 
-    # ---- per call: its chosen result, synthetic need, slot
+
+def _rank_per_call(results: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 3: rank the results of each call (`_rank`; 1 wins) and mark the one stand-in
+    (`_interim`): the call's own result (matched by its id) always wins over a re-attached one; a
+    result that an earlier pass closed before its call leaves (a stand-in) ranks after the others."""
+    results = results.with_columns(
+        _stand_in=(pl.col("_lr").is_not_null() & _lt_open(pl.col("_lr"), pl.col("_lc"))),
+    ).with_columns(
+        _rank=pl.struct(pl.col("_attached").cast(pl.Int8), pl.col("_stand_in").cast(pl.Int8), "_pos", "_fr")
+        .rank("ordinal").over(_PER_CALL),
+    ).with_columns(
+        _p_fr=pl.col("_fr").filter(pl.col("_rank") == 1).first().over(_PER_CALL),
+    ).with_columns(
+        # a re-attached result (or one an earlier pass made a stand-in) seen before the call's own
+        # result stands in for it until then, like a synthetic one: it never sits beside it
+        _interim=(pl.col("_rank") > 1) & (pl.col("_attached") | pl.col("_stand_in"))
+        & (pl.col("_fr") < pl.col("_p_fr")),
+    )
+    # one stand-in per call: the first candidate
+    return results.with_columns(
+        _interim=pl.col("_interim")
+        & (pl.col("_rank") == pl.col("_rank").filter(pl.col("_interim")).min().over(_PER_CALL)),
+    )
+
+
+def _answers(calls: pl.LazyFrame, results: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 5: per kept call with an id, its chosen result (`_present`, `_rok`, `_rpos`) and whether
+    it needs a synthetic result (`_need`) from its first call until the call that first sees an
+    answer (its own result or a stand-in) or that no longer sees the call (`_s_end`)."""
     chosen = results.filter("_chosen").select(
         *THREAD, "_c_entry", "_c_bp", "_rok", pl.col("_pos").alias("_rpos"), "_fr", "_lr",
     )
-    # the first call that sees an answer (its own result, or a stand-in before it)
-    answered = results.filter(pl.col("_chosen") | pl.col("_interim")).group_by(per_call).agg(
+    answered = results.filter(pl.col("_chosen") | pl.col("_interim")).group_by(_PER_CALL).agg(
         _first_answer=pl.col("_fr").min())
     cf = calls.filter(pl.col("_has_id") & ~pl.col("_drop_frame")).join(
-        chosen, left_on=BLOCK, right_on=[*THREAD, "_c_entry", "_c_bp"], how="left",
-    ).join(answered, left_on=BLOCK, right_on=per_call, how="left").with_columns(_present=pl.col("_rok").is_not_null())
+        chosen, left_on=BLOCK, right_on=_PER_CALL, how="left",
+    ).join(answered, left_on=BLOCK, right_on=_PER_CALL, how="left").with_columns(
+        _present=pl.col("_rok").is_not_null())
     synth_end = pl.min_horizontal(pl.col("_first_answer"), pl.col("_lc"))
-    cf = cf.with_columns(
+    return cf.with_columns(
         _s_end=synth_end,
         _need=~pl.col("_no_synth") & _lt_open(pl.col("_fc"), synth_end),
     )
+
+
+def _slots(w: pl.LazyFrame, cf: pl.LazyFrame, calls: pl.LazyFrame, results: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 6 (emit per frame): each answered call's slot (`_slot`), the order_key its result (or
+    synthetic result) takes. A frame whose results already follow the assistant row in call order,
+    with no other row between, keeps its order_keys (`_in_place`); any other frame has every result
+    moved right after the assistant row (order_key + call rank), its other rows following."""
     frame_w = {"partition_by": MSG, "order_by": "_crank"}
     cf = cf.with_columns(
         _hold_ok=pl.when("_present").then(pl.col("_rok")).forward_fill().over(**frame_w),
@@ -404,14 +470,13 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
         _span_end=pl.coalesce(pl.col("_rok").max().over(MSG), pl.col("order_key")) + pl.col("_m"),
     )
     # rows that would sit between the assistant row and its last slot
-    dropped_blocks = results.filter(pl.col("_drop_reason").is_not_null() & pl.col("_drop_from").is_null()).select(BLOCK)
+    dropped_blocks = results.filter(pl.col("_fate").is_not_null() & pl.col("_fate_from").is_null()).select(BLOCK)
     chosen_blocks = results.filter(pl.col("_chosen") | pl.col("_interim")).select(BLOCK)
-    dropped_msgs = calls.filter("_drop_frame").select(MSG).unique()
     others = (
-        b.filter(pl.col("origin") != "pairing")
+        w.filter(pl.col("origin") != "pairing")
         .join(chosen_blocks, on=BLOCK, how="anti")
         .join(dropped_blocks, on=BLOCK, how="anti")
-        .join(dropped_msgs, on=MSG, how="anti")
+        .join(_dropped_frames(calls), on=MSG, how="anti")
         .group_by(*THREAD, "order_key").agg(_n=pl.len())
     )
     fr = cf.group_by(MSG).agg(pl.col("order_key").first().alias("_a"), pl.col("_span_end").first(),
@@ -419,184 +484,183 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     fr = _count_upto(fr, others, at="_a", out="_cum_a")
     fr = _count_upto(fr, others, at="_span_end", out="_cum_l")
     fr = fr.with_columns(_in_place=pl.col("_row_ok") & (pl.col("_cum_l") == pl.col("_cum_a"))).select(*MSG, "_in_place")
-    cf = cf.join(fr, on=MSG, how="left").with_columns(
+    return cf.join(fr, on=MSG, how="left").with_columns(
         _slot=pl.when("_in_place").then(pl.col("_slot_in")).otherwise(pl.col("order_key") + pl.col("_crank")),
     )
-    cf = materialize(cf)
 
-    # ---- row updates
-    res_upd = results.join(
-        cf.select(*THREAD, pl.col("entry_id").alias("_c_entry"), pl.col("block_pos").alias("_c_bp"), "_slot"),
-        on=[*THREAD, "_c_entry", "_c_bp"], how="left",
-    ).with_columns(_answers=pl.col("_chosen") | pl.col("_interim")).with_columns(
-        _u_id=pl.when("_answers").then("_new_cid"),
-        _u_name=pl.when(pl.col("_answers") & pl.col("_attached")).then(
-            pl.when(_blank("_rname")).then(pl.coalesce(pl.col("_cname").str.strip_chars(), pl.lit("unknown")))
-            .otherwise(pl.col("_rname").str.strip_chars()))
-        .when(pl.col("_answers") & pl.col("_rname").is_not_null()).then(
-            pl.when(_blank("_rname")).then(
-                pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()))
-            .otherwise(pl.col("_rname").str.strip_chars())),
-        _u_err=pl.when(pl.col("_answers") & pl.col("_attached") & ~pl.col("_rhas_id")).then(pl.lit(True)),
-        _u_ok=pl.when("_answers").then(pl.col("_slot")),
-        _u_reason=pl.when(pl.col("_attached")).then(pl.lit("reattached")).otherwise(pl.lit(None, pl.String)),
-    ).select(*BLOCK, "_u_id", "_u_name", "_u_err", "_u_ok", "_u_reason", "_drop_reason", "_drop_from")
+
+def _dropped_frames(calls: pl.LazyFrame) -> pl.LazyFrame:
+    """Step 4: the failed assistant messages `failed_frame_policy = "drop"` removes whole."""
+    return calls.filter("_drop_frame").select(MSG).unique()
+
+
+def _mark_rows(w: pl.LazyFrame, calls: pl.LazyFrame, results: pl.LazyFrame, slots: pl.LazyFrame) -> pl.LazyFrame:
+    """Mark the recorded rows: the new ids of calls and of the results that answer them (step 7),
+    result names (step 8), re-attached results (an error without an id), results moved to their
+    slot (step 6), then the drops of steps 2-4 (orphans, duplicates, stand-ins, failed frames).
+    Every version of a block gets the same change; content changes are `replace` decisions (reason
+    `reattached`, else `tool_id`, else `result_name`, plus `+displaced` when moved)."""
+    res_upd = _result_updates(results, slots)
     call_upd = calls.select(*BLOCK, _u_cid=pl.when(~pl.col("_drop_frame")).then(pl.col("_new_cid")))
-    msg_drop = dropped_msgs.with_columns(_drop_msg=pl.lit("failed_frame"))
-
-    x = (
-        b.join(res_upd, on=BLOCK, how="left")
+    msg_drop = _dropped_frames(calls).with_columns(_drop_msg=pl.lit("failed_frame"))
+    w = (
+        w.join(res_upd, on=BLOCK, how="left")
         .join(call_upd, on=BLOCK, how="left")
         .join(msg_drop, on=MSG, how="left")
         .with_columns(
-            _u_id=pl.when(is_call).then(pl.col("_u_cid")).when(is_result).then(pl.col("_u_id")),
+            _u_id=pl.when(_IS_CALL).then(pl.col("_u_cid")).when(_IS_RESULT).then(pl.col("_u_id")),
             _u_name=pl.when(pl.col("part_type").ne_missing("tool_reference")).then(pl.col("_u_name")),
-            _drop_reason=pl.when(is_synthetic).then(pl.lit(None, pl.String))
-            .otherwise(pl.coalesce("_drop_msg", "_drop_reason")),
-            _drop_from=pl.when(pl.col("_drop_msg").is_not_null()).then(pl.lit(None, pl.Int32))
-            .otherwise(pl.col("_drop_from")),
+            _fate=pl.when(_IS_SYNTHETIC).then(pl.lit(None, pl.String)).otherwise(pl.coalesce("_drop_msg", "_fate")),
+            _fate_from=pl.when(pl.col("_drop_msg").is_not_null()).then(pl.lit(None, pl.Int32))
+            .otherwise(pl.col("_fate_from")),
         )
     )
-    cols = list(BLOCK_SCHEMA.names())
+    differs = {  # a value to set that differs from the row's (a null current value differs)
+        c: pl.col(u).is_not_null() & (pl.col(u) != pl.col(c)).fill_null(True)
+        for u, c in (("_u_id", "tool_use_id"), ("_u_name", "tool_name"), ("_u_err", "is_error"))
+    }
+    content_reason = (
+        pl.when(pl.col("_u_reason").is_not_null()).then(pl.col("_u_reason"))
+        .when(differs["tool_use_id"]).then(pl.lit("tool_id"))
+        .otherwise(pl.lit("result_name"))
+    )
+    w = mark_replace(
+        w, differs["tool_use_id"] | differs["tool_name"] | differs["is_error"],
+        {"tool_use_id": pl.coalesce("_u_id", "tool_use_id"), "tool_name": pl.coalesce("_u_name", "tool_name"),
+         "is_error": pl.coalesce("_u_err", "is_error")},
+        content_reason,
+    )
+    w = mark_replace(w, pl.col("_u_ok").is_not_null() & (pl.col("_u_ok") != pl.col("order_key")),
+                     {"order_key": pl.col("_u_ok")}, "displaced")
+    w = mark_drop(w, pl.col("_fate").is_not_null(), pl.col("_fate"), pl.coalesce("_fate_from", "first_call"))
+    return w.drop("_pos", "_failed", "_u_id", "_u_name", "_u_err", "_u_ok", "_u_reason", "_u_cid", "_fate", "_fate_from",
+                  "_drop_msg")
 
-    # content and order updates (on every version; ids are decided when the call first appears)
-    touch = (pl.col("_u_id").is_not_null() & (pl.col("_u_id") != pl.col("tool_use_id")).fill_null(True)) \
-        | (pl.col("_u_name").is_not_null() & (pl.col("_u_name") != pl.col("tool_name")).fill_null(True)) \
-        | (pl.col("_u_err").is_not_null() & (pl.col("_u_err") != pl.col("is_error")).fill_null(True)) \
-        | (pl.col("_u_ok").is_not_null() & (pl.col("_u_ok") != pl.col("order_key")))
-    x = materialize(x.with_columns(_touch=touch.fill_null(False)))
-    rest = x.filter(~pl.col("_touch"))
-    t = x.filter("_touch").with_columns(_old_sha=pl.col("content_sha256"), _old_len=content_len_expr(),
-                                        _old_ok=pl.col("order_key"), _old_id=pl.col("tool_use_id"))
-    t = t.with_columns(
-        tool_use_id=pl.coalesce("_u_id", "tool_use_id"),
-        tool_name=pl.coalesce("_u_name", "tool_name"),
-        is_error=pl.coalesce("_u_err", "is_error"),
-        order_key=pl.coalesce("_u_ok", "order_key"),
-    ).with_columns(content_sha256=content_sha_expr())
-    t = t.with_columns(
-        _changed=pl.col("content_sha256") != pl.col("_old_sha"),
-        _moved=pl.col("order_key") != pl.col("_old_ok"),
-    )
-    content_reason = pl.when(pl.col("_u_reason").is_not_null()).then(pl.col("_u_reason")) \
-        .when(pl.col("_u_id").is_not_null() & (pl.col("_u_id") != pl.col("_old_id")).fill_null(True)) \
-        .then(pl.lit("tool_id")).otherwise(pl.lit("result_name"))
-    upd_dec = decisions_from(
-        t.filter(pl.col("_changed") | pl.col("_moved")),
-        action=pl.when("_changed").then(pl.lit("replace")).otherwise(pl.lit("move")),
-        reason=pl.concat_str(
-            [pl.when("_changed").then(content_reason), pl.when("_moved").then(pl.lit("displaced"))],
-            separator="+", ignore_nulls=True),
-        before_sha256=pl.col("_old_sha"),
-        after_sha256=pl.col("content_sha256"),
-        before_len=pl.col("_old_len"),
-        after_len=content_len_expr(),
-        replacement=pl.when("_changed").then(block_json_expr()),
-    )
-    t = materialize(t)
-    x = pl.concat([rest.select(*cols, "_drop_reason", "_drop_from"), t.select(*cols, "_drop_reason", "_drop_from")])
 
-    # drops (whole, or from the call where the row's call leaves the request)
-    kept, drop_dec = drop_where(materialize(x), pl.col("_drop_reason").is_not_null(), reason=pl.col("_drop_reason"),
-                                from_call=pl.coalesce("_drop_from", "first_call"))
-    kept = materialize(kept)
+def _result_updates(results: pl.LazyFrame, slots: pl.LazyFrame) -> pl.LazyFrame:
+    """Per recorded result block, what changes: the id of the call it answers (`_u_id`), its name
+    (`_u_name`: trimmed; blank → the call's name → `unknown`), `is_error` for a re-attached result
+    without an id (`_u_err`), its slot (`_u_ok`), and its fate (a drop reason)."""
+    answers = pl.col("_chosen") | pl.col("_interim")
+    trimmed = pl.col("_rname").str.strip_chars()
+    return results.join(
+        slots.select(*THREAD, pl.col("entry_id").alias("_c_entry"), pl.col("block_pos").alias("_c_bp"), "_slot"),
+        on=_PER_CALL, how="left",
+    ).with_columns(
+        _u_id=pl.when(answers).then("_new_cid"),
+        _u_name=pl.when(answers & pl.col("_attached")).then(
+            pl.when(_blank("_rname")).then(pl.coalesce(pl.col("_cname").str.strip_chars(), pl.lit("unknown")))
+            .otherwise(trimmed))
+        .when(answers & pl.col("_rname").is_not_null()).then(
+            pl.when(_blank("_rname")).then(
+                pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()))
+            .otherwise(trimmed)),
+        _u_err=pl.when(answers & pl.col("_attached") & ~pl.col("_rhas_id")).then(pl.lit(True)),
+        _u_ok=pl.when(answers).then(pl.col("_slot")),
+        _u_reason=pl.when(pl.col("_attached")).then(pl.lit("reattached")).otherwise(pl.lit(None, pl.String)),
+    ).select(*BLOCK, "_u_id", "_u_name", "_u_err", "_u_ok", "_u_reason", "_fate", "_fate_from")
 
-    # ---- synthetic results: desired (D) against existing (E)
-    call_rows = (
-        b.filter(is_call)
-        .sort("first_call", "part_pos")
-        .group_by(BLOCK).agg(pl.all().first())
-        .select(*BLOCK, "source_format", "source_file", "source_line", "entry_order", "timestamp",
-                "is_sidechain", "cache_epoch")
+
+# ----------------------------------------------------------------------------- synthetic results
+
+# the columns a synthetic result copies from its call's first version; every other column is set
+_SYNTHETIC_KEEP = (*THREAD, "source_format", "source_file", "source_line", "entry_order", "timestamp",
+                   "is_sidechain", "cache_epoch")
+
+
+def _synthetic_content(text: str) -> dict[str, pl.Expr]:
+    """The content columns of a synthetic result, from its call's `_new_cid` and `_cname`."""
+    values = {
+        "block_type": pl.lit("tool_result"),
+        "part_type": pl.lit("string"),
+        "text": pl.lit(text),
+        "tool_use_id": pl.col("_new_cid"),
+        "tool_name": pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()),
+        "is_error": pl.lit(True),
+    }
+    return {c: values.get(c, pl.lit(None)).cast(BLOCK_SCHEMA[c]) for c in CONTENT_COLUMNS}
+
+
+def _synthetic_row(text: str) -> dict[str, pl.Expr]:
+    """Every column of a synthetic result built on its call's row (the call's columns `_slot`,
+    `_sid`, `_fc`, `_s_end` joined on), but those copied from the call (_SYNTHETIC_KEEP)."""
+    values: dict[str, pl.Expr] = {
+        **null_columns(c for c in BLOCK_SCHEMA.names() if c not in _SYNTHETIC_KEEP),
+        **_synthetic_content(text),
+        "raw_line": pl.lit(""),
+        "order_key": pl.col("_slot"),
+        "entry_id": pl.col("_sid"),
+        "parent_id": pl.col("entry_id"),
+        "msg_key": pl.col("_sid"),
+        "role": pl.lit("tool"),
+        "is_call": pl.lit(False),
+        "first_call": pl.col("_fc"),
+        "last_call": pl.col("_s_end"),
+        "block_pos": pl.lit(0),
+        "part_pos": pl.lit(0),
+        "is_meta": pl.lit(False),
+        "is_compact_summary": pl.lit(False),
+        "is_display_only": pl.lit(False),
+        "content_sha256": pl.lit(""),  # finish hashes inserted rows
+        "origin": pl.lit("pairing"),
+    }
+    return {c: v.cast(BLOCK_SCHEMA[c]) for c, v in values.items()}
+
+
+def _synthetic_results(w: pl.LazyFrame, slots: pl.LazyFrame, text: str) -> tuple[pl.LazyFrame, Insert]:
+    """Step 5: the synthetic results the calls need (desired) against those an earlier pass
+    inserted (existing, `origin = "pairing"`). An existing one that starts where the desired one
+    starts, with its content, is kept: closed where the desired one ends (`drop`/`superseded` from
+    that call) and moved to its slot (`move`/`displaced`); any other existing one is dropped
+    (`drop`/`superseded`); a desired one with no existing one is inserted (`insert`/`missing`)
+    on its call's first version (uuid5 id over the call's entry id and block position)."""
+    desired = slots.filter("_need").with_columns(
+        _sid=synthetic_id_expr("pairing", "missing_result",
+                               pl.concat_str([pl.col("entry_id"), pl.col("block_pos").cast(pl.String)], separator="#"),
+                               0),
     )
-    d = (
-        cf.filter("_need")
-        .join(call_rows, on=BLOCK, how="left")
-        .with_columns(
-            _src=pl.concat_str([pl.col("entry_id"), pl.col("block_pos").cast(pl.String)], separator="#"),
-        )
-        .with_columns(_sid=synthetic_id_expr("pairing", "missing_result", pl.col("_src"), 0))
-    )
-    d = new_rows(
-        d,
-        keep=(*THREAD, "source_format", "source_file", "source_line", "entry_order", "timestamp", "is_sidechain",
-              "cache_epoch"),
-        raw_line=pl.lit(""),
-        order_key=pl.col("_slot"),
-        entry_id=pl.col("_sid"),
-        parent_id=pl.col("entry_id"),
-        msg_key=pl.col("_sid"),
-        role=pl.lit("tool"),
-        is_call=pl.lit(False),
-        first_call=pl.col("_fc").cast(pl.Int32),
-        last_call=pl.col("_s_end").cast(pl.Int32),
-        block_pos=pl.lit(0, pl.Int32),
-        part_pos=pl.lit(0, pl.Int32),
-        block_type=pl.lit("tool_result"),
-        part_type=pl.lit("string"),
-        text=pl.lit(text),
-        tool_use_id=pl.col("_new_cid"),
-        tool_name=pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()),
-        is_error=pl.lit(True),
-        is_meta=pl.lit(False),
-        is_compact_summary=pl.lit(False),
-        is_display_only=pl.lit(False),
-        content_sha256=pl.lit(""),
-        origin=pl.lit("pairing"),
-    ).with_columns(content_sha256=content_sha_expr())
-    existing = kept.filter(is_synthetic)
-    kept = kept.filter(~is_synthetic)
-    e_sum = existing.group_by(THREAD + ["entry_id"]).agg(
+    keep_e = _kept_existing(w, desired, text)
+    w = w.join(keep_e.with_columns(_keep_e=pl.lit(True)), on=[*THREAD, "entry_id"], how="left",
+               nulls_equal=True).with_columns(_keep_e=_IS_SYNTHETIC & pl.col("_keep_e").fill_null(False))
+    w = mark_replace(w, pl.col("_keep_e") & (pl.col("order_key") != pl.col("_d_ok")),
+                     {"order_key": pl.col("_d_ok")}, "displaced")
+    w = mark_drop(w, _IS_SYNTHETIC & ~pl.col("_keep_e"), "superseded")
+    close = pl.col("_keep_e") & pl.col("_d_end").is_not_null() & (
+        pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_d_end")))
+    w = mark_drop(w, close, "superseded", pl.col("_d_end"))
+
+    new = desired.join(keep_e.select(*THREAD, pl.col("entry_id").alias("_sid")), on=[*THREAD, "_sid"], how="anti")
+    # the call's first version carries the new row
+    w = w.join(new.select(*BLOCK, "_new_cid", "_cname", "_slot", "_sid", "_fc", "_s_end", "_cpart"),
+               on=BLOCK, how="left").with_columns(
+        _insert=_IS_CALL & (pl.col("first_call") == pl.col("_fc")) & (pl.col("part_pos") == pl.col("_cpart")),
+    ).drop("_keep_e", "_d_end", "_d_ok", "_cpart")
+    return w, Insert(when=pl.col("_insert"), values=_synthetic_row(text), reason="missing")
+
+
+def _kept_existing(w: pl.LazyFrame, desired: pl.LazyFrame, text: str) -> pl.LazyFrame:
+    """The existing synthetic results that stay (per entry id: the desired end `_d_end` and slot
+    `_d_ok`): one starts where the desired one starts, with its content, and ends no earlier."""
+    existing = w.filter(_IS_SYNTHETIC).group_by(THREAD + ["entry_id"]).agg(
         _e_start=pl.col("first_call").min(),
         _e_end=open_max("last_call"),
         _e_sha=pl.col("content_sha256").sort_by("first_call").first(),
-        _e_ok=pl.col("order_key").first(),
     )
-    dk = d.select(*THREAD, "entry_id", pl.col("first_call").alias("_d_start"), pl.col("last_call").alias("_d_end"),
-                  pl.col("content_sha256").alias("_d_sha"), pl.col("order_key").alias("_d_ok"))
-    both = e_sum.join(dk, on=[*THREAD, "entry_id"], how="full", coalesce=True, nulls_equal=True).with_columns(
-        _same_start=(pl.col("_e_start") == pl.col("_d_start")).fill_null(False),
-        _same_sha=(pl.col("_e_sha") == pl.col("_d_sha")).fill_null(False),
-    ).with_columns(
-        # E kept (possibly shortened / re-slotted) when it starts where D starts with D's content
-        _keep_e=pl.col("_e_start").is_not_null() & pl.col("_d_start").is_not_null() & pl.col("_same_start")
-        & pl.col("_same_sha")
-        & (pl.col("_e_end").is_null() | (pl.col("_d_end").is_not_null() & (pl.col("_d_end") <= pl.col("_e_end")))),
-    )
-    keep_e = both.filter("_keep_e").select(*THREAD, "entry_id", "_d_end", "_d_ok")
-    ex = existing.join(keep_e, on=[*THREAD, "entry_id"], how="left", nulls_equal=True)
-    # E rows not kept: dropped whole (superseded)
-    e_gone = ex.join(keep_e.select(*THREAD, "entry_id"), on=[*THREAD, "entry_id"], how="anti")
-    e_keep = ex.join(keep_e.select(*THREAD, "entry_id"), on=[*THREAD, "entry_id"], how="semi")
-    gone_dec = decisions_from(e_gone, action="drop", reason="superseded", before_sha256=pl.col("content_sha256"),
-                              before_len=content_len_expr())
-    # kept E rows: close at D's end (the real result arrived), follow D's slot
-    e_keep = e_keep.with_columns(
-        _close=pl.col("_d_end").is_not_null() & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_d_end"))),
-        _moved=pl.col("order_key") != pl.col("_d_ok"),
-    )
-    close_dec = decisions_from(
-        e_keep.filter("_close").with_columns(first_call=pl.max_horizontal("first_call", "_d_end").cast(pl.Int32)),
-        action="drop", reason="superseded", before_sha256=pl.col("content_sha256"), before_len=content_len_expr(),
-    )
-    move_dec = decisions_from(
-        e_keep.filter(pl.col("_moved") & ~(pl.col("_close") & (pl.col("_d_end") <= pl.col("first_call")))),
-        action="move", reason="displaced", before_sha256=pl.col("content_sha256"),
-        after_sha256=pl.col("content_sha256"), before_len=content_len_expr(), after_len=content_len_expr(),
-    )
-    e_out = (
-        e_keep.filter(~(pl.col("_close") & (pl.col("_d_end") <= pl.col("first_call"))))
-        .with_columns(
-            last_call=pl.when("_close").then(pl.col("_d_end")).otherwise(pl.col("last_call")).cast(pl.Int32),
-            order_key=pl.col("_d_ok"),
-        )
-        .select(cols)
-    )
-    new_d = d.join(keep_e.select(*THREAD, "entry_id"), on=[*THREAD, "entry_id"], how="anti")
-    ins_dec = decisions_from(new_d, action="insert", reason="missing", after_sha256=pl.col("content_sha256"),
-                             after_len=content_len_expr(), replacement=block_json_expr())
+    d = desired.select(*THREAD, pl.col("_sid").alias("entry_id"), _d_start=pl.col("_fc").cast(pl.Int32),
+                       _d_end=pl.col("_s_end").cast(pl.Int32), _d_ok="_slot", **_synthetic_content(text))
+    d = d.with_columns(_d_sha=content_sha_expr())
+    both = existing.join(d, on=[*THREAD, "entry_id"], how="inner", nulls_equal=True)
+    keep = (
+        (pl.col("_e_start") == pl.col("_d_start")) & (pl.col("_e_sha") == pl.col("_d_sha"))
+        & (pl.col("_e_end").is_null() | (pl.col("_d_end").is_not_null() & (pl.col("_d_end") <= pl.col("_e_end"))))
+    ).fill_null(False)
+    return both.filter(keep).select(*THREAD, "entry_id", "_d_end", "_d_ok")
 
-    out = pl.concat([kept, e_out, new_d.select(cols)]).select(cols)
-    decisions = pl.concat([upd_dec, drop_dec, gone_dec, close_dec, move_dec, ins_dec]).select(
-        list(STAGE_DECISION.names))
-    return StageResult(out, decisions)
+
+def _move_decisions(w: pl.LazyFrame) -> pl.LazyFrame:
+    """`move`/`displaced` for the versions whose only change is their order_key (finish records
+    content changes only); a version dropped from its first call is not moved."""
+    moved = w.filter(alive() & (pl.col("_rep_reason") == "displaced"))
+    return decisions_from(moved, action="move", reason="displaced",
+                          before_sha256=pl.col("content_sha256"), after_sha256=pl.col("content_sha256"),
+                          before_len=content_len_expr(), after_len=content_len_expr())

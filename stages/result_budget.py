@@ -1,10 +1,10 @@
-"""L5a result_budget: cap each tool result, and the results of one assistant turn (layer-semantics §7).
+"""L5a result_budget: cap each tool result, and the results of one assistant turn (docs/layers.md).
 
 Decided once: a result is judged the first time it appears in a request (the version of each of
 its parts that starts there) and the decision applies from that call on, so the prefix that
 later calls send never changes because of this layer. Re-runs decide the same thing (the
-decision is a function of that first version and the params); the ledger's decisions are
-re-applied byte-identically all the same, and a changed input is a `conflict`.
+decision is a function of that first version and the params); the runner re-applies the
+ledger's decisions byte-identically all the same, and a changed input is a `conflict`.
 
 Lengths are in characters (code points): cuts never split a multi-byte character or a surrogate
 pair, because polars slices strings by code point.
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline.blockops import BLOCK_SCHEMA, replace_where, sha256_expr
-from pipeline.calls import BLOCK_KEY, PART_KEY, THREAD, materialize, reapply_ledger, visible_at
+from pipeline.blockops import sha256_expr
+from pipeline.calls import materialize, visible_at
+from pipeline.constants import BLOCK_KEY, PART_KEY, SPILL_PREFIX, SPILL_URI, THREAD
+from pipeline.constants import TRUNCATION_MARKER_RE as MARKER_RE
+from pipeline.marks import finish, mark_replace, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 
-MARKER_RE = r"\n…\d+ chars truncated…\n"
-SPILL_PREFIX = "<persisted-output ref="
-SPILL_URI = "spill://sha256/"
 MARKER_FIXED_CHARS = 20  # "\n…" + " chars truncated…\n"; plus the digits of the count
 SPILL_WRAPPER_CHARS = 160  # upper bound of the <persisted-output …> wrapper around a preview
 
@@ -106,20 +106,41 @@ def spilled_texts(blocks_before: pl.LazyFrame, decisions: pl.LazyFrame) -> pl.La
     return rows.select(sha256=sha, text="text").unique("sha256").with_columns(ref=pl.lit(SPILL_URI) + pl.col("sha256"))
 
 
-def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """The budget itself (no ledger): returns (blocks, decisions)."""
+def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> StageResult:
+    """The budget: per-result caps, then per-group caps, applied to each result's first version."""
     cap = max(1, min(params.max_result_chars, int(params.max_window_share * ctx.window_tokens * 4)))
-    snap_cols = list(BLOCK_SCHEMA.names())
-    rows = blocks.filter(pl.col("block_type") == "tool_result")
-    # the version of each part that the result's first request holds
-    first_call_of_result = pl.col("first_call").min().over(BLOCK_KEY)
-    in_first = visible_at("_c0")
-    rows = rows.with_columns(_c0=first_call_of_result).filter(in_first)
-    has_text = pl.col("text").is_not_null() & (pl.col("part_type").fill_null("text") != "image")
-    decided = pl.col("text").str.contains(MARKER_RE) | pl.col("text").str.starts_with(SPILL_PREFIX)
-    parts = rows.filter(has_text).select(
+    results = _results(blocks, params, cap)
+    if params.aggregate_max_chars > 0:
+        group = [*THREAD, "_asst", "_c0"]
+        if params.spill:
+            results = _aggregate_spill(results, params, group)
+        results = _water_fill(results, params, group)
+    todo = results.filter(pl.col("_reason").is_not_null()).select(*BLOCK_KEY, "_size", "_spill", "_budget", "_reason")
+    return _apply(blocks, materialize(todo), params)
+
+
+def _first_call_of_result() -> pl.Expr:
+    return pl.col("first_call").min().over(BLOCK_KEY)
+
+
+def _has_text() -> pl.Expr:
+    return pl.col("text").is_not_null() & (pl.col("part_type").fill_null("text") != "image")
+
+
+def _decided() -> pl.Expr:
+    """Already truncated or spilled (a re-run, or a frozen decision re-applied)."""
+    return pl.col("text").str.contains(MARKER_RE) | pl.col("text").str.starts_with(SPILL_PREFIX)
+
+
+def _results(blocks: pl.LazyFrame, params: ResultBudget, cap: int) -> pl.LazyFrame:
+    """One row per tool result: the size of the version of its parts that its first request holds,
+    the assistant row it answers (`_asst`), and its own cap (`_reason`, `_budget`, `_spill`,
+    `_after`: its size once decided)."""
+    rows = blocks.filter(pl.col("block_type") == "tool_result").with_columns(_c0=_first_call_of_result()) \
+        .filter(visible_at("_c0"))
+    parts = rows.filter(_has_text()).select(
         *PART_KEY, "first_call", "_c0", "msg_key", "is_error", _len=pl.col("text").str.len_chars().cast(pl.Int64),
-        _decided=decided.fill_null(False),
+        _decided=_decided().fill_null(False),
     )
     # the assistant row each result answers: the latest assistant message before it
     msgs = blocks.group_by([*THREAD, "msg_key"]).agg(_order=pl.col("order_key").min(), _role=pl.col("role").first()) \
@@ -131,88 +152,89 @@ def plan(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> tuple
     ).join(msgs.select(*THREAD, "msg_key", "_asst"), on=[*THREAD, "msg_key"], how="left")
     over = (pl.col("_size") > cap) & ~pl.col("_decided")
     spill_me = over & ~pl.col("_err") if params.spill else pl.lit(False)
-    spilled_size = pl.lit(params.spill_preview_chars + SPILL_WRAPPER_CHARS, pl.Int64)
-    results = results.with_columns(
+    return results.with_columns(
         _spill=spill_me, _reason=pl.when(over).then(pl.lit("max_result_chars")),
         _budget=pl.when(over).then(pl.lit(cap, pl.Int64)),
     ).with_columns(
-        _after=pl.when(pl.col("_spill")).then(pl.min_horizontal("_size", spilled_size))
+        _after=pl.when(pl.col("_spill")).then(pl.min_horizontal("_size", _spilled_size(params)))
         .when(over).then(pl.lit(cap, pl.Int64)).otherwise(pl.col("_size")),
     )
 
-    if params.aggregate_max_chars > 0:
-        group = [*THREAD, "_asst", "_c0"]
-        A = params.aggregate_max_chars
-        total = pl.col("_after").sum().over(group)
-        results = results.with_columns(_total=total)
-        reducible = ~pl.col("_decided") & ~pl.col("_spill")
-        if params.spill:
-            # spill the largest results first until the group fits
-            cand = reducible & ~pl.col("_err") & (pl.col("_after") > spilled_size)
-            results = results.with_columns(_cand=cand).with_columns(
-                _rank=pl.when("_cand").then(pl.col("_after")).otherwise(None)
-                .rank("ordinal", descending=True).over(group),
-            ).sort([*group, "_rank"]).with_columns(
-                _saved=pl.when("_cand").then(pl.col("_after") - spilled_size).otherwise(0).cum_sum().over(group, order_by="_rank"),
-            ).with_columns(
-                _need=pl.col("_total") > A,
-            ).with_columns(
-                # spill rank r when the results ranked before it did not yet bring the group under the cap
-                _agg_spill=pl.col("_need") & pl.col("_cand") & ((pl.col("_total") - pl.col("_saved")
-                                                                  + pl.when("_cand").then(pl.col("_after") - spilled_size)
-                                                                  .otherwise(0)) > A),
-            ).with_columns(
-                _spill=pl.col("_spill") | pl.col("_agg_spill"),
-                _reason=pl.when(pl.col("_agg_spill")).then(pl.lit("aggregate")).otherwise(pl.col("_reason")),
-                _after=pl.when(pl.col("_agg_spill")).then(spilled_size).otherwise(pl.col("_after")),
-            ).drop("_cand", "_rank", "_saved", "_need", "_agg_spill").with_columns(_total=total)
-        # water-fill: cut the largest reducible results to one level so that the group fits; one
-        # shared elision reserve per group (room for the markers)
-        reducible = ~pl.col("_decided") & ~pl.col("_spill")
-        fixed = pl.when(reducible).then(0).otherwise(pl.col("_after")).sum().over(group)
-        m = reducible.cast(pl.Int64).sum().over(group)
-        reserve = m * (MARKER_FIXED_CHARS + 12)
-        results = results.with_columns(_room=pl.lit(A, pl.Int64) - fixed - reserve, _m=m, _red=reducible)
-        results = results.with_columns(
-            _x=pl.when("_red").then(pl.col("_after")),
-        ).sort([*group, "_x"], nulls_last=True).with_columns(
-            _r=pl.when("_red").then(pl.col("_x").cum_count().over(group, order_by="_x")),
-            _P=pl.when("_red").then(pl.col("_x").cum_sum().over(group, order_by="_x")),
-        ).with_columns(
-            _ok=pl.when("_red").then(pl.col("_P") + (pl.col("_m") - pl.col("_r")) * pl.col("_x") <= pl.col("_room")),
-        ).with_columns(
-            _j=pl.col("_ok").fill_null(False).cast(pl.Int64).sum().over(group),
-            _Pj=pl.when(pl.col("_ok").fill_null(False)).then(pl.col("_P")).otherwise(0).max().over(group),
-        ).with_columns(
-            _level=pl.when((pl.col("_total") > A) & (pl.col("_m") > pl.col("_j")))
-            .then(((pl.col("_room") - pl.col("_Pj")) // (pl.col("_m") - pl.col("_j"))).clip(lower_bound=0)),
-        ).with_columns(
-            _cut=pl.col("_red") & pl.col("_level").is_not_null() & (pl.col("_after") > pl.col("_level")),
-        ).with_columns(
-            _budget=pl.when("_cut").then(pl.col("_level")).otherwise(pl.col("_budget")),
-            _reason=pl.when("_cut").then(pl.lit("aggregate")).otherwise(pl.col("_reason")),
-        )
 
-    todo = results.filter(pl.col("_reason").is_not_null()).select(*BLOCK_KEY, "_size", "_spill", "_budget", "_reason")
-    todo = materialize(todo)
-    marked = blocks.join(todo, on=BLOCK_KEY, how="left").with_columns(_c0=first_call_of_result)
-    target = pl.col("_reason").is_not_null() & (pl.col("block_type") == "tool_result") & in_first & has_text \
-        & ~decided.fill_null(False)
-    length = pl.col("text").str.len_chars().cast(pl.Int64)
-    share = length / pl.col("_size").cast(pl.Float64)
+def _spilled_size(params: ResultBudget) -> pl.Expr:
+    return pl.lit(params.spill_preview_chars + SPILL_WRAPPER_CHARS, pl.Int64)
+
+
+def _aggregate_spill(results: pl.LazyFrame, params: ResultBudget, group: list[str]) -> pl.LazyFrame:
+    """Spill the largest results of a group first, until the group fits `aggregate_max_chars`."""
+    limit, spilled_size = params.aggregate_max_chars, _spilled_size(params)
+    total = pl.col("_after").sum().over(group)
+    cand = ~pl.col("_decided") & ~pl.col("_spill") & ~pl.col("_err") & (pl.col("_after") > spilled_size)
+    saving = pl.when("_cand").then(pl.col("_after") - spilled_size).otherwise(0)
+    return results.with_columns(_total=total, _cand=cand).with_columns(
+        _rank=pl.when("_cand").then(pl.col("_after")).otherwise(None).rank("ordinal", descending=True).over(group),
+    ).sort([*group, "_rank"]).with_columns(
+        _saved=saving.cum_sum().over(group, order_by="_rank"),
+    ).with_columns(
+        # spill rank r when the results ranked before it did not yet bring the group under the cap
+        _agg_spill=(pl.col("_total") > limit) & pl.col("_cand") & ((pl.col("_total") - pl.col("_saved") + saving) > limit),
+    ).with_columns(
+        _spill=pl.col("_spill") | pl.col("_agg_spill"),
+        _reason=pl.when(pl.col("_agg_spill")).then(pl.lit("aggregate")).otherwise(pl.col("_reason")),
+        _after=pl.when(pl.col("_agg_spill")).then(spilled_size).otherwise(pl.col("_after")),
+    ).drop("_cand", "_rank", "_saved", "_agg_spill")
+
+
+def _water_fill(results: pl.LazyFrame, params: ResultBudget, group: list[str]) -> pl.LazyFrame:
+    """Cut the largest reducible results of a group to one level so that the group fits; one shared
+    elision reserve per group (room for the markers)."""
+    limit = params.aggregate_max_chars
+    reducible = ~pl.col("_decided") & ~pl.col("_spill")
+    fixed = pl.when(reducible).then(0).otherwise(pl.col("_after")).sum().over(group)
+    m = reducible.cast(pl.Int64).sum().over(group)
+    reserve = m * (MARKER_FIXED_CHARS + 12)
+    ok = pl.col("_ok").fill_null(False)
+    return results.with_columns(
+        _total=pl.col("_after").sum().over(group), _room=pl.lit(limit, pl.Int64) - fixed - reserve, _m=m,
+        _red=reducible, _x=pl.when(reducible).then(pl.col("_after")),
+    ).sort([*group, "_x"], nulls_last=True).with_columns(
+        _r=pl.when("_red").then(pl.col("_x").cum_count().over(group, order_by="_x")),
+        _P=pl.when("_red").then(pl.col("_x").cum_sum().over(group, order_by="_x")),
+    ).with_columns(
+        _ok=pl.when("_red").then(pl.col("_P") + (pl.col("_m") - pl.col("_r")) * pl.col("_x") <= pl.col("_room")),
+    ).with_columns(
+        _j=ok.cast(pl.Int64).sum().over(group),
+        _Pj=pl.when(ok).then(pl.col("_P")).otherwise(0).max().over(group),
+    ).with_columns(
+        _level=pl.when((pl.col("_total") > limit) & (pl.col("_m") > pl.col("_j")))
+        .then(((pl.col("_room") - pl.col("_Pj")) // (pl.col("_m") - pl.col("_j"))).clip(lower_bound=0)),
+    ).with_columns(
+        _cut=pl.col("_red") & pl.col("_level").is_not_null() & (pl.col("_after") > pl.col("_level")),
+    ).with_columns(
+        _budget=pl.when("_cut").then(pl.col("_level")).otherwise(pl.col("_budget")),
+        _reason=pl.when("_cut").then(pl.lit("aggregate")).otherwise(pl.col("_reason")),
+    )
+
+
+def _apply(blocks: pl.LazyFrame, todo: pl.LazyFrame, params: ResultBudget) -> StageResult:
+    """Truncate or spill the first version of each decided result, its budget shared by its parts
+    in proportion to their length."""
+    w = start_marks(blocks.join(todo, on=BLOCK_KEY, how="left").with_columns(_c0=_first_call_of_result()))
+    target = pl.col("_reason").is_not_null() & (pl.col("block_type") == "tool_result") & visible_at("_c0") \
+        & _has_text() & ~_decided().fill_null(False)
+    share = pl.col("text").str.len_chars().cast(pl.Int64) / pl.col("_size").cast(pl.Float64)
     part_budget = (pl.col("_budget").cast(pl.Float64) * share).floor().cast(pl.Int64)
     preview_budget = (pl.lit(float(params.spill_preview_chars)) * share).floor().cast(pl.Int64)
-    new_text = pl.when(pl.col("_spill")).then(spill_expr(pl.col("text"), preview_budget, params)) \
-        .otherwise(truncate_expr(pl.col("text"), part_budget, params))
-    out, decisions = replace_where(
-        marked, target, {"text": new_text},
-        action=pl.when(pl.col("_spill")).then(pl.lit("spill")).otherwise(pl.lit("truncate")),  # type: ignore[arg-type]
-        reason=pl.col("_reason"),
-    )
-    return materialize(out.select(snap_cols)), materialize(decisions)
+    text = pl.when(target).then(pl.col("text"))  # only targets are cut or hashed: the rest stay null here
+    new_text = pl.when(pl.col("_spill")).then(spill_expr(text, preview_budget, params)) \
+        .otherwise(truncate_expr(text, part_budget, params))
+    w = mark_replace(w, target, {"text": new_text}, pl.col("_reason"),
+                     action=pl.when(pl.col("_spill")).then(pl.lit("spill")).otherwise(pl.lit("truncate")))
+    return finish(w)
 
 
-@stage("result_budget", version=1, params=ResultBudget)
+@stage("result_budget", version=1, params=ResultBudget, requires=("pairing",), frozen=("truncate", "spill"),
+       spilled_texts=spilled_texts)
 def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap tool results: head and tail around `…<n> chars truncated…`, or spill to the store.
 
@@ -221,9 +243,7 @@ def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFra
     replaced by a `<persisted-output …>` preview (errors are never spilled). Per assistant turn:
     while its results exceed `aggregate_max_chars`, the largest are spilled or cut to one shared
     level. Decided at the result's first appearance and recorded as `truncate` / `spill`
-    (reason `max_result_chars` or `aggregate`); the ledger's decisions are re-applied first.
+    (reason `max_result_chars` or `aggregate`); the runner re-applies the ledger's decisions first
+    (frozen), and a result already cut is never cut again.
     """
-    blocks, reapplied = reapply_ledger(materialize(blocks), ledger, actions=("truncate", "spill"))
-    out, decisions = plan(blocks, params, ctx)
-    return StageResult(out, pl.concat([reapplied, decisions]))
-
+    return plan(blocks, params, ctx)

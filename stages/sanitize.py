@@ -1,4 +1,4 @@
-"""L1 sanitize: per-provider message cleaning before any other layer (layer-semantics §3).
+"""L1 sanitize: per-provider message cleaning before any other layer (docs/layers.md).
 
 Nine sub-steps, in the documented order, each a set of column expressions over the blocks table:
 
@@ -39,7 +39,18 @@ import orjson
 import polars as pl
 
 from pipeline.blockops import BLOCK_SCHEMA
-from pipeline.calls import THINKING_TYPES, THREAD, TOOL_CALL_TYPES
+from pipeline.constants import (
+    FAILED_TURN_TEXT,
+    MAGIC_STRING_PATTERN,
+    REASONING_OMITTED_TEXT,
+    REDACTED_TEXT,
+    THINKING_TYPES,
+    THREAD,
+    TOOL_CALL_TYPES,
+    TOOL_NAME_PATTERN,
+    UNAVAILABLE_TOOL_TEXT,
+    polars_format,
+)
 from pipeline.marks import (
     MSG_NO,
     OPEN,
@@ -62,12 +73,8 @@ from pipeline.targets import (
     target_family,
 )
 
-FAILED_TURN_TEXT = "[assistant turn failed before producing content]"
-REASONING_OMITTED_TEXT = "[assistant reasoning omitted]"
-UNAVAILABLE_TOOL_TEXT = "[tool call to unavailable tool omitted: {name}]"
-REDACTED = "[redacted]"
-MAGIC_PATTERN = r"ANTHROPIC_MAGIC_STRING_TRIGGER_(?:REFUSAL|REDACTED_THINKING)(?:_[0-9A-Fa-f]{64})?"
-TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+REDACTED = REDACTED_TEXT
+MAGIC_PATTERN = MAGIC_STRING_PATTERN
 
 NULL_BLOCK_TYPES = ("null", "none", "")
 # A message recorded with no content at all is represented by one row of this type (a loader
@@ -175,7 +182,7 @@ def normalized_usage(blocks: pl.LazyFrame) -> pl.LazyFrame:
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("sanitize", version=2, params=Sanitize)
+@stage("sanitize", version=2, params=Sanitize)  # the first layer: it needs no other
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
     thinking policy, invalid tool calls, non-model tool-result fields, magic strings.
@@ -407,7 +414,7 @@ def _tool_calls(w: pl.LazyFrame, params: Sanitize) -> pl.LazyFrame:
                      {"tool_name": name}, "tool_name")
     if params.unknown_tool_policy == "mark":
         w = w.with_columns(_markable=pl.col("_invalid") & ~pl.col("_missing") & ~is_blank("tool_name") & alive())
-        values = text_row(pl.format("[tool call to unavailable tool omitted: {}]", name), origin="sanitize")
+        values = text_row(pl.format(polars_format(UNAVAILABLE_TOOL_TEXT), name), origin="sanitize")
         values.pop("origin")
         values.pop("part_pos")
         w = mark_replace(w, pl.col("_markable"), values, "unknown_tool")

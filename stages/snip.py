@@ -1,4 +1,4 @@
-"""L5b snip: remove whole old turns when the request passes the high watermark (layer-semantics §8).
+"""L5b snip: remove whole old turns when the request passes the high watermark (docs/layers.md).
 
 Time in the blocks table: call k's request = the versions with first_call <= k < last_call. The
 per-call quantities (request tokens, latest user row, request time) are built columnar from
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
@@ -23,52 +23,40 @@ from pipeline.blockops import (
     block_json_expr,
     content_len_expr,
     decisions_from,
-    drop_where,
     empty_decisions,
     new_rows,
     rehash,
     synthetic_id_expr,
 )
 from pipeline.calls import (
-    MESSAGE_OVERHEAD_TOKENS,
-    NO_CALL,
-    PART_KEY,
-    THREAD,
-    VERSION_KEY,
     call_grid,
     firing_epoch,
     forward_by_call,
     materialize,
     messages,
     open_max,
-    reapply_ledger,
     request_tokens,
     row_tokens_expr,
     text_tokens,
     visible_at,
-    with_epoch,
 )
+from pipeline.constants import (
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    PART_KEY,
+    SNIP_MARKER_RE,
+    SNIP_MARKER_TEXT,
+    THREAD,
+    VERSION_KEY,
+    polars_format,
+)
+from pipeline.marks import finish, mark_drop, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 from schemas.blocks import BLOCKS as _BLOCKS_ARROW
 from schemas.check import conform
-from stages.tombstone import Tombstone
-from stages.tombstone import plan as tombstone_plan
 
-SNIP_TEMPLATE = "[Earlier conversation snipped: {n} messages (~{t} tokens) removed to fit the context budget]"
-SNIP_RE = re.compile(r"^\[Earlier conversation snipped: (\d+) messages \(~(\d+) tokens\) removed to fit the context budget\]$")
-
-
-def tombstone_params_from(ctx: StageContext) -> Tombstone | None:
-    """The tombstone params snip dry-runs with: ctx.extra["tombstone"] (params, a dict, or None /
-    false = no tombstone stage in the pipeline); absent: the documented defaults."""
-    if "tombstone" not in ctx.extra:
-        return Tombstone()
-    value = ctx.extra["tombstone"]
-    if value is None or value is False:
-        return None
-    if isinstance(value, Tombstone):
-        return value
-    return Tombstone(**dict(value))
+SNIP_TEMPLATE = SNIP_MARKER_TEXT
+SNIP_RE = re.compile(SNIP_MARKER_RE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +92,129 @@ _FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.In
                   "n": pl.Int64, "t": pl.Int64, "epoch": pl.Int32}
 
 
+@dataclass
+class _Rows:
+    """The snippable rows of one thread (and one message-overhead row per message), by turn."""
+
+    turn: list[int]
+    first: list[int]
+    last: list[int]
+    tok: list[int]
+    is_msg: list[bool]
+
+    @classmethod
+    def of(cls, rows: pl.DataFrame) -> _Rows:
+        return cls(rows["turn"].to_list(), rows["first"].to_list(), rows["last"].fill_null(NO_CALL).to_list(),
+                   rows["tok"].to_list(), rows["is_msg"].to_list())
+
+
+@dataclass
+class _SnipWalk:
+    """The forward walk over the calls of one thread.
+
+    State: the frontier (the first turn not snipped; it only moves forward), the messages and tokens
+    removed so far (the marker's numbers), the epoch of the last firing, the cost of the marker in
+    force, and the tokens removed from each call's request (`removed`, exact per call through
+    `delta`: a removed row may have left the request later anyway)."""
+
+    calls: pl.DataFrame
+    rows: _Rows
+    head: int
+    min_tail: int
+    hi: float
+    lo: float
+    marker_cost: Callable[[str], int]
+    frontier: int = 0
+    n_tot: int = 0
+    t_tot: int = 0
+    last_epoch: int = 0
+    cur_cost: int = 0
+    removed: int = 0
+    delta: list[int] = field(default_factory=list)
+    firings: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # call, frontier, n, t, epoch
+
+    def __post_init__(self) -> None:
+        c = self.calls
+        self.n = c.height
+        self.tokens = c["tokens"].fill_null(0).to_list()
+        self.cur_turn = c["cur_turn"].fill_null(0).to_list()
+        self.comp_turn = c["comp_turn"].fill_null(2**40).to_list()
+        self.ep = c["ep"].fill_null(0).to_list()
+        self.frontier = self.head + 1
+        self.delta = [0] * (self.n + 1)
+
+    def walk(self, frozen: list[tuple[Any, ...]]) -> None:
+        """Replay the frozen versions of the marker at their calls, then decide the later calls."""
+        start = int(frozen[-1][0]) + 1 if frozen else 0
+        si = 0
+        for k in range(self.n):
+            self.removed += self.delta[k]
+            if si < len(frozen) and int(frozen[si][0]) == k:
+                self._replay(k, *frozen[si][1:])
+                si += 1
+            elif k >= start:
+                self._decide(k)
+
+    def _remove_turns(self, k: int, a: int, c: int) -> tuple[int, int]:
+        """Rows a..c-1 leave the request from call k on; returns (messages, tokens) they held at k."""
+        r = self.rows
+        n_add = t_add = 0
+        for x in range(a, c):
+            f0, l0 = max(r.first[x], k), min(r.last[x], self.n)
+            if f0 < l0:
+                self.delta[f0] += r.tok[x]
+                self.delta[l0] -= r.tok[x]
+            if r.first[x] <= k < r.last[x]:
+                t_add += r.tok[x]
+                n_add += int(r.is_msg[x])
+        self.removed += self.delta[k]
+        self.delta[k] = 0
+        return n_add, t_add
+
+    def _set_marker(self, text: str) -> None:
+        """The marker (or its new version) is in the request from this call on."""
+        new_cost = self.marker_cost(text)
+        self.removed -= new_cost - self.cur_cost
+        self.cur_cost = new_cost
+
+    def _replay(self, k: int, frontier: int, n: int, t: int, epoch: int, text: str) -> None:
+        """A version of the marker already in the input (a re-run, or the ledger's snips re-applied)."""
+        new_frontier = max(self.frontier, int(frontier))
+        turn = self.rows.turn
+        self._remove_turns(k, bisect_left(turn, self.frontier), bisect_left(turn, new_frontier))
+        self._set_marker(str(text))
+        self.frontier = new_frontier
+        self.n_tot, self.t_tot, self.last_epoch = int(n), int(t), int(epoch)
+
+    def _decide(self, k: int) -> None:
+        """Over the high watermark at call k: snip whole turns, oldest first after the frontier and
+        before the protected tail, until the request is at or under the low watermark."""
+        total = self.tokens[k] - self.removed
+        if total <= self.hi:
+            return
+        protect = min(self.cur_turn[k] - max(self.min_tail, 1) + 1, self.comp_turn[k])
+        if protect <= self.frontier:
+            return  # protected rows alone are over the budget: never snip into them
+        r = self.rows
+        a, b = bisect_left(r.turn, self.frontier), bisect_left(r.turn, protect)
+        per_turn = [0] * (protect - self.frontier)
+        for x in range(a, b):
+            if r.first[x] <= k < r.last[x]:
+                per_turn[r.turn[x] - self.frontier] += r.tok[x]
+        if not any(per_turn):
+            return
+        guess = self.marker_cost(SNIP_TEMPLATE.format(n=self.n_tot + 99, t=self.t_tot + 99_999)) - self.cur_cost
+        cum = list(accumulate(per_turn))
+        j = min(bisect_left(cum, total + guess - self.lo), len(cum) - 1)
+        new_frontier = self.frontier + j + 1
+        n_add, t_add = self._remove_turns(k, a, bisect_left(r.turn, new_frontier, a, b))
+        self.n_tot, self.t_tot = self.n_tot + n_add, self.t_tot + t_add
+        self._set_marker(SNIP_TEMPLATE.format(n=self.n_tot, t=self.t_tot))
+        epoch = firing_epoch(k, self.ep, self.last_epoch)
+        self.firings.append((k, new_frontier, self.n_tot, self.t_tot, epoch))
+        self.frontier, self.last_epoch = new_frontier, epoch
+
+
 def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: float,
                marker_cost: Callable[[str], int]) -> pl.DataFrame:
     """Walk the calls of each thread forward; one output row per firing: the call, the new
@@ -111,94 +222,23 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
 
     Input rows, by `kind`: `call` (call, tokens after the tombstone dry run, cur_turn, comp_turn,
     ep), `row` (a snippable block or message overhead: turn, first, last, tok, is_msg) and at most
-    one `state` (the frozen snip already in the input: call, frontier, n, t, epoch, text).
-    `marker_cost(text)`: tokens of a marker message with that text (the request counts it).
+    one `state` per marker version (the frozen snip already in the input: call, frontier, n, t,
+    epoch, text). `marker_cost(text)`: tokens of a marker message with that text (the request counts it).
     Cost: O(calls) plus, per firing, the rows of the turns it looks at (bounded by the window).
     """
     out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
-    first_turn = head + 1
     for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
         calls = part.filter(pl.col("kind") == "call").sort("call")
-        rows = part.filter(pl.col("kind") == "row").sort("turn")
-        st = part.filter(pl.col("kind") == "state")
-        n_calls = calls.height
-        if n_calls == 0:
+        if calls.height == 0:
             continue
-        d = calls["tokens"].fill_null(0).to_list()
-        cur_turn = calls["cur_turn"].fill_null(0).to_list()
-        comp_turn = calls["comp_turn"].fill_null(2**40).to_list()
-        ep = calls["ep"].fill_null(0).to_list()
-        r_turn = rows["turn"].to_list()
-        r_first = rows["first"].to_list()
-        r_last = rows["last"].fill_null(NO_CALL).to_list()
-        r_tok = rows["tok"].to_list()
-        r_msg = rows["is_msg"].to_list()
-        frontier, n_tot, t_tot, last_epoch, cur_cost = first_turn, 0, 0, 0, 0
-        # a snip already in the input (re-run or re-applied ledger): its versions are replayed as
-        # they were made, then the walk goes on after the last one
+        st = part.filter(pl.col("kind") == "state")
         frozen = st.sort("call").select("call", "frontier", "n", "t", "epoch", "text").rows() if st.height else []
-        start = int(frozen[-1][0]) + 1 if frozen else 0
-        si = 0
-        delta = [0] * (n_calls + 1)  # changes of the removed tokens, per call (forward only)
-        removed = 0
-        for k in range(n_calls):
-            removed += delta[k]
-            if si < len(frozen) and int(frozen[si][0]) == k:
-                _, fr_front, fr_n, fr_t, fr_epoch, fr_text = frozen[si]
-                si += 1
-                new_frontier = max(frontier, int(fr_front))
-                a, c = bisect_left(r_turn, frontier), bisect_left(r_turn, new_frontier)
-                for x in range(a, c):
-                    f0, l0 = max(r_first[x], k), min(r_last[x], n_calls)
-                    if f0 < l0:
-                        delta[f0] += r_tok[x]
-                        delta[l0] -= r_tok[x]
-                removed += delta[k]
-                delta[k] = 0
-                new_cost = marker_cost(str(fr_text))
-                removed -= new_cost - cur_cost
-                cur_cost, frontier = new_cost, new_frontier
-                n_tot, t_tot, last_epoch = int(fr_n), int(fr_t), int(fr_epoch)
-                continue
-            if k < start:
-                continue
-            total = d[k] - removed
-            if total <= hi:
-                continue
-            protect = min(cur_turn[k] - max(min_tail, 1) + 1, comp_turn[k])
-            if protect <= frontier:
-                continue  # protected rows alone are over the budget: never snip into them
-            a, b = bisect_left(r_turn, frontier), bisect_left(r_turn, protect)
-            per_turn = [0] * (protect - frontier)
-            for x in range(a, b):
-                if r_first[x] <= k < r_last[x]:
-                    per_turn[r_turn[x] - frontier] += r_tok[x]
-            if not any(per_turn):
-                continue
-            guess = marker_cost(SNIP_TEMPLATE.format(n=n_tot + 99, t=t_tot + 99_999)) - cur_cost
-            cum = list(accumulate(per_turn))
-            j = min(bisect_left(cum, total + guess - lo), len(cum) - 1)
-            new_frontier = frontier + j + 1
-            c = bisect_left(r_turn, new_frontier, a, b)
-            t_add = n_add = 0
-            for x in range(a, c):
-                f0, l0 = max(r_first[x], k), min(r_last[x], n_calls)
-                if f0 < l0:  # from call k on, the rows of these turns are gone
-                    delta[f0] += r_tok[x]
-                    delta[l0] -= r_tok[x]
-                if r_first[x] <= k < r_last[x]:
-                    t_add += r_tok[x]
-                    n_add += int(r_msg[x])
-            removed += delta[k]
-            delta[k] = 0
-            n_tot, t_tot = n_tot + n_add, t_tot + t_add
-            new_cost = marker_cost(SNIP_TEMPLATE.format(n=n_tot, t=t_tot))
-            removed -= new_cost - cur_cost  # the marker (or its new version) is in the request from k on
-            cur_cost = new_cost
-            epoch = firing_epoch(k, ep, last_epoch)
-            for key, v in zip(_FIRING_SCHEMA, (sid, tid, k, new_frontier, n_tot, t_tot, epoch)):
+        w = _SnipWalk(calls, _Rows.of(part.filter(pl.col("kind") == "row").sort("turn")), head, min_tail, hi, lo,
+                      marker_cost)
+        w.walk(frozen)
+        for firing in w.firings:
+            for key, v in zip(_FIRING_SCHEMA, (sid, tid, *firing)):
                 out[key].append(v)
-            frontier, last_epoch = new_frontier, epoch
     return pl.DataFrame(out, schema=_FIRING_SCHEMA)
 
 
@@ -280,20 +320,54 @@ def _unsnipped(blocks: pl.LazyFrame, cut: pl.LazyFrame) -> pl.LazyFrame:
     ).drop("_cut")
 
 
-def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """The snip itself (no ledger): returns (blocks, decisions)."""
+def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> StageResult:
+    """The snip itself: measure each call's request (after a dry run of the pipeline's tombstone),
+    walk the calls, remove the turns of each firing, keep one marker for the whole range."""
     budget = max(0, ctx.window_tokens - params.reserve_output_tokens)
-    hi, lo = params.high_watermark * budget, params.low_watermark * budget
     head = params.keep_head_turns
-    tparams = tombstone_params_from(ctx)
-    grid = call_grid(blocks)
+    blocks = materialize(blocks)
     msgs = materialize(messages(blocks))
     state, prior, cut = _frozen_state(blocks, msgs, head)
     base = materialize(_unsnipped(blocks, materialize(cut)))
-    base_msgs = messages(base)
-    dry = materialize(tombstone_plan(base, tparams, ctx)[0]) if tparams is not None else base
-    tokens = request_tokens(dry, ctx, grid, messages(dry))
+    dry = _tombstone_dry_run(base, ctx)
 
+    def marker_cost(text: str) -> int:
+        return text_tokens([text], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
+
+    scan_in = pl.concat([_per_call(blocks, msgs, base, dry, ctx), _token_rows(dry, base, msgs, head, ctx), state],
+                        how="diagonal_relaxed")
+    firings = materialize(scan_in.map_batches(
+        lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=params.high_watermark * budget,
+                              lo=params.low_watermark * budget, marker_cost=marker_cost),
+        schema=_FIRING_SCHEMA))
+    last_state = state.group_by(THREAD).agg(_f0=pl.col("frontier").max())
+    firings = firings.sort([*THREAD, "call"]).with_columns(
+        lo=pl.col("frontier").shift(1).over(THREAD, order_by="call")).join(
+        last_state, on=THREAD, how="left").with_columns(
+        lo=pl.coalesce("lo", "_f0", pl.lit(head + 1, pl.Int64))).drop("_f0")
+    hit = materialize(_hit_rows(blocks, msgs, firings, head))
+    w = start_marks(blocks.join(hit, on=VERSION_KEY, how="left", nulls_equal=True))
+    w = mark_drop(w, pl.col("_call").is_not_null(), "watermark", from_call=pl.col("_call"), action="snip",
+                  epoch=pl.col("_epoch"))
+    cut_res = finish(w)
+    out, marker_dec = _new_markers(blocks, cut_res.blocks, msgs, hit, firings, prior, head)
+    return StageResult(materialize(out), materialize(pl.concat([cut_res.decisions, marker_dec])))
+
+
+def _tombstone_dry_run(base: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
+    """The blocks as the pipeline's tombstone would leave them (no tombstone: as they are)."""
+    ref = ctx.peer("tombstone")
+    if ref is None:
+        return base
+    return materialize(ref.stage.fn(base, ref.params, empty_decisions(), ctx).blocks)
+
+
+def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, base: pl.LazyFrame, dry: pl.LazyFrame,
+              ctx: StageContext) -> pl.LazyFrame:
+    """Per call: request tokens after the dry run, the current turn, the latest compaction turn and
+    the highest cache epoch so far."""
+    grid = call_grid(blocks)
+    tokens = request_tokens(dry, ctx, grid, messages(dry))
     real = msgs.filter("is_real_user")
     cur_turn = real.group_by([*THREAD, pl.col("first").alias("call")]).agg(cur_turn=pl.col("turn").max())
     comp = msgs.filter("is_compact_summary").group_by([*THREAD, pl.col("first").alias("call")]).agg(
@@ -306,83 +380,69 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> tuple[pl.Lazy
         pl.col("ep").fill_null(0).cum_max().over(THREAD, order_by="call"),
         pl.col("cur_turn").cum_max().over(THREAD, order_by="call"),
     ).join(tokens, on=[*THREAD, "call"], how="left")
+    return per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", cur_turn="cur_turn",
+                           comp_turn="comp_turn", ep="ep")
 
+
+def _token_rows(dry: pl.LazyFrame, base: pl.LazyFrame, msgs: pl.LazyFrame, head: int,
+                ctx: StageContext) -> pl.LazyFrame:
+    """What removing each turn frees: its snippable rows (after the dry run) and one message
+    overhead per message."""
     tok_rows = _snippable(dry, msgs, head).select(
         *THREAD, "turn", first="first_call", last="last_call", tok=row_tokens_expr(ctx), is_msg=pl.lit(False))
-    msg_rows = base_msgs.join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], suffix="_b") \
+    msg_rows = messages(base).join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], suffix="_b") \
         .filter((pl.col("role") != "system") & (pl.col("turn") > head)) \
         .select(*THREAD, "turn", "first", "last", tok=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64), is_msg=pl.lit(True))
-    def marker_cost(text: str) -> int:
-        return text_tokens([text], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
+    return pl.concat([tok_rows, msg_rows]).with_columns(kind=pl.lit("row"))
 
-    scan_in = pl.concat([
-        per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", cur_turn="cur_turn",
-                        comp_turn="comp_turn", ep="ep"),
-        pl.concat([tok_rows, msg_rows]).with_columns(kind=pl.lit("row")),
-        state,
-    ], how="diagonal_relaxed")
-    firings = scan_in.map_batches(
-        lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=hi, lo=lo, marker_cost=marker_cost),
-        schema=_FIRING_SCHEMA)
-    firings = materialize(firings)
-    last_state = state.group_by(THREAD).agg(_f0=pl.col("frontier").max())
-    firings = firings.sort([*THREAD, "call"]).with_columns(
-        lo=pl.col("frontier").shift(1).over(THREAD, order_by="call")).join(
-        last_state, on=THREAD, how="left").with_columns(
-        lo=pl.coalesce("lo", "_f0", pl.lit(head + 1, pl.Int64))).drop("_f0")
 
-    # the rows each firing removes: turns lo..frontier-1, from the firing's call on
+def _hit_rows(blocks: pl.LazyFrame, msgs: pl.LazyFrame, firings: pl.LazyFrame, head: int) -> pl.LazyFrame:
+    """The version key of each row a firing removes (turns lo..frontier-1), with its call and epoch."""
     snippable = _snippable(blocks, msgs, head).select(*VERSION_KEY, "turn").with_columns(
         pl.col("turn").cast(pl.Int64)).sort("turn")
-    hit = snippable.join_asof(
+    return snippable.join_asof(
         firings.select(*THREAD, "lo", "frontier", _call="call", _epoch="epoch").sort("lo"),
         left_on="turn", right_on="lo", by=THREAD, strategy="backward", check_sortedness=False,
     ).filter(pl.col("turn") < pl.col("frontier")).select(*VERSION_KEY, "_call", "_epoch")
-    hit = materialize(hit)
-    marked = blocks.join(hit, on=VERSION_KEY, how="left", nulls_equal=True)
-    out, dropped = drop_where(marked, pl.col("_call").is_not_null(), reason="watermark", from_call=pl.col("_call"),
-                              action="snip")
-    out = materialize(out)
-    epochs = hit.select(*PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch")
-    dropped = with_epoch(dropped, epochs)
 
-    # the marker: one row, a new version per firing; closes the open version of an existing marker
+
+def _new_markers(blocks: pl.LazyFrame, out: pl.LazyFrame, msgs: pl.LazyFrame, hit: pl.LazyFrame,
+                 firings: pl.LazyFrame, prior: pl.LazyFrame, head: int) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """The marker: one row, a new version per firing, placed before the first row removed (or where
+    the marker already is); the version in force when the range grows again ends there (the new
+    version's `replace` decision records the change)."""
     first_hit = hit.join(blocks.select(*VERSION_KEY, "order_key"), on=VERSION_KEY).group_by(THREAD).agg(
         pl.col(c).sort_by("order_key", "entry_id", "block_pos", "part_pos").first()
         for c in ("first_call", "entry_id", "block_pos", "part_pos"))
     existing = blocks.filter(pl.col("origin") == "snip").group_by(THREAD).agg(
         pl.all().sort_by("first_call").last())
     anchors_new = blocks.join(first_hit, on=[*THREAD, "entry_id", "block_pos", "part_pos", "first_call"], how="semi")
-    anchors_new = anchors_new.join(existing.select(THREAD), on=THREAD, how="anti").with_columns(
-        pl.col("order_key"))
+    anchors_new = anchors_new.join(existing.select(THREAD), on=THREAD, how="anti")
     anchors = pl.concat([anchors_new.select(BLOCK_SCHEMA.names()),
                          existing.select(BLOCK_SCHEMA.names()).with_columns(order_key=pl.col("order_key") + 1)])
     removed_end = _snippable(blocks, msgs, head).join(hit.select(*VERSION_KEY), on=VERSION_KEY, how="semi") \
         .group_by(THREAD).agg(_end=open_max("last_call"))
     versions = firings.with_columns(
         last_call=pl.col("call").shift(-1).over(THREAD, order_by="call"),
-        text=pl.format("[Earlier conversation snipped: {} messages (~{} tokens) removed to fit the context budget]",
-                       "n", "t"),
+        text=pl.format(polars_format(SNIP_TEMPLATE), "n", "t"),
     ).join(removed_end, on=THREAD, how="left").with_columns(
         last_call=pl.coalesce("last_call", pl.when(pl.col("_end") > pl.col("call")).then(pl.col("_end")))
         .cast(pl.Int32),
     ).select(*THREAD, first_call="call", last_call="last_call", text="text", cache_epoch="epoch")
     new_markers = _marker_rows(anchors, versions)
-    marker_dec = _marker_decisions(new_markers, prior)
     first_new = versions.group_by(THREAD).agg(_close=pl.col("first_call").min())
-    # the marker version in force when the range grows again ends there
     closing = (pl.col("origin") == "snip") & pl.col("_close").is_not_null() & (pl.col("first_call") < pl.col("_close")) \
         & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_close")))
     out = out.join(first_new, on=THREAD, how="left").with_columns(
         last_call=pl.when(closing).then(pl.col("_close")).otherwise(pl.col("last_call"))).drop("_close")
     cols = list(BLOCK_SCHEMA.names())
-    out = pl.concat([out.select(cols), new_markers.select(cols)])
-    return materialize(out), materialize(pl.concat([dropped, marker_dec]))
+    return pl.concat([out.select(cols), new_markers.select(cols)]), _marker_decisions(new_markers, prior)
 
 
 def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFrame) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """Rebuild the marker versions this stage recorded in the ledger (insert / replace decisions),
-    anchored at the first row its recorded snips removed. Returns (blocks, marker decisions)."""
+    """The `rebuild` hook: the marker versions this stage recorded in the ledger (insert / replace
+    decisions), anchored at the first row its recorded snips removed (the runner has re-applied the
+    snips themselves). Returns (blocks, marker decisions)."""
     led = ledger.filter(pl.col("action").is_in(["insert", "replace"]) & pl.col("replacement").is_not_null())
     snips = ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call")
     targets = before.join(snips, on=PART_KEY, how="inner").filter(visible_at("from_call"))
@@ -401,23 +461,43 @@ def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFr
     return pl.concat([after.select(cols), rows.select(cols)]), _marker_decisions(rows)
 
 
-@stage("snip", version=1, params=Snip)
+def _resnip_conflicts(blocks: pl.LazyFrame, ledger: pl.LazyFrame) -> StageResult | None:
+    """A recorded snip whose row changed under it (a `conflict` in the ledger view) is made afresh,
+    from the same call, in the same epoch: a snip removes a position in the conversation, whatever
+    it holds now."""
+    redo = ledger.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).select(
+        *PART_KEY, "from_call").join(
+        ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call", _rr="reason", _re="cache_epoch"),
+        on=[*PART_KEY, "from_call"]).collect()
+    if not redo.height:
+        return None
+    targets = blocks.join(redo.lazy(), on=PART_KEY, how="inner").filter(visible_at("from_call")).select(
+        *VERSION_KEY, _rf=pl.col("from_call").cast(pl.Int32), _rr="_rr", _re=pl.col("_re").cast(pl.Int32)) \
+        .unique(VERSION_KEY, keep="first")
+    w = start_marks(blocks.join(targets, on=VERSION_KEY, how="left", nulls_equal=True))
+    w = mark_drop(w, pl.col("_rf").is_not_null(), pl.col("_rr"), from_call=pl.col("_rf"), action="snip",
+                  epoch=pl.col("_re"))
+    return finish(w)
+
+
+@stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),
+       rebuild=_ledger_markers)
 def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Remove whole old middle turns when the request passes the high watermark.
 
-    Judged per call on the estimated request tokens after a dry run of tombstone; removes turns
-    oldest first (after the protected head, before the protected tail, the current tool loop and
-    the latest compaction summary) until the request is at or under the low watermark. The removed
-    rows get a `snip` decision from that call on; one user-role marker row (origin `snip`) stands
-    for the whole range, a new version of it (`insert`, then `replace`) each time the range grows.
-    Each firing takes a new cache epoch. Frozen: the ledger's snips are re-applied first (a changed
-    row is still removed, and a `conflict` recorded); only later calls are decided afresh.
+    Judged per call on the estimated request tokens after a dry run of the pipeline's tombstone;
+    removes turns oldest first (after the protected head, before the protected tail, the current
+    tool loop and the latest compaction summary) until the request is at or under the low
+    watermark. The removed rows get a `snip` decision from that call on; one user-role marker row
+    (origin `snip`) stands for the whole range, a new version of it (`insert`, then `replace`) each
+    time the range grows. Each firing takes a new cache epoch. Frozen: the runner re-applies the
+    ledger's snips and rebuilds the marker first; a row changed under a recorded snip (a `conflict`)
+    is still removed from that call; only later calls are decided afresh.
     """
     if not params.enabled:
         return StageResult(blocks, empty_decisions())
-    blocks = before = materialize(blocks)
-    blocks, reapplied = reapply_ledger(blocks, ledger, actions=("snip",), apply_on_mismatch=True)
-    blocks, marker_dec = _ledger_markers(before, blocks, ledger)
-    blocks = materialize(blocks)
-    out, decisions = plan(blocks, params, ctx)
-    return StageResult(out, pl.concat([reapplied, marker_dec, decisions]))
+    redo = _resnip_conflicts(blocks, ledger)
+    if redo is None:
+        return plan(blocks, params, ctx)
+    res = plan(materialize(redo.blocks), params, ctx)
+    return StageResult(res.blocks, pl.concat([materialize(redo.decisions), res.decisions]))

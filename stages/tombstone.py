@@ -1,4 +1,4 @@
-"""L6 tombstone: clear the content of old tool results, keep ids, names and positions (layer-semantics §9).
+"""L6 tombstone: clear the content of old tool results, keep ids, names and positions (docs/layers.md).
 
 Per thread, a forward walk over the calls (inside `map_batches`; O((calls + results) log results):
 per-call deltas for the tokens already freed, a Fenwick tree over the visible, not yet cleared
@@ -19,31 +19,31 @@ from typing import Any, Literal
 
 import polars as pl
 
-from pipeline.blockops import BLOCK_SCHEMA, drop_where, replace_where
+from pipeline.blockops import null_columns
 from pipeline.calls import (
-    BLOCK_KEY,
-    NO_CALL,
-    PART_KEY,
-    THINKING_TYPES,
-    THREAD,
-    TOOL_CALL_TYPES,
     call_grid,
     firing_epoch,
     forward_by_call,
     materialize,
     messages,
     open_max,
-    reapply_ledger,
     request_tokens,
     row_tokens_expr,
     text_tokens,
-    with_epoch,
 )
+from pipeline.constants import (
+    BLOCK_KEY,
+    NO_CALL,
+    PART_KEY,
+    THINKING_TYPES,
+    THREAD,
+    TOOL_CALL_TYPES,
+)
+from pipeline.constants import CLEARED_TEXT as CLEARED
+from pipeline.constants import REASONING_OMITTED_TEXT as REASONING_OMITTED
+from pipeline.marks import finish, mark_drop, mark_replace_from, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 from pipeline.tokens import is_image_expr, tokens_expr
-
-CLEARED = "[Old tool result content cleared]"
-REASONING_OMITTED = "[assistant reasoning omitted]"
 
 
 def _default_tools() -> dict[str, tuple[str, ...]]:
@@ -164,152 +164,223 @@ def _free_from(delta: list[int], k: int, v: int, end: int) -> int:
     return v
 
 
+@dataclass
+class _Results:
+    """The eligible tool results of one thread, in order (index i = position in that order)."""
+
+    order: list[int]
+    a: list[int]  # first call that sees it
+    z: list[int]  # first call that no longer does (NO_CALL: open)
+    done: list[bool]  # already cleared in the input (a re-run, or the ledger's clearings re-applied)
+    native: list[bool]  # cleared in the transcript itself, not by this layer
+    s: list[int]  # tokens its clearing frees
+    cnt: list[int]  # cnt[i]: results before i not done
+    a_sorted: list[int]
+
+    @classmethod
+    def of(cls, res: pl.DataFrame) -> _Results:
+        done = res["done"].to_list()
+        a = res["a"].to_list()
+        return cls(res["order"].to_list(), a, res["z"].fill_null(NO_CALL).to_list(), done, res["native"].to_list(),
+                   [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)],
+                   [0, *accumulate(0 if dn else 1 for dn in done)], sorted(a))
+
+
+@dataclass
+class _Thinking:
+    """The thinking blocks of one thread (clear_thinking_keep), in order; a prefix gets cleared."""
+
+    order: list[int]
+    a: list[int]
+    turn: list[int]
+    z: list[int]
+    done: list[bool]
+    s: list[int]
+    a_sorted: list[int]
+    turn_sorted: list[int]
+
+    @classmethod
+    def of(cls, th: pl.DataFrame, frozen_calls: set[int]) -> _Thinking:
+        done = [lst is not None and int(lst) in frozen_calls for lst in th["last"].to_list()]
+        a, turn = th["a"].to_list(), th["turn"].to_list()
+        return cls(th["order"].to_list(), a, turn, th["z"].fill_null(NO_CALL).to_list(), done,
+                   [0 if dn else int(x or 0) for x, dn in zip(th["s"].to_list(), done)], sorted(a), sorted(turn))
+
+
+_NO_THINKING = {"entry_id": pl.String, "block_pos": pl.Int32, "order": pl.Int64, "a": pl.Int32, "turn": pl.Int32,
+                "z": pl.Int32, "last": pl.Int32, "s": pl.Int64}
+
+
+class _Walk:
+    """The forward walk over the calls of one thread.
+
+    State: the frontier `f` over the results (results before it are cleared, or wait to be when
+    they first appear), the thinking frontier `hf`, the epoch of the last firing, the tokens freed so
+    far (`saved`, exact per call through `delta`: a row can leave the request in the middle, by a
+    snip or a compaction) and a Fenwick tree over the savings of the results visible now and not
+    cleared, which answers "how much would clearing up to i free". Both frontiers only move forward.
+    """
+
+    def __init__(self, calls: pl.DataFrame, res: pl.DataFrame, th: pl.DataFrame, p: Tombstone) -> None:
+        self.p = p
+        self.keep_n = None if p.clear_thinking_keep == "all" else int(p.clear_thinking_keep)
+        self.n = calls.height
+        self.tok = calls["tokens"].fill_null(0).to_list()
+        self.u = calls["u_order"].fill_null(-(2**62)).to_list()
+        self.cur_turn = calls["cur_turn"].fill_null(0).to_list()
+        self.ep = calls["ep"].fill_null(0).to_list()
+        self.idle = calls["idle"].fill_null(False).to_list()
+        self.r = r = _Results.of(res)
+        self.f = self.hf = self.start = self.last_epoch = 0
+        frozen = [i for i, (dn, nat) in enumerate(zip(r.done, r.native)) if dn and not nat]
+        frozen_calls: set[int] = set()
+        if frozen:  # clearing already in the input (re-run or re-applied ledger): go on after it
+            dc, de = res["done_call"].to_list(), res["done_epoch"].to_list()
+            self.f = max(frozen) + 1
+            frozen_calls = {int(dc[i]) for i in frozen}
+            self.start = max(frozen_calls) + 1
+            self.last_epoch = max(int(de[i]) for i in frozen)
+        self.t = t = _Thinking.of(th, frozen_calls)
+        if any(t.done):
+            self.hf = max(i for i, dn in enumerate(t.done) if dn) + 1
+        m = len(r.order)
+        self.fen = _Fenwick(m)
+        self.appear = sorted((r.a[i], i) for i in range(m) if not r.done[i])
+        self.leave = sorted((r.z[i], i) for i in range(m) if not r.done[i] and r.z[i] < NO_CALL)
+        self.in_fen, self.cleared = [False] * m, [False] * m
+        self.waiting: list[int] = []  # below the frontier but not yet in any request
+        self.delta = [0] * (self.n + 1)  # changes of the tokens freed so far, per call
+        self.saved = self.ai = self.li = 0
+        self.fire_k: list[int] = []
+        self.fire_f: list[int] = []
+        self.fire_e: list[int] = []
+        self.fire_r: list[str] = []
+
+    def walk(self) -> None:
+        r = self.r
+        for k in range(self.n):
+            self._advance(k)
+            if k < self.start:
+                continue
+            seen = bisect_right(r.a_sorted, k)
+            e = max(0, min(seen - self.p.keep_recent, bisect_left(r.order, self.u[k])))
+            ready = [i for i in self.waiting if r.a[i] <= k]
+            if (e <= self.f or r.cnt[e] == r.cnt[self.f]) and not ready:
+                continue
+            nf, reason = self._trigger(k, e)
+            if nf == self.f or r.cnt[nf] == r.cnt[self.f]:
+                continue
+            self._fire(k, nf, reason, ready)
+
+    def _advance(self, k: int) -> None:
+        """Call k: results enter and leave the request; the tokens freed change as planned."""
+        r, fen = self.r, self.fen
+        self.saved += self.delta[k]
+        while self.ai < len(self.appear) and self.appear[self.ai][0] <= k:
+            i = self.appear[self.ai][1]
+            self.ai += 1
+            if r.z[i] > k and not self.cleared[i]:
+                fen.add(i, r.s[i])
+                self.in_fen[i] = True
+        while self.li < len(self.leave) and self.leave[self.li][0] <= k:
+            i = self.leave[self.li][1]
+            self.li += 1
+            if self.in_fen[i]:
+                fen.add(i, -r.s[i])
+                self.in_fen[i] = False
+
+    def _trigger(self, k: int, e: int) -> tuple[int, str]:
+        """The new frontier at call k (e: the end of the eligible results) and why; `f` when no
+        trigger fires. Idle: everything eligible. Token: the oldest results until the request is
+        back under `trigger_tokens`, only when that frees at least `clear_at_least_tokens`."""
+        p, r, f = self.p, self.r, self.f
+        if not (e > f and r.cnt[e] > r.cnt[f]):
+            return f, ""
+        if p.trigger_idle_seconds > 0 and self.idle[k]:
+            return e, "idle"
+        total = self.tok[k] - self.saved
+        if p.trigger_tokens > 0 and total > p.trigger_tokens:
+            base = self.fen.prefix(f)
+            if self.fen.prefix(e) - base >= p.clear_at_least_tokens:
+                need = max(p.clear_at_least_tokens, total - p.trigger_tokens)
+                return min(max(self.fen.lower_bound(base + need), f + 1), e), "token"
+        return f, ""
+
+    def _fire(self, k: int, nf: int, reason: str, ready: list[int]) -> None:
+        """A firing at call k: a new epoch; results up to the new frontier (and those waiting)
+        cleared from k on, or as soon as they appear; old thinking cleared."""
+        r = self.r
+        epoch = firing_epoch(k, self.ep, self.last_epoch)
+        self.fire_k.append(k), self.fire_f.append(nf), self.fire_e.append(epoch), self.fire_r.append(reason)
+        for i in [*range(self.f, nf), *ready]:
+            if r.done[i] or self.cleared[i]:
+                continue
+            if r.a[i] > k:
+                self.waiting.append(i)
+                continue
+            self.cleared[i] = True
+            if self.in_fen[i]:
+                self.fen.add(i, -r.s[i])
+                self.in_fen[i] = False
+            self.saved += _free_from(self.delta, k, r.s[i], min(r.z[i], self.n))
+        self.waiting = [i for i in self.waiting if not self.cleared[i]]
+        if self.keep_n is not None:
+            t = self.t
+            new_hf = max(self.hf, min(bisect_right(t.turn_sorted, self.cur_turn[k] - self.keep_n),
+                                      bisect_left(t.order, self.u[k]), bisect_right(t.a_sorted, k)))
+            for x in range(self.hf, new_hf):
+                if not t.done[x] and t.a[x] <= k:
+                    self.saved += _free_from(self.delta, k, t.s[x], min(t.z[x], self.n))
+            self.hf = new_hf
+        self.f, self.last_epoch = nf, epoch
+
+    def assignments(self, res: pl.DataFrame, th: pl.DataFrame) -> list[tuple[str, Any, Any, int, str]]:
+        """(kind, entry_id, block_pos, firing index, reason) of every result and thinking block cleared:
+        the first firing at or after its first appearance whose frontier passes it."""
+        r, t, fk = self.r, self.t, self.fire_k
+        found: list[tuple[str, Any, Any, int, str]] = []
+        for i, (eid, bp) in enumerate(zip(res["entry_id"].to_list(), res["block_pos"].to_list())):
+            if r.done[i]:
+                continue
+            j = max(bisect_left(fk, r.a[i]), bisect_right(self.fire_f, i))
+            if j < len(fk) and fk[j] < r.z[i]:
+                found.append(("result", eid, bp, j, self.fire_r[j]))
+        if self.keep_n is None:
+            return found
+        turn_limit = [self.cur_turn[k] - self.keep_n for k in fk]
+        u_at = [self.u[k] for k in fk]
+        for x, (eid, bp) in enumerate(zip(th["entry_id"].to_list(), th["block_pos"].to_list())):
+            if t.done[x]:
+                continue
+            j = max(bisect_left(fk, t.a[x]), bisect_left(turn_limit, t.turn[x]), bisect_right(u_at, t.order[x]))
+            if j < len(fk) and fk[j] < t.z[x]:
+                found.append(("think", eid, bp, j, "clear_thinking"))
+        return found
+
+
 def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     """Walk the calls of each thread; return the call, epoch and reason at which each result (and,
     with `clear_thinking_keep`, each thinking block) is cleared.
 
     Input rows by `kind`: `call` (tokens, u_order, cur_turn, ep, idle), `result` (order, a = first
     call, z = end, s = tokens freed, done / native / done_call / done_epoch) and `think` (order, a,
-    z, turn, s, last). Results below the frontier and thinking below its own frontier are cleared;
-    both frontiers only move forward. The tokens already freed are tracked exactly per call (a row
-    can leave the request in the middle, by a snip or a compaction), and a Fenwick tree over the
-    visible, not yet cleared results answers "how much would clearing up to i free".
-    O((calls + results) log results).
+    z, turn, s, last). O((calls + results) log results): see `_Walk`.
     """
     out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
-    keep_n = None if p.clear_thinking_keep == "all" else int(p.clear_thinking_keep)
-
     for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
         calls = part.filter(pl.col("kind") == "call").sort("call")
         res = part.filter(pl.col("kind") == "result").sort("order", "entry_id", "block_pos")
         th = part.filter(pl.col("kind") == "think").sort("order", "entry_id", "block_pos")
         if "turn" not in th.columns:  # no thinking rows were passed (clear_thinking_keep = "all")
-            th = pl.DataFrame(schema={"entry_id": pl.String, "block_pos": pl.Int32, "order": pl.Int64, "a": pl.Int32,
-                                      "turn": pl.Int32, "z": pl.Int32, "last": pl.Int32, "s": pl.Int64})
-        n, m = calls.height, res.height
-        if n == 0 or m == 0:
+            th = pl.DataFrame(schema=_NO_THINKING)
+        if calls.height == 0 or res.height == 0:
             continue
-        tok = calls["tokens"].fill_null(0).to_list()
-        u = calls["u_order"].fill_null(-(2**62)).to_list()
-        cur_turn = calls["cur_turn"].fill_null(0).to_list()
-        ep = calls["ep"].fill_null(0).to_list()
-        idle = calls["idle"].fill_null(False).to_list()
-        order = res["order"].to_list()
-        a = res["a"].to_list()
-        z = res["z"].fill_null(NO_CALL).to_list()
-        done = res["done"].to_list()
-        native = res["native"].to_list()
-        s = [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)]
-        cnt = [0, *accumulate(0 if dn else 1 for dn in done)]
-        a_sorted = sorted(a)
-
-        f, hf, start, last_epoch = 0, 0, 0, 0
-        frozen = [i for i, (dn, nat) in enumerate(zip(done, native)) if dn and not nat]
-        frozen_calls: set[int] = set()
-        if frozen:  # clearing already in the input (re-run or re-applied ledger): go on after it
-            dc, de = res["done_call"].to_list(), res["done_epoch"].to_list()
-            f = max(frozen) + 1
-            frozen_calls = {int(dc[i]) for i in frozen}
-            start = max(frozen_calls) + 1
-            last_epoch = max(int(de[i]) for i in frozen)
-        # thinking: a prefix (in order) is cleared; turn and first call grow with order
-        th_order, th_a, th_turn = th["order"].to_list(), th["a"].to_list(), th["turn"].to_list()
-        th_z = th["z"].fill_null(NO_CALL).to_list()
-        th_done = [lst is not None and int(lst) in frozen_calls for lst in th["last"].to_list()]
-        th_s = [0 if dn else int(x or 0) for x, dn in zip(th["s"].to_list(), th_done)]
-        th_a_sorted, th_turn_sorted = sorted(th_a), sorted(th_turn)
-        if any(th_done):
-            hf = max(i for i, dn in enumerate(th_done) if dn) + 1
-
-        fen = _Fenwick(m)  # savings of the results visible now and not cleared
-        appear = sorted((a[i], i) for i in range(m) if not done[i])
-        leave = sorted((z[i], i) for i in range(m) if not done[i] and z[i] < NO_CALL)
-        in_fen = [False] * m
-        cleared = [False] * m
-        waiting: list[int] = []  # below the frontier but not yet in any request
-        delta = [0] * (n + 1)  # changes of the tokens freed so far, per call
-        saved = ai = li = 0
-
-        fire_k: list[int] = []
-        fire_f: list[int] = []
-        fire_e: list[int] = []
-        fire_r: list[str] = []
-        for k in range(n):
-            saved += delta[k]
-            while ai < len(appear) and appear[ai][0] <= k:
-                i = appear[ai][1]
-                ai += 1
-                if z[i] > k and not cleared[i]:
-                    fen.add(i, s[i])
-                    in_fen[i] = True
-            while li < len(leave) and leave[li][0] <= k:
-                i = leave[li][1]
-                li += 1
-                if in_fen[i]:
-                    fen.add(i, -s[i])
-                    in_fen[i] = False
-            if k < start:
-                continue
-            seen = bisect_right(a_sorted, k)
-            e = max(0, min(seen - p.keep_recent, bisect_left(order, u[k])))
-            ready = [i for i in waiting if a[i] <= k]
-            if (e <= f or cnt[e] == cnt[f]) and not ready:
-                continue
-            nf = f
-            if e > f and cnt[e] > cnt[f]:
-                if p.trigger_idle_seconds > 0 and idle[k]:
-                    nf, reason = e, "idle"
-                elif p.trigger_tokens > 0 and tok[k] - saved > p.trigger_tokens:
-                    total = tok[k] - saved
-                    base = fen.prefix(f)
-                    if fen.prefix(e) - base >= p.clear_at_least_tokens:
-                        need = max(p.clear_at_least_tokens, total - p.trigger_tokens)
-                        nf, reason = min(max(fen.lower_bound(base + need), f + 1), e), "token"
-            if nf == f or cnt[nf] == cnt[f]:
-                continue
-            epoch = firing_epoch(k, ep, last_epoch)
-            fire_k.append(k), fire_f.append(nf), fire_e.append(epoch), fire_r.append(reason)
-            for i in [*range(f, nf), *ready]:
-                if done[i] or cleared[i]:
-                    continue
-                if a[i] > k:
-                    waiting.append(i)
-                    continue
-                cleared[i] = True
-                if in_fen[i]:
-                    fen.add(i, -s[i])
-                    in_fen[i] = False
-                saved += _free_from(delta, k, s[i], min(z[i], n))
-            waiting = [i for i in waiting if not cleared[i]]
-            if keep_n is not None:
-                new_hf = max(hf, min(bisect_right(th_turn_sorted, cur_turn[k] - keep_n), bisect_left(th_order, u[k]),
-                                     bisect_right(th_a_sorted, k)))
-                for x in range(hf, new_hf):
-                    if not th_done[x] and th_a[x] <= k:
-                        saved += _free_from(delta, k, th_s[x], min(th_z[x], n))
-                hf = new_hf
-            f, last_epoch = nf, epoch
-        if not fire_k:
+        w = _Walk(calls, res, th, p)
+        w.walk()
+        if not w.fire_k:
             continue
-        # each result: the first firing at or after its first appearance whose frontier passes it
-        found: list[tuple[str, Any, Any, int, str]] = []
-        eids, bpos = res["entry_id"].to_list(), res["block_pos"].to_list()
-        for i in range(m):
-            if done[i]:
-                continue
-            j = max(bisect_left(fire_k, a[i]), bisect_right(fire_f, i))
-            if j < len(fire_k) and fire_k[j] < z[i]:
-                found.append(("result", eids[i], bpos[i], j, fire_r[j]))
-        turn_limit = [cur_turn[k] - (keep_n or 0) for k in fire_k]
-        u_at = [u[k] for k in fire_k]
-        for x, (eid, bp) in enumerate(zip(th["entry_id"].to_list(), th["block_pos"].to_list())):
-            if th_done[x] or keep_n is None:
-                continue
-            j = max(bisect_left(fire_k, th_a[x]), bisect_left(turn_limit, th_turn[x]), bisect_right(u_at, th_order[x]))
-            if j < len(fire_k) and fire_k[j] < th_z[x]:
-                found.append(("think", eid, bp, j, "clear_thinking"))
-        for kind, eid, bp, j, reason in found:
-            for key, v in zip(_ASSIGN_SCHEMA, (sid, tid, kind, eid, bp, fire_k[j], fire_e[j], reason)):
+        for kind, eid, bp, j, reason in w.assignments(res, th):
+            for key, v in zip(_ASSIGN_SCHEMA, (sid, tid, kind, eid, bp, w.fire_k[j], w.fire_e[j], reason)):
                 out[key].append(v)
     return pl.DataFrame(out, schema=_ASSIGN_SCHEMA)
 
@@ -342,21 +413,35 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
 
 
 def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
-         forced: pl.LazyFrame | None = None) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    """The tombstoning itself (no ledger): returns (blocks, decisions). Snip dry-runs it.
-    `forced`: clearings decided before (rows of the assignment schema) applied as they are."""
+         forced: pl.LazyFrame | None = None) -> StageResult:
+    """The tombstoning itself: per-call facts and per-result facts go into the walk; its
+    assignments are applied. `forced`: clearings decided before (rows of the assignment schema),
+    applied as they are."""
     blocks = materialize(blocks)
-    grid = materialize(call_grid(blocks))
     msgs = materialize(messages(blocks))
-    tokens = request_tokens(blocks, ctx, grid, msgs)
+    owners = materialize(_call_owners(blocks, ctx))
     cleared_tok, omitted_tok = text_tokens([CLEARED, REASONING_OMITTED], ctx)
+    parts = [_per_call(blocks, msgs, params, ctx), _per_result(blocks, owners, params, ctx, cleared_tok)]
+    if params.clear_thinking_keep != "all":
+        parts.append(_per_thinking(blocks, msgs, ctx, omitted_tok))
+    assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
+                                                                              schema=_ASSIGN_SCHEMA))
+    if forced is not None:
+        forced = forced.select(list(_ASSIGN_SCHEMA)).cast(_ASSIGN_SCHEMA)  # type: ignore[arg-type]
+        assign = materialize(pl.concat([assign.join(forced, on=BLOCK_KEY, how="anti"), forced]))
+    return _apply(blocks, assign, params, owners if params.clear_tool_inputs else None)
 
-    # per call: latest real user row (the current tool loop starts after it), turn, epoch, idle gap
-    real = msgs.filter("is_real_user").group_by([*THREAD, pl.col("first").alias("call")]).agg(
-        u_order=pl.col("order").max(), cur_turn=pl.col("turn").max())
-    req = msgs.group_by([*THREAD, pl.col("first").alias("call")]).agg(
-        t_req=pl.col("timestamp").sort_by("order").last())
-    asst = msgs.filter(pl.col("role") == "assistant").group_by([*THREAD, pl.col("first").alias("call")]).agg(
+
+def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> pl.LazyFrame:
+    """Per call: request tokens, the latest real user row (the current tool loop starts after it),
+    its turn, the highest cache epoch so far and whether the idle trigger holds."""
+    grid = materialize(call_grid(blocks))
+    tokens = request_tokens(blocks, ctx, grid, msgs)
+    at_call = [*THREAD, pl.col("first").alias("call")]
+    real = msgs.filter("is_real_user").group_by(at_call).agg(u_order=pl.col("order").max(),
+                                                             cur_turn=pl.col("turn").max())
+    req = msgs.group_by(at_call).agg(t_req=pl.col("timestamp").sort_by("order").last())
+    asst = msgs.filter(pl.col("role") == "assistant").group_by(at_call).agg(
         t_asst=pl.col("timestamp").sort_by("order").last())
     ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
     per_call = forward_by_call(real.join(req, on=[*THREAD, "call"], how="full", coalesce=True)
@@ -370,8 +455,14 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
             idle=((pl.col("t_req") - pl.col("t_asst")).dt.total_seconds() >= max(params.trigger_idle_seconds, 1))
             & (params.trigger_idle_seconds > 0),
         )
+    return per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", u_order="u_order",
+                           cur_turn="cur_turn", ep="ep", idle="idle")
 
-    # per tool result: first appearance, end, order, size and savings of its first version, state
+
+def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, ctx: StageContext,
+                cleared_tok: int) -> pl.LazyFrame:
+    """Per eligible tool result: first appearance, end, order, the tokens clearing it frees (its
+    first version, and its call's input with `clear_tool_inputs`), and whether it is cleared already."""
     rows = blocks.filter(pl.col("block_type") == "tool_result").with_columns(_tok=row_tokens_expr(ctx))
     first_version = rows.filter(pl.col("first_call") == pl.col("first_call").min().over(PART_KEY))
     size = first_version.group_by(BLOCK_KEY).agg(
@@ -390,7 +481,6 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     ).join(size, on=BLOCK_KEY, how="left").join(placeholder, on=BLOCK_KEY, how="left").with_columns(
         done=pl.col("done_call").is_not_null(),
     )
-    owners = materialize(_call_owners(blocks, ctx))
     res = res.join(owners.select(*BLOCK_KEY, "_in_saved", "_use_name"), on=BLOCK_KEY, how="left").with_columns(
         tool_name=pl.coalesce(pl.col("tool_name").replace("", None), "_use_name"))
     in_saved = pl.col("_in_saved").fill_null(0) if params.clear_tool_inputs else pl.lit(0, pl.Int64)
@@ -400,27 +490,20 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     ).filter(
         tool_filter_expr(params) & ~pl.col("pinned") & ((pl.col("size") >= params.min_result_chars) | pl.col("done"))
     )
-    parts = [
-        per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", u_order="u_order",
-                        cur_turn="cur_turn", ep="ep", idle="idle"),
-        res.select(*THREAD, "entry_id", "block_pos", "order", "a", "z", "s", "done", "native", "done_call",
-                   "done_epoch", kind=pl.lit("result")),
-    ]
-    if params.clear_thinking_keep != "all":
-        think = _thinking(blocks, msgs).with_columns(_tok=row_tokens_expr(ctx)).group_by(BLOCK_KEY).agg(
-            order=pl.col("order_key").min(), a=pl.col("first_call").min(), turn=pl.col("turn").min(),
-            z=open_max("last_call"),
-            last=pl.col("last_call").max(),
-            s=(pl.col("_tok").sort_by("first_call").first()
-               - pl.when(pl.col("_only").first() & pl.col("_firstb").first()).then(omitted_tok).otherwise(0)),
-        )
-        parts.append(think.with_columns(kind=pl.lit("think")))
-    assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
-                                                                              schema=_ASSIGN_SCHEMA))
-    if forced is not None:
-        forced = forced.select(list(_ASSIGN_SCHEMA)).cast(_ASSIGN_SCHEMA)  # type: ignore[arg-type]
-        assign = materialize(pl.concat([assign.join(forced, on=BLOCK_KEY, how="anti"), forced]))
-    return _apply(blocks, assign, params, owners if params.clear_tool_inputs else None)
+    return res.select(*THREAD, "entry_id", "block_pos", "order", "a", "z", "s", "done", "native", "done_call",
+                      "done_epoch", kind=pl.lit("result"))
+
+
+def _per_thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame, ctx: StageContext, omitted_tok: int) -> pl.LazyFrame:
+    """Per thinking block: order, first call, turn, end, and the tokens clearing it frees."""
+    think = _thinking(blocks, msgs).with_columns(_tok=row_tokens_expr(ctx)).group_by(BLOCK_KEY).agg(
+        order=pl.col("order_key").min(), a=pl.col("first_call").min(), turn=pl.col("turn").min(),
+        z=open_max("last_call"),
+        last=pl.col("last_call").max(),
+        s=(pl.col("_tok").sort_by("first_call").first()
+           - pl.when(pl.col("_only").first() & pl.col("_firstb").first()).then(omitted_tok).otherwise(0)),
+    )
+    return think.with_columns(kind=pl.lit("think"))
 
 
 def _only_thinking() -> pl.Expr:
@@ -442,67 +525,52 @@ def _thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame) -> pl.LazyFrame:
 
 
 def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
-           owners: pl.LazyFrame | None) -> tuple[pl.LazyFrame, pl.LazyFrame]:
-    cols = list(BLOCK_SCHEMA.names())
+           owners: pl.LazyFrame | None) -> StageResult:
+    """Clear what the walk assigned, each from its firing's call and in its epoch: a result's first
+    part becomes CLEARED and its other parts go (`tombstone`); with `clear_tool_inputs` its call's
+    input becomes `{}` (`clear_input`); cleared thinking goes, and a message of thinking only keeps
+    one REASONING_OMITTED text block (`replace`)."""
     a = assign.select(*BLOCK_KEY, "kind", _call="clear_call", _epoch="epoch", _reason="reason")
-    ra = a.filter(pl.col("kind") == "result").drop("kind")
-    marked = blocks.join(ra, on=BLOCK_KEY, how="left")
-    is_hit = pl.col("_call").is_not_null() & (pl.col("block_type") == "tool_result")
-
-    def null(c: str) -> pl.Expr:
-        return pl.lit(None, BLOCK_SCHEMA[c])
-
-    out, d_clear = replace_where(
-        marked, is_hit & (pl.col("part_pos") == 0),
-        {"text": pl.lit(CLEARED),
-         "part_type": pl.when(pl.col("part_type") == "string").then(pl.lit("string")).otherwise(pl.lit("text")),
-         **{c: null(c) for c in ("image_media_type", "image_data", "image_bytes", "image_width", "image_height",
-                                 "signature")},
-         "cache_epoch": pl.col("_epoch")},
-        action="tombstone", reason=pl.col("_reason"), from_call=pl.col("_call"),  # type: ignore[arg-type]
-    )
-    out = materialize(out).join(ra, on=BLOCK_KEY, how="left")
-    out, d_parts = drop_where(out, is_hit & (pl.col("part_pos") > 0), reason=pl.col("_reason"),
-                              from_call=pl.col("_call"), action="tombstone")  # type: ignore[arg-type]
-    hits = marked.filter(is_hit).select(*PART_KEY, "first_call", "_call", "_epoch")
-    epochs = hits.select(*PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch")
-    out = materialize(out)
-    decisions = [d_clear, with_epoch(d_parts, epochs)]
-
+    marked = blocks.join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
     if owners is not None:
-        owner = ra.join(owners, on=BLOCK_KEY).select(
-            *THREAD, entry_id="_use_entry", block_pos="_use_pos", _call2="_call", _epoch2="_epoch")
-        m2 = out.join(owner.unique(subset=BLOCK_KEY), on=BLOCK_KEY, how="left")
-        out, d_input = replace_where(
-            m2, pl.col("_call2").is_not_null() & pl.col("block_type").is_in(list(TOOL_CALL_TYPES)),
-            {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_epoch2")},
-            action="clear_input", reason="tombstone", from_call=pl.col("_call2"),
-        )
-        decisions.append(d_input)
-        out = materialize(out)
-
+        owner = a.filter(pl.col("kind") == "result").join(owners, on=BLOCK_KEY).sort("_call").select(
+            *THREAD, entry_id="_use_entry", block_pos="_use_pos", _in_call="_call", _in_epoch="_epoch")
+        marked = marked.join(owner.unique(subset=BLOCK_KEY, keep="first"), on=BLOCK_KEY, how="left")
     if params.clear_thinking_keep != "all":
-        th = a.filter(pl.col("kind") == "think").drop("kind")
-        hit = pl.col("_call").is_not_null() & pl.col("block_type").is_in(list(THINKING_TYPES))
+        th = a.filter(pl.col("kind") == "think").select(*BLOCK_KEY, _th_call="_call", _th_epoch="_epoch")
+        marked = marked.with_columns(_only=_only_thinking(), _firstb=_first_block()).join(th, on=BLOCK_KEY, how="left")
+    w = start_marks(marked)
+    hit = pl.col("_call").is_not_null() & (pl.col("block_type") == "tool_result")
+    null = null_columns(("image_media_type", "image_data", "image_bytes", "image_width", "image_height", "signature"))
+    unchanged = (pl.col("text") == CLEARED) & pl.col("part_type").is_in(["string", "text"]) \
+        & pl.col("image_media_type").is_null() & pl.col("image_data").is_null() & pl.col("signature").is_null()
+    w = mark_replace_from(
+        w, hit & (pl.col("part_pos") == 0) & ~unchanged.fill_null(False),
+        {"text": pl.lit(CLEARED), "cache_epoch": pl.col("_epoch"), **null,
+         "part_type": pl.when(pl.col("part_type") == "string").then(pl.lit("string")).otherwise(pl.lit("text"))},
+        pl.col("_reason"), pl.col("_call"), action="tombstone")
+    w = mark_drop(w, hit & (pl.col("part_pos") > 0), pl.col("_reason"), from_call=pl.col("_call"), action="tombstone",
+                  epoch=pl.col("_epoch"))
+    if owners is not None:
+        is_call = pl.col("_in_call").is_not_null() & pl.col("block_type").is_in(list(TOOL_CALL_TYPES))
+        w = mark_replace_from(w, is_call & pl.col("tool_input").ne_missing(pl.lit("{}")),
+                              {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_in_epoch")}, "tombstone",
+                              pl.col("_in_call"), action="clear_input")
+    if params.clear_thinking_keep != "all":
+        think = pl.col("_th_call").is_not_null() & pl.col("block_type").is_in(list(THINKING_TYPES))
         # a message left with only thinking keeps one text block saying so (as layer 1 does)
-        m3 = out.with_columns(_only=_only_thinking(), _firstb=_first_block()).join(th, on=BLOCK_KEY, how="left")
-        th_hits = m3.filter(hit).select(*PART_KEY, "first_call", "_call", "_epoch")
-        out, d_t1 = replace_where(
-            m3, hit & pl.col("_only") & pl.col("_firstb"),
-            {"block_type": pl.lit("text"), "text": pl.lit(REASONING_OMITTED), "signature": null("signature"),
-             "cache_epoch": pl.col("_epoch")},
-            action="replace", reason="clear_thinking", from_call=pl.col("_call"),
-        )
-        m4 = materialize(out).join(th.join(m3.filter(hit & pl.col("_only") & pl.col("_firstb"))
-                                             .select(BLOCK_KEY).unique(), on=BLOCK_KEY, how="anti"),
-                                   on=BLOCK_KEY, how="left")
-        out, d_t2 = drop_where(m4, hit, reason="clear_thinking", from_call=pl.col("_call"))
-        decisions += [d_t1, with_epoch(d_t2, th_hits.select(
-            *PART_KEY, from_call=pl.max_horizontal("_call", "first_call").cast(pl.Int32), _epoch="_epoch"))]
-    return materialize(out.select(cols)), materialize(pl.concat(decisions))
+        kept = think & pl.col("_only") & pl.col("_firstb")
+        w = w.with_columns(_kept_block=kept.any().over(BLOCK_KEY))
+        w = mark_replace_from(w, kept, {"block_type": pl.lit("text"), "text": pl.lit(REASONING_OMITTED),
+                                        "signature": pl.lit(None, pl.String), "cache_epoch": pl.col("_th_epoch")},
+                              "clear_thinking", pl.col("_th_call"))
+        w = mark_drop(w, think & ~pl.col("_kept_block"), "clear_thinking", from_call=pl.col("_th_call"),
+                      epoch=pl.col("_th_epoch"))
+    return finish(w)
 
 
-@stage("tombstone", version=1, params=Tombstone)
+@stage("tombstone", version=1, params=Tombstone, requires=("pairing",),
+       frozen=("tombstone", "clear_input", "replace", "drop"))
 def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clear the content of old tool results; ids, names, positions and is_error stay.
 
@@ -513,18 +581,14 @@ def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx
     one text block `[Old tool result content cleared]` from the firing's call on (decision
     `tombstone`, reason `token` or `idle`); optionally its call's input becomes `{}`
     (`clear_input`) and old thinking is removed. Each firing takes a new cache epoch. Frozen: the
-    ledger's decisions are re-applied first (hash mismatch: `conflict`, decided afresh); only
-    calls after them are decided.
+    runner re-applies the ledger's decisions first; a result whose recorded clearing no longer
+    matches its content (a `conflict` in the ledger view) is cleared afresh from the same call and
+    in the same epoch (the position in time is what was decided); only later calls are decided.
     """
-    blocks, reapplied = reapply_ledger(materialize(blocks), ledger,
-                                       actions=("tombstone", "clear_input", "replace", "drop"))
-    # a result whose recorded clearing no longer matches its content is cleared afresh, from the
-    # same call and in the same epoch (the position in time is what was decided)
-    redo = reapplied.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).join(
+    redo = ledger.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).join(
         ledger.filter(pl.col("action") == "tombstone").select(*PART_KEY, "from_call", _r="reason",
                                                              _e="cache_epoch"),
         on=[*PART_KEY, "from_call"]).filter(pl.col("part_pos") == 0).select(
         *THREAD, "entry_id", "block_pos", kind=pl.lit("result"), clear_call="from_call",
         epoch=pl.col("_e").cast(pl.Int32), reason="_r")
-    out, decisions = plan(blocks, params, ctx, forced=redo)
-    return StageResult(out, pl.concat([reapplied, decisions]))
+    return plan(blocks, params, ctx, forced=redo)

@@ -11,9 +11,13 @@ from hypothesis import HealthCheck, settings
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT.parent / "shared" / "corpus"
 
-settings.register_profile("dev", max_examples=100, deadline=None,
+# Hypothesis profiles: `dev` (the default: the whole default suite stays within a few minutes on two
+# cores) and `ci` (set by .ci/run: four times the examples of every property test; tests that set
+# their own count scale it with `tests.strategies.examples`). HYPOTHESIS_PROFILE picks one.
+PROFILES = {"dev": 100, "ci": 400}
+settings.register_profile("dev", max_examples=PROFILES["dev"], deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", max_examples=200, deadline=None,
+settings.register_profile("ci", max_examples=PROFILES["ci"], deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 

@@ -5,7 +5,8 @@ corpus is replayed with the tiktoken counter and, per thread, three digests are 
 - `requests`: sha256 over the thread's calls in order (call, request_sha256, prompt_tokens,
   n_messages, prefix_break_message);
 - `decisions`: sha256 over the decisions the run applied to the thread, sorted by key;
-- `blocks` (identity only): sha256 over the thread's loaded block rows, every column, sorted by key.
+- `blocks` (identity only): sha256 over the thread's loaded block rows, every column (file paths
+  relative to the corpus), sorted by key.
 plus, per pipeline, a digest of the ledger's decision rows in seq order.
 
     python tests/corpus_fingerprint.py [--only PRESET ...]   # rewrite tests/golden/corpus_fingerprints.json
@@ -91,7 +92,10 @@ def fingerprint(preset: str, corpus: Path = CORPUS) -> dict[str, Any]:
             con.close()
         doc["ledger"] = _digest([list(r) for r in rows])
         if preset == "identity":
-            blocks = pl.read_parquet(out / "blocks.parquet")
+            # file paths relative to the corpus: the digest must not depend on where the checkout is
+            root = str(corpus.resolve()) + "/"
+            blocks = pl.read_parquet(out / "blocks.parquet").with_columns(
+                pl.col("source_file").str.strip_prefix(root))
             doc["blocks"] = _per_thread(blocks, blocks.columns,
                                         ["entry_id", "block_pos", "part_pos", "first_call"])
     return doc

@@ -14,9 +14,12 @@ import io
 from functools import cache
 from typing import Any
 
+from hypothesis import settings
 from hypothesis import strategies as st
 
 MAGIC = "ANTHROPIC_MAGIC_STRING_TRIGGER_REFUSAL"
+DEV_EXAMPLES = 100  # max_examples of the `dev` profile (tests/conftest.py)
+
 TOOL_IDS = ["toolu_01", "toolu_02", "call_abc", "functions.read:0", "", None]
 TOOL_NAMES = ["Bash", "read", "Write", "web_search", "bad name", "", None, "x" * 65]
 PROVIDERS = [
@@ -24,6 +27,12 @@ PROVIDERS = [
     {"provider": "openrouter", "api": "openai-completions", "model": "stepfun/step-3.5-flash"},
     {"provider": "openai", "api": "openai-responses", "model": "gpt-5"},
 ]
+
+
+def examples(n: int) -> int:
+    """A property test's example count: `n` under the `dev` profile, scaled like the loaded
+    profile's max_examples (the `ci` profile of .ci/run runs four times as many)."""
+    return max(1, n * settings.default.max_examples // DEV_EXAMPLES)
 
 
 @cache
@@ -133,3 +142,16 @@ def messages(min_size: int = 1, max_size: int = 8) -> st.SearchStrategy[list[dic
     """A session as a list of message dicts (roles mixed freely, as real transcripts can be)."""
     return st.lists(st.one_of(user_message(), assistant_message(), tool_message()), min_size=min_size,
                     max_size=max_size)
+
+
+@st.composite
+def sessions_with_a_call(draw: st.DrawFn, max_size: int = 8) -> tuple[list[dict[str, Any]], int]:
+    """(messages, n): a session and a prefix length n such that the prefix holds at least one
+    assistant message that is a call (so a prefix-causality check has a call to compare)."""
+    head = draw(messages(min_size=0, max_size=max_size // 2))
+    call = draw(assistant_message().map(lambda m: {k: v for k, v in m.items() if k not in ("is_display_only",
+                                                                                        "is_call")}))
+    tail = draw(messages(min_size=1, max_size=max_size // 2))
+    msgs = [*head, call, *tail]
+    n = draw(st.integers(len(head) + 1, len(msgs) - 1))
+    return msgs, n

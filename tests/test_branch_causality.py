@@ -193,3 +193,34 @@ def test_a_branch_reports_only_its_own_calls_and_request_refuses_inherited_ones(
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(cli, ["request", str(out), key, "--call", "2"])
     assert r.exit_code == 2 and "shares with another thread" in r.output
+
+
+def _requests(calls: pl.DataFrame) -> dict[tuple[str, str, int], tuple[str, int, int]]:
+    return {(r["session_id"], r["thread_id"], r["call"]): (r["request_sha256"], r["n_messages"], r["prompt_tokens"])
+            for r in calls.iter_rows(named=True)}
+
+
+@pytest.mark.parametrize(("preset", "seed"), [*[("stress", s) for s in range(8)], ("default", 1), ("default", 3)])
+def test_resume_across_a_rewind_with_the_same_ledger_equals_a_fresh_run_9(tmp_path: Path, preset: str,
+                                                                          seed: int) -> None:
+    """Issue 8 defect 7, its resume half: the half file with a ledger, then the whole file with the
+    same ledger, gives every call of every thread the request a fresh run gives, without conflicts.
+    The ledger's decisions follow the history of the call they were made for (its call key), not the
+    thread's name: the half file's `main` is a branch of the whole file."""
+    spec = _spec(preset)
+    w, cut = rewind_session(seed)
+    ledger = tmp_path / "ledger.duckdb"
+    half = w.write(tmp_path / "half" / f"{SESSION}.jsonl", cut)
+    first = run([half], spec, RunOptions(out_dir=tmp_path / "o1", ledger_path=ledger, token_counter=CHARS4_COUNTER))
+    whole = w.write(tmp_path / "whole" / f"{SESSION}.jsonl")
+    resumed = run([whole], spec, RunOptions(out_dir=tmp_path / "o2", ledger_path=ledger,
+                                            token_counter=CHARS4_COUNTER))
+    fresh = run([whole], spec, RunOptions(out_dir=tmp_path / "o3", token_counter=CHARS4_COUNTER))
+    if preset == "stress":  # the layers decided something in the half file that the whole file re-applies
+        assert first.decisions.filter(~pl.col("is_provisional") & pl.col("stage").is_in(
+            ["tombstone", "snip", "result_budget"])).height > 0
+    assert resumed.summary["conflicts"] == 0
+    a, b = _requests(resumed.calls), _requests(fresh.calls)
+    assert a.keys() == b.keys()
+    differ = sorted(k for k in a if a[k] != b[k])
+    assert not differ, f"{len(differ)} of {len(a)} calls differ from a fresh run: {differ[:5]}"

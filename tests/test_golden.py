@@ -6,34 +6,14 @@ must decide nothing (idempotence)."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
-import orjson
-import polars as pl
 import pytest
 
-from pipeline.registry import StageContext
-from pipeline.testkit import make_blocks, run_stage, view
+from pipeline.testkit import check_golden
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p for p in GOLDEN.glob("*/*") if (p / "input.jsonl").is_file())
-
-DECISION_VIEW = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "tool_use_id", "from_call",
-                 "action", "reason", "before_sha256", "after_sha256", "replacement"]
-
-
-def _rows(df: pl.DataFrame) -> list[dict]:
-    return [orjson.loads(orjson.dumps(r, default=str)) for r in df.to_dicts()]
-
-
-def _read(p: Path) -> list[dict]:
-    return [orjson.loads(x) for x in p.read_text(encoding="utf-8").splitlines() if x.strip()]
-
-
-def _write(p: Path, rows: list[dict]) -> None:
-    p.write_text("".join(orjson.dumps(r, option=orjson.OPT_SORT_KEYS).decode() + "\n" for r in rows),
-                 encoding="utf-8")
 
 
 def test_there_are_golden_cases() -> None:
@@ -42,21 +22,4 @@ def test_there_are_golden_cases() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parent.name}/{c.name}" for c in CASES])
 def test_golden(case: Path, update_goldens: bool) -> None:
-    stage = case.parent.name
-    cfg = tomllib.loads((case / "params.toml").read_text()) if (case / "params.toml").exists() else {}
-    ctx_cfg = cfg.pop("context", {})
-    compactions = [tuple(x) for x in cfg.pop("compactions", [])]
-    ctx = StageContext(**ctx_cfg)
-    blocks = make_blocks(_read(case / "input.jsonl"), compactions=compactions)
-    res = run_stage(stage, blocks, cfg, ctx=ctx)
-    got_blocks = _rows(view(res.blocks))
-    dec = res.decisions.collect().select(DECISION_VIEW).sort(DECISION_VIEW[:7])
-    got_dec = _rows(dec)
-    if update_goldens:
-        _write(case / "expected_blocks.jsonl", got_blocks)
-        _write(case / "expected_decisions.jsonl", got_dec)
-    assert got_blocks == _read(case / "expected_blocks.jsonl")
-    assert got_dec == _read(case / "expected_decisions.jsonl")
-    again = run_stage(stage, res.blocks, cfg, ctx=ctx)
-    assert again.decisions.collect().height == 0, "second pass must decide nothing"
-    assert _rows(view(again.blocks)) == got_blocks
+    check_golden(case, update=update_goldens)

@@ -27,6 +27,14 @@ from pipeline.blockops import empty_decisions
 from pipeline.registry import StageContext, StageResult
 from pipeline.testkit import make_blocks, run_stage
 
+try:
+    from tests.strategies import examples
+except ModuleNotFoundError:  # the repo root is not on sys.path under --import-mode=importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.strategies import examples
+
 CONTENT = ["role", "block_type", "part_type", "text", "tool_use_id", "tool_name", "tool_input", "is_error",
            "image_data", "signature"]
 KEY = ["entry_id", "block_pos", "part_pos"]
@@ -234,7 +242,7 @@ def _runner(case: str) -> Runner:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(seed=st.integers(0, 10_000), cut_at=st.floats(0.2, 0.9))
 def test_stage_properties(case: str, seed: int, cut_at: float) -> None:
     msgs = gen_messages(seed)
@@ -242,7 +250,7 @@ def test_stage_properties(case: str, seed: int, cut_at: float) -> None:
     check_all(_runner(case), msgs, cuts[int(cut_at * (len(cuts) - 1))])
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(seed=st.integers(0, 10_000), cut_at=st.floats(0.2, 0.9))
 def test_chain_properties(seed: int, cut_at: float) -> None:
     msgs = gen_messages(seed, turns=10)

@@ -124,7 +124,7 @@ def test_readers_see_one_run(tmp_path: Path) -> None:
     run_dir = resolve_run(out)
     assert run_dir.parent.name == ".runs" and (run_dir / "blocks.parquet").is_file()
     q = CliRunner().invoke(main, ["ledger", str(out), "--quarantine", "--json"], catch_exceptions=False)
-    assert q.exit_code == 0 and json.loads(q.stdout) == []
+    assert q.exit_code == 0 and json.loads(q.stdout) == {"count": 0, "rows": []}
     calls = pl.read_parquet(out / "calls.parquet")
     assert calls.height == 10
 

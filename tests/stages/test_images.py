@@ -1,4 +1,4 @@
-"""L3 images (layer-semantics §5) with Pillow: caps at first sight, resize ladder, omissions,
+"""L3 images (docs/layers.md) with Pillow: caps at first sight, resize ladder, omissions,
 decompression bombs, EXIF orientation, deterministic bytes, too many images per request."""
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def test_when_recent_turns_alone_hold_too_many_the_oldest_go() -> None:
 
 
 def test_target_without_image_input() -> None:
-    blocks, dec = _run(_turns(2), ctx=StageContext(extra={"supports_images": False}))
+    blocks, dec = _run(_turns(2), ctx=StageContext(supports_images=False))
     assert blocks.filter(pl.col("block_type") == "image").height == 0
     assert blocks.filter(pl.col("text") == NO_IMAGE_INPUT).height == 2
     assert set(dec["reason"]) == {"image_input_unsupported"}

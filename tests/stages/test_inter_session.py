@@ -1,4 +1,4 @@
-"""L2 inter_session (layer-semantics §4): header, explanation, encoding, insertion, idempotence."""
+"""L2 inter_session (docs/layers.md): header, explanation, encoding, insertion, idempotence."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""L5a result_budget (layer-semantics §7, §11, §13): caps, cuts, aggregate, spill, frozen decisions."""
+"""L5a result_budget (docs/layers.md): caps, cuts, aggregate, spill, frozen decisions."""
 
 from __future__ import annotations
 

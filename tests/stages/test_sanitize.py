@@ -1,4 +1,4 @@
-"""L1 sanitize (layer-semantics §3): one test per sub-step, the §13 magic-string case, usage."""
+"""L1 sanitize (docs/layers.md): one test per sub-step, the §13 magic-string case, usage."""
 
 from __future__ import annotations
 

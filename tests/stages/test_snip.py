@@ -1,4 +1,4 @@
-"""L5b snip (layer-semantics §8, §11, §13): watermarks, whole turns, protected rows, one marker."""
+"""L5b snip (docs/layers.md): watermarks, whole turns, protected rows, one marker."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pipeline.calls import request_tokens
 from pipeline.errors import SpecError
 from pipeline.registry import StageContext, get_stage
 from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, run_stage, visible
+from pipeline.testkit import make_blocks, make_context, run_stage, visible
 from pipeline.tokens import fast_token_estimate
 from stages.snip import SNIP_RE
 
-NO_DRY_RUN = StageContext(window_tokens=2_000, extra={"tombstone": None})
+NO_DRY_RUN = make_context(window_tokens=2_000, peers={})  # no tombstone in the pipeline
 PARAMS = {"reserve_output_tokens": 0}  # budget 2,000: high 1,600, low 1,200
 
 
@@ -125,7 +125,7 @@ def test_judged_after_a_dry_run_of_tombstone() -> None:
     _, without = run(msgs)
     assert without.filter(pl.col("action") == "snip").height > 0
     tomb = {"trigger_tokens": 1_000, "clear_at_least_tokens": 200, "keep_recent": 1, "trigger_idle_seconds": 0}
-    _, with_dry_run = run(msgs, ctx=StageContext(window_tokens=2_000, extra={"tombstone": tomb}))
+    _, with_dry_run = run(msgs, ctx=make_context(window_tokens=2_000, peers={"tombstone": tomb}))
     assert with_dry_run.height == 0  # tombstoning alone gets the request under the high watermark
 
 

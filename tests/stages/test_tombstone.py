@@ -1,4 +1,4 @@
-"""L6 tombstone (layer-semantics §9, §11, §13): triggers, eligibility, replacement, frontier, ledger."""
+"""L6 tombstone (docs/layers.md): triggers, eligibility, replacement, frontier, ledger."""
 
 from __future__ import annotations
 

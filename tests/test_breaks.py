@@ -1,0 +1,99 @@
+"""Recorded cache breaks: each cause, its order, tokens; classes and per-session figures."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import polars as pl
+
+from pipeline import breaks
+
+T0 = datetime(2026, 2, 10, 12, 0, tzinfo=UTC)
+OPUS, HAIKU = "claude-opus-4-6", "claude-haiku-4-5-20251001"
+
+
+def frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """One thread; each row: t (s), read, write (5m unless w1), model, seg, strip, pre."""
+    out = []
+    for k, r in enumerate(rows):
+        w1 = r.get("w1", False)
+        out.append({"session_id": "s", "thread_id": "main", "thread_key": "s", "call": k, "is_pending": False,
+                    "timestamp": T0 + timedelta(seconds=r["t"]), "model": r.get("model", OPUS),
+                    "recorded_input_tokens": 1, "recorded_cache_read_tokens": r["read"],
+                    "recorded_cache_write_tokens": r["write"],
+                    "recorded_cache_write_5m_tokens": 0 if w1 else r["write"],
+                    "recorded_cache_write_1h_tokens": r["write"] if w1 else 0,
+                    "segment": r.get("seg", 0), "recorded_strip": r.get("strip", False),
+                    "preamble_tokens": r.get("pre", 20000)})
+    return pl.DataFrame(out, schema_overrides={"call": pl.Int32, "segment": pl.Int32})
+
+
+def causes(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    out = breaks.recorded_breaks(frame(rows)).sort("call")
+    return list(zip(out["recorded_break_cause"].to_list(), out["recorded_break_tokens"].to_list(),
+                    out["recorded_break_detail"].to_list(), strict=True))
+
+
+def test_incremental_reads_are_not_breaks_and_more_is_not_a_break() -> None:
+    got = causes([{"t": 0, "read": 17000, "write": 9000}, {"t": 10, "read": 26000, "write": 500},
+                  {"t": 20, "read": 26600, "write": 300}])          # 100 more than cached: a concurrent write
+    assert [c for c, _, _ in got] == [None, None, None]
+
+
+def test_each_cause_in_order() -> None:
+    got = causes([
+        {"t": 0, "read": 17000, "write": 9000},
+        {"t": 10, "read": 0, "write": 26500, "model": HAIKU},                       # model switch
+        {"t": 20, "read": 26500, "write": 500, "model": HAIKU},
+        {"t": 321, "read": 0, "write": 27500, "model": HAIKU},                      # idle 301 s > 5m
+        {"t": 330, "read": 21000, "write": 9000, "model": HAIKU, "seg": 1},          # compaction
+        {"t": 340, "read": 21000, "write": 9500, "model": HAIKU, "seg": 1, "strip": True},   # thinking strip
+        {"t": 350, "read": 19000, "write": 12000, "model": HAIKU, "seg": 1},         # fell into the preamble
+        {"t": 360, "read": 25000, "write": 7000, "model": HAIKU, "seg": 1},          # inside the messages
+    ])
+    assert [c for c, _, _ in got] == [None, "model_switch", None, "ttl_expiry", "compaction", "thinking_strip",
+                                      "preamble", "unexplained"]
+    assert [n for _, n, _ in got][1:] == [26000, None, 27000, 6500, 9000, 11500, 6000]
+    assert got[1][2] == f"{OPUS} -> {HAIKU}; also preamble"
+    assert got[3][2] == "idle 301 s > TTL 5m; also preamble"
+    assert got[7][2] is None
+
+
+def test_ttl_follows_the_recorded_split_both_sides() -> None:
+    base = [{"t": 0, "read": 17000, "write": 9000, "w1": True}]
+    assert causes([*base, {"t": 3599, "read": 26000, "write": 10}])[1][0] is None
+    assert causes([*base, {"t": 3601, "read": 0, "write": 26010}])[1][0] == "ttl_expiry"
+    base5 = [{"t": 0, "read": 17000, "write": 9000}]
+    assert causes([*base5, {"t": 299, "read": 0, "write": 26010}])[1][0] == "preamble"
+    assert causes([*base5, {"t": 301, "read": 0, "write": 26010}])[1][0] == "ttl_expiry"
+
+
+def test_classes_agreement_and_sessions() -> None:
+    c = breaks.recorded_breaks(frame([{"t": 0, "read": 17000, "write": 9000}, {"t": 10, "read": 26000, "write": 500},
+                                      {"t": 400, "read": 0, "write": 26600}]))
+    c = c.with_columns(sim_cache_read_tokens=pl.Series([0, 26000, 26500]), sim_cache_write_5m_tokens=pl.Series([26000, 500, 600]),
+                       sim_cache_write_1h_tokens=pl.lit(0), sim_input_tokens=pl.lit(1),
+                       recorded_cost_usd=pl.lit(1.0), sim_cost_usd=pl.lit(0.5), sim_break_cause=pl.lit(None, pl.String),
+                       sim_break_detail=pl.lit(None, pl.String), sim_break_tokens=pl.lit(None, pl.Int64),
+                       recorded_break_cost_usd=pl.Series([None, None, 0.25]), sim_break_cost_usd=pl.lit(None, pl.Float64))
+    cl = breaks.classify(c).sort("call")
+    assert cl["rec_class"].to_list() == ["warm", "hit", "break"]
+    assert cl["sim_class"].to_list() == ["cold", "hit", "hit"]
+    assert cl["agree"].to_list() == [False, True, False]
+    s = breaks.sessions(c).row(0, named=True)
+    assert s["calls"] == 3 and s["agree"] == 1 and s["rec_breaks"] == 1 and s["sim_breaks"] == 0
+    assert s["rec_break_share"] == 0.25 / 3
+    assert s["read_diff"] == 52500 / 43000 - 1.0
+    by = breaks.by_cause(c)
+    assert by["recorded"]["ttl_expiry"]["breaks"] == 1 and by["recorded"]["unexplained_share"] == 0.0
+
+
+def test_automatic_caching_misses_are_best_effort_and_count_the_uncached_input() -> None:
+    rows = [{"t": 0, "read": 0, "write": 0, "model": "gpt-5.1-codex-max"},
+            {"t": 10, "read": 4096, "write": 0, "model": "gpt-5.1-codex-max"},
+            {"t": 20, "read": 1024, "write": 0, "model": "gpt-5.1-codex-max"}]
+    f = frame(rows).with_columns(recorded_input_tokens=pl.Series([5000, 1000, 3500]))
+    out = breaks.recorded_breaks(f).sort("call")
+    assert out["recorded_break_cause"].to_list() == [None, None, "best_effort"]
+    assert out["recorded_break_tokens"][2] == 4096 - 1024      # the lost prefix, cached again as input

@@ -1,0 +1,526 @@
+"""The cache simulator's rules, each on small synthetic call sequences (both sides of every threshold)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import polars as pl
+import pytest
+
+from pipeline import calibrate
+from pipeline.cachesim import CacheState, Policy, Prepared, SimError, SimStore, min_cacheable_tokens, simulate
+
+T0 = datetime(2026, 2, 10, 12, 0, tzinfo=UTC)
+SONNET = "claude-sonnet-4-5-20250929"   # minimum cacheable prompt 1,024
+OPUS = "claude-opus-4-6"                # 4,096
+SID = "11111111-0000-4000-8000-000000000001"
+SID2 = "22222222-0000-4000-8000-000000000002"
+
+CALL_SCHEMA = {
+    "session_id": pl.String, "thread_id": pl.String, "thread_key": pl.String, "call": pl.Int32,
+    "is_pending": pl.Boolean, "timestamp": pl.Datetime("ms", "UTC"), "model": pl.String, "prompt_tokens": pl.Int64,
+    "recorded_input_tokens": pl.Int64, "recorded_output_tokens": pl.Int64, "recorded_cache_read_tokens": pl.Int64,
+    "recorded_cache_write_tokens": pl.Int64, "recorded_cache_write_5m_tokens": pl.Int64,
+    "recorded_cache_write_1h_tokens": pl.Int64, "segment": pl.Int32, "strip": pl.Boolean,
+    "answer": pl.Datetime("ms", "UTC"),
+}
+
+
+def tool_result(tid: str, text: str) -> dict[str, Any]:
+    return {"content": text, "tool_use_id": tid, "type": "tool_result"}
+
+
+def canon(content: list[dict[str, Any]], role: str = "user") -> bytes:
+    import orjson
+
+    return orjson.dumps({"content": content, "role": role}, option=orjson.OPT_SORT_KEYS)
+
+
+class Scenario:
+    """Threads as per-call message lists (the last list is the pending call), their call times and
+    a fixed calibration (ratio 1, no preamble unless given): positions are our own token counts."""
+
+    def __init__(self) -> None:
+        self.msgs: dict[str, dict[str, Any]] = {}
+        self.lists: dict[str, list[list[str]]] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.cal: list[dict[str, Any]] = []
+
+    def msg(self, name: str, tokens: int, blocks: int = 1, **kw: Any) -> str:
+        self.msgs[name] = {"tokens": tokens, "blocks": blocks, **kw}
+        return name
+
+    def thread(self, session: str, thread_id: str, lists: list[list[str]], times: list[float], *,
+               models: str | list[str] = SONNET, answers: list[float | None] | None = None,
+               segments: list[int] | None = None, strips: list[bool] | None = None,
+               usage: list[dict[str, int] | None] | None = None, **cal: Any) -> str:
+        key = session if thread_id == "main" else f"{session}--{thread_id}"
+        assert len(lists) == len(times) + 1, "one list per recorded call, plus the pending one"
+        self.lists[key] = lists
+        for k, names in enumerate(lists):
+            pending = k == len(times)
+            t = times[k] if not pending else times[-1]
+            u = (usage[k] if usage and not pending else None) or {}
+            model = models if isinstance(models, str) else models[min(k, len(models) - 1)]
+            ans = answers[k] if answers and not pending else None
+            self.rows.append({
+                "session_id": session, "thread_id": thread_id, "thread_key": key, "call": k, "is_pending": pending,
+                "timestamp": T0 + timedelta(seconds=t), "model": model,
+                "prompt_tokens": 3 + sum(self.msgs[n]["tokens"] + 3 for n in names),
+                "recorded_input_tokens": u.get("input"), "recorded_output_tokens": u.get("output", 10),
+                "recorded_cache_read_tokens": u.get("read"), "recorded_cache_write_tokens": u.get("write"),
+                "recorded_cache_write_5m_tokens": u.get("w5"), "recorded_cache_write_1h_tokens": u.get("w1"),
+                "segment": segments[min(k, len(segments) - 1)] if segments else 0,
+                "strip": strips[k] if strips and not pending else False,
+                "answer": T0 + timedelta(seconds=ans) if ans is not None else None,
+            })
+        self.cal.append({"thread_key": key, "session_id": session, "thread_id": thread_id, **cal})
+        return key
+
+    def calls(self) -> pl.DataFrame:
+        return pl.DataFrame(self.rows, schema=CALL_SCHEMA)
+
+    def run(self, policy: Policy | None = None, *, decisions: pl.DataFrame | None = None, prices: Any = None,
+            state: CacheState | None = None, aliases: dict[str, str] | None = None) -> pl.DataFrame:
+        calls = self.calls()
+        store = SimStore.from_lists(self.lists, self.msgs)
+        prep = Prepared.for_calls(calls, calibrate.fixed(self.cal), segment="segment", recorded_strip="strip",
+                                  answer_timestamp="answer")
+        out = simulate(calls.drop("segment", "strip", "answer"), store, prep, decisions=decisions, prices=prices,
+                       policy=policy, state=state, aliases=aliases).calls
+        return out.sort("thread_key", "call")
+
+
+def row(df: pl.DataFrame, call: int, key: str | None = None) -> dict[str, Any]:
+    d = df.filter(pl.col("call") == call)
+    if key is not None:
+        d = d.filter(pl.col("thread_key") == key)
+    assert d.height == 1
+    return d.row(0, named=True)
+
+
+def end(*tokens: int) -> int:
+    """The position of the end of messages with these token counts (request + message overheads)."""
+    return 3 + sum(t + 3 for t in tokens)
+
+
+def two_calls(gap: float, **kw: Any) -> tuple[Scenario, str]:
+    s = Scenario()
+    s.msg("u0", 2000)
+    s.msg("a0", 50)
+    s.msg("u1", 300)
+    s.msg("a1", 40)
+    key = s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1"]], [0, gap], **kw)
+    return s, key
+
+
+# --------------------------------------------------------------------------------------------- TTL
+
+
+@pytest.mark.parametrize(("gap", "ttl", "hit"), [(299, "5m", True), (301, "5m", False),
+                                                 (3599, "1h", True), (3601, "1h", False)])
+def test_ttl_boundary_both_sides(gap: float, ttl: str, hit: bool) -> None:
+    s, _ = two_calls(gap)
+    out = s.run(Policy(ttl=ttl))
+    r = row(out, 1)
+    if hit:
+        assert r["sim_cache_read_tokens"] == end(2000)
+        assert r["sim_break_cause"] is None
+    else:
+        assert r["sim_cache_read_tokens"] == 0
+        assert r["sim_break_cause"] == "ttl_expiry"
+        assert r["sim_break_tokens"] == end(2000)
+    assert r["sim_cache_read_tokens"] + r["sim_cache_write_5m_tokens"] + r["sim_cache_write_1h_tokens"] \
+        + r["sim_input_tokens"] == r["calibrated_prompt_tokens"] == end(2000, 50, 300)
+    # the write goes to the TTL's column
+    w = "sim_cache_write_1h_tokens" if ttl == "1h" else "sim_cache_write_5m_tokens"
+    assert r[w] > 0 and r["sim_cache_write_1h_tokens" if ttl == "5m" else "sim_cache_write_5m_tokens"] == 0
+
+
+def test_ttl_from_the_recorded_split_else_the_default() -> None:
+    # call 0 recorded a 1-hour write: the entry lives an hour; with no split, the default 5 minutes
+    s, _ = two_calls(1000, usage=[{"input": 3, "read": 0, "write": 2000, "w5": 0, "w1": 2000}, None])
+    assert row(s.run(), 1)["sim_cache_read_tokens"] == end(2000)
+    s, _ = two_calls(1000)
+    assert row(s.run(), 1)["sim_break_cause"] == "ttl_expiry"
+    s, _ = two_calls(1000)
+    assert row(s.run(Policy(default_ttl="1h")), 1)["sim_break_cause"] is None
+
+
+def test_a_hit_refreshes_the_entry() -> None:
+    # u0's entry, written at 0 for 5 minutes, is read at 200 (refreshed to 500) and again at 450
+    s = Scenario()
+    for name, tok in (("u0", 2000), ("a0", 50), ("u1", 300), ("b0", 60), ("u2", 200), ("a2", 10)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "b0", "u2"], ["u0", "b0", "u2", "a2"]], [0, 200, 450])
+    out = s.run()
+    assert row(out, 1)["sim_cache_read_tokens"] == end(2000)
+    assert row(out, 2)["sim_cache_read_tokens"] == end(2000)
+    s2 = Scenario()
+    s2.msgs = s.msgs
+    s2.thread(SID, "main", [["u0"], ["u0", "b0", "u2"], ["u0", "b0", "u2", "a2"]], [0, 450])
+    assert row(s2.run(), 1)["sim_cache_read_tokens"] == 0
+
+
+# ------------------------------------------------------------------------------ minimum cacheable length
+
+
+@pytest.mark.parametrize(("model", "tokens", "cached"), [
+    (SONNET, 1017, False), (SONNET, 1018, True),          # prompt 1,023 / 1,024
+    (OPUS, 4089, False), (OPUS, 4090, True),              # prompt 4,095 / 4,096
+])
+def test_minimum_cacheable_length_both_sides(model: str, tokens: int, cached: bool) -> None:
+    s = Scenario()
+    s.msg("u0", tokens)
+    s.msg("a0", 5)
+    s.msg("u1", 5)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1"]], [0, 10], models=model)
+    out = s.run()
+    r0, r1 = row(out, 0), row(out, 1)
+    assert r0["calibrated_prompt_tokens"] == end(tokens)
+    if cached:
+        assert r0["sim_cache_write_5m_tokens"] == end(tokens) and r0["sim_input_tokens"] == 0
+        assert r1["sim_cache_read_tokens"] == end(tokens)
+    else:
+        assert r0["sim_cache_write_5m_tokens"] == 0 and r0["sim_input_tokens"] == end(tokens)
+        assert r0["sim_cache_read_tokens"] == 0 == r1["sim_cache_read_tokens"]
+
+
+def test_minimum_cacheable_length_per_model() -> None:
+    assert min_cacheable_tokens("claude-opus-4-6", "anthropic") == 4096
+    assert min_cacheable_tokens("claude-haiku-4-5-20251001", "anthropic") == 4096
+    assert min_cacheable_tokens("claude-sonnet-4-6", "anthropic") == 2048
+    assert min_cacheable_tokens("claude-sonnet-4-5-20250929", "anthropic") == 1024
+    assert min_cacheable_tokens("claude-opus-5", "anthropic") == 512
+    assert min_cacheable_tokens("gpt-4o", "openai") == 1024
+    assert min_cacheable_tokens("gemini-2.5-flash", "gemini") == 2048
+    assert min_cacheable_tokens("gemini-3.1-pro-preview", "gemini") == 4096
+
+
+# ----------------------------------------------------------------------------------------- breakpoints
+
+
+def test_at_most_four_breakpoints() -> None:
+    Policy(breakpoints=("shared", "system", "last", "last"))
+    with pytest.raises(SimError, match="at most 4"):
+        Policy(breakpoints=("shared", "system", "last", "last", "last"))
+    with pytest.raises(SimError, match="unknown breakpoint"):
+        Policy(breakpoints=("tools",))
+
+
+def test_breakpoints_where_the_agent_puts_them() -> None:
+    # a 3,000-token system prompt (preamble 3,000, system breakpoint at its end)
+    def run(bps: tuple[str, ...]) -> dict[str, Any]:
+        s, _ = two_calls(10, preamble_tokens=3000, system_tokens=3000)
+        return row(s.run(Policy(breakpoints=bps)), 1)
+
+    assert run(("system", "last"))["sim_cache_read_tokens"] == 3000 + end(2000)
+    assert run(("system",))["sim_cache_read_tokens"] == 3000          # only the system prompt is cached
+    r = run(("system",))
+    assert r["sim_input_tokens"] == end(2000, 50, 300)
+    assert run(())["sim_cache_read_tokens"] == 0
+
+
+# ----------------------------------------------------------------------------------------- lookback
+
+
+@pytest.mark.parametrize(("blocks", "hit"), [(19, True), (20, False)])
+def test_twenty_block_lookback_both_sides(blocks: int, hit: bool) -> None:
+    # call 1 appends an answer of `blocks` blocks and a one-block tool result: the last breakpoint
+    # sits blocks + 1 blocks after the prefix call 0 cached
+    s = Scenario()
+    s.msg("u0", 2000)
+    s.msg("a0", 400, blocks=blocks)
+    s.msg("u1", 300)
+    s.msg("a1", 10)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1"]], [0, 10],
+             preamble_tokens=1500, system_tokens=1500)
+    r = row(s.run(), 1)
+    if hit:
+        assert r["sim_cache_read_tokens"] == 1500 + end(2000) and r["sim_break_cause"] is None
+    else:   # the system breakpoint still reads the system prompt
+        assert r["sim_cache_read_tokens"] == 1500
+        assert r["sim_break_cause"] == "lookback"
+        assert "21 blocks" in r["sim_break_detail"]
+
+
+def test_a_message_extended_by_blocks_keeps_its_old_end_as_a_boundary() -> None:
+    # the last tool result of call 1 gets text appended in call 2 (an interruption): the prefix
+    # cached at the end of the tool result is still a block boundary inside the new message
+    s = Scenario()
+    tr = [tool_result("t1", "x" * 40)]
+    s.msg("u0", 2000, data=canon([{"text": "do it", "type": "text"}]), real_user=True)
+    s.msg("a0", 50)
+    s.msg("u1", 300, data=canon(tr))
+    s.msg("u1x", 320, blocks=2, data=canon([*tr, {"text": "stop", "type": "text"}]))
+    s.msg("u1y", 320, blocks=2, data=canon([tool_result("t1", "y" * 40), {"text": "stop", "type": "text"}]))
+    s.msg("a2", 5)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1x"], ["u0", "a0", "u1x", "a2"]], [0, 10, 20])
+    r = row(s.run(), 2)
+    assert r["sim_break_cause"] is None
+    assert r["sim_cache_read_tokens"] == end(2000, 50, 300)
+    # a rewritten (not extended) message: the prefix breaks before it
+    s.lists[SID][2] = ["u0", "a0", "u1y"]
+    s.lists[SID][3] = ["u0", "a0", "u1y", "a2"]
+    r = row(s.run(), 2)
+    assert r["sim_break_cause"] == "unexplained"
+    assert r["sim_cache_read_tokens"] == end(2000)
+
+
+# ------------------------------------------------------------------------------------- concurrency
+
+
+@pytest.mark.parametrize(("start", "reads"), [(5, False), (15, True)])
+def test_a_write_is_readable_only_once_its_answer_starts(start: float, reads: bool) -> None:
+    # two threads of one session send the same first request; A's answer starts at t = 10
+    s = Scenario()
+    s.msg("u0", 2000)
+    s.msg("a0", 10)
+    a = s.thread(SID, "main", [["u0"], ["u0", "a0"]], [0], answers=[10])
+    b = s.thread(SID, "branch-1", [["u0"], ["u0", "a0"]], [start], answers=[start + 10])
+    out = s.run()
+    assert row(out, 0, a)["sim_cache_write_5m_tokens"] == end(2000)
+    rb = row(out, 0, b)
+    if reads:
+        assert rb["sim_cache_read_tokens"] == end(2000) and rb["sim_cache_write_5m_tokens"] == 0
+    else:   # concurrent requests both write
+        assert rb["sim_cache_read_tokens"] == 0 and rb["sim_cache_write_5m_tokens"] == end(2000)
+
+
+# ------------------------------------------------------------------------------------- model switch
+
+
+def test_model_switch_reads_nothing_then_the_old_model_cache_again() -> None:
+    s = Scenario()
+    for name, tok in (("u0", 2000), ("a0", 50), ("u1", 300), ("a1", 40), ("u2", 100), ("a2", 5)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1", "u2"],
+                           ["u0", "a0", "u1", "a1", "u2", "a2"]], [0, 10, 20],
+             models=[OPUS, SONNET, OPUS], preamble_tokens=3000, system_tokens=3000)
+    out = s.run()
+    r1, r2 = row(out, 1), row(out, 2)
+    assert r1["sim_cache_read_tokens"] == 0
+    assert r1["sim_break_cause"] == "model_switch"
+    assert r1["sim_break_detail"] == f"{OPUS} -> {SONNET}"
+    assert r2["sim_break_cause"] == "model_switch"
+    assert r2["sim_cache_read_tokens"] == 3000 + end(2000)   # what call 0 cached for Opus
+
+
+# ------------------------------------------------------------------------- cross-session preamble
+
+
+@pytest.mark.parametrize(("start", "shared_b", "read"), [(60, 1500, 1500), (400, 1500, 0), (60, 1600, 0)])
+def test_sessions_share_the_common_preamble(start: float, shared_b: int, read: int) -> None:
+    # two sessions of one account: a 1,500-token common preamble (tools + system), then their own
+    s = Scenario()
+    s.msg("x0", 2000)
+    s.msg("y0", 2500)
+    s.msg("z", 5)
+    s.thread(SID, "main", [["x0"], ["x0", "z"]], [0], preamble_tokens=3000, shared_tokens=1500, system_tokens=2000)
+    s.thread(SID2, "main", [["y0"], ["y0", "z"]], [start], preamble_tokens=3000, shared_tokens=shared_b,
+             system_tokens=2000)
+    out = s.run(Policy(warm_shared=False))
+    assert row(out, 0, SID2)["sim_cache_read_tokens"] == read
+    assert row(out, 0, SID)["sim_cache_read_tokens"] == 0
+    # per session, nothing is shared
+    assert row(s.run(Policy(warm_shared=False, scope="session")), 0, SID2)["sim_cache_read_tokens"] == 0
+
+
+def test_shared_preamble_read_by_a_first_request_is_warm() -> None:
+    # the recorded first request read its shared preamble: sessions outside the data keep it warm
+    s = Scenario()
+    s.msg("x0", 2000)
+    s.msg("z", 5)
+    s.thread(SID, "main", [["x0"], ["x0", "z"]], [0], preamble_tokens=3000, shared_tokens=1500, system_tokens=2000)
+    assert row(s.run(), 0)["sim_cache_read_tokens"] == 1500
+    assert row(s.run(Policy(warm_shared=False)), 0)["sim_cache_read_tokens"] == 0
+
+
+# --------------------------------------------------------------------------------- thinking strip
+
+
+@pytest.mark.parametrize(("real_user", "strips"), [(True, True), (False, False)])
+def test_a_new_user_turn_strips_the_thinking_of_the_turn_before(real_user: bool, strips: bool) -> None:
+    s = Scenario()
+    s.msg("u0", 2000, real_user=True)
+    s.msg("a0", 300, thinking=True)
+    s.msg("u1", 200)                      # a tool result
+    s.msg("a1", 40)
+    s.msg("u2", 30, real_user=real_user)  # text only (a new turn), or a tool result with text
+    s.msg("a2", 5)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1", "u2"],
+                           ["u0", "a0", "u1", "a1", "u2", "a2"]], [0, 10, 20],
+             preamble_tokens=3000, system_tokens=3000)
+    out = s.run()
+    r = row(out, 2)
+    if strips:
+        assert r["sim_break_cause"] == "thinking_strip"
+        assert r["sim_cache_read_tokens"] == 3000 + end(2000)   # u0's entry, before the stripped a0
+    else:
+        assert r["sim_break_cause"] is None
+        assert r["sim_cache_read_tokens"] == 3000 + end(2000, 300, 200)
+    assert row(s.run(Policy(strip_thinking=False)), 2)["sim_break_cause"] is None
+
+
+# ------------------------------------------------------------------------ compaction, layers, preamble
+
+
+def test_compaction_and_layer_breaks_are_named() -> None:
+    s = Scenario()
+    for name, tok in (("u0", 2000), ("a0", 50), ("u1", 300), ("a1", 40), ("u1t", 20), ("sum", 500), ("a2", 5)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1t", "a1"], ["sum"], ["sum", "a2"]],
+             [0, 10, 20, 30], segments=[0, 0, 0, 1], preamble_tokens=[3000, 3500], system_tokens=2000)
+    dec = pl.DataFrame({"session_id": [SID], "thread_id": ["main"], "from_call": [2], "stage": ["tombstone"],
+                        "action": ["tombstone"], "reason": ["stale_result"], "cache_epoch": [3]})
+    out = s.run(decisions=dec)
+    r2, r3 = row(out, 2), row(out, 3)
+    assert r2["sim_break_cause"] == "layer"
+    assert r2["sim_break_detail"] == "tombstone/tombstone:stale_result@3"
+    assert r2["sim_cache_read_tokens"] == 3000 + end(2000)       # call 0's entry: u1 was rewritten
+    assert r3["sim_break_cause"] == "compaction"
+    assert r3["sim_cache_read_tokens"] == 2000                   # the system prompt
+    assert r3["preamble_tokens"] == 3500
+
+
+# ------------------------------------------------------------------------------- OpenAI, Gemini
+
+
+@pytest.mark.parametrize(("model", "fee"), [("gpt-4o", False), ("gpt-5.6-sol", True)])
+def test_openai_automatic_caching_in_128_token_steps(model: str, fee: bool) -> None:
+    s = Scenario()
+    s.msg("u0", 1294)        # a 1,300-token prefix
+    s.msg("a0", 20)
+    s.msg("u1", 20)
+    s.msg("v0", 994)         # a 1,000-token request: below 1,024, never cached
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1"]], [0, 10], models=model)
+    s.thread(SID2, "main", [["v0"], ["v0", "a0", "u1"], ["v0", "a0", "u1"]], [0, 10], models=model)
+    out = s.run()
+    r0, r1 = row(out, 0, SID), row(out, 1, SID)
+    assert r1["sim_cache_read_tokens"] == 1280                       # 1,300 rounded down to 128s
+    assert r0["sim_cache_write_5m_tokens"] == (end(1294) if fee else 0)
+    assert r0["sim_input_tokens"] == (0 if fee else end(1294))
+    assert row(out, 1, SID2)["sim_cache_read_tokens"] == 0
+
+
+def test_gemini_implicit_hit_when_the_prefix_matches() -> None:
+    s = Scenario()
+    s.msg("u0", 2494)
+    s.msg("a0", 20)
+    s.msg("u1", 20)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1"]], [0, 10], models="gemini-2.5-pro")
+    out = s.run()
+    assert row(out, 1)["sim_cache_read_tokens"] == end(2494)
+    assert row(out, 0)["sim_cache_write_5m_tokens"] == 0 and row(out, 0)["sim_input_tokens"] == end(2494)
+    s2 = Scenario()
+    s2.msgs = s.msgs
+    s2.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1"]], [0, 400], models="gemini-2.5-pro")
+    assert row(s2.run(), 1)["sim_cache_read_tokens"] == 0        # gone after gemini_ttl_s
+
+
+def test_an_agent_that_never_caches_is_simulated_without_cache() -> None:
+    s, _ = two_calls(10, uses_cache=False)
+    r = row(s.run(), 1)
+    assert r["sim_cache_read_tokens"] == 0 and r["sim_cache_write_5m_tokens"] == 0
+    assert r["sim_input_tokens"] == end(2000, 50, 300)
+
+
+# ------------------------------------------------------------------------------ purity, state, prices
+
+
+def test_simulate_is_deterministic_and_leaves_pending_calls_alone() -> None:
+    s, _ = two_calls(10)
+    a, b = s.run(), s.run()
+    assert a.equals(b)
+    pend = a.filter(pl.col("is_pending"))
+    assert pend.height == 1 and pend["sim_cache_read_tokens"].null_count() == 1
+
+
+def test_a_shared_state_carries_the_cache_across_calls_of_simulate() -> None:
+    s1 = Scenario()
+    s1.msg("u0", 2000)
+    s1.msg("z", 5)
+    s1.thread(SID, "main", [["u0"], ["u0", "z"]], [0])
+    s2 = Scenario()          # another session: its own system prompt, so nothing to read
+    s2.msgs = s1.msgs
+    s2.thread(SID2, "branch-1", [["u0"], ["u0", "z"]], [30])
+    s3 = Scenario()          # a branch of the same session sends the same bytes
+    s3.msgs = s1.msgs
+    s3.thread(SID, "branch-1", [["u0"], ["u0", "z"]], [30])
+    state = CacheState()
+    s1.run(state=state)
+    assert row(s3.run(state=state), 0)["sim_cache_read_tokens"] == end(2000)
+    assert row(s3.run(), 0)["sim_cache_read_tokens"] == 0
+    assert row(s2.run(state=CacheState()), 0)["sim_cache_read_tokens"] == 0
+
+
+def test_costs_from_the_price_book_and_unpriced_models_are_null() -> None:
+    from pipeline.prices import PriceBook
+
+    book = PriceBook.load(cache_dir=None)
+    s, _ = two_calls(10, usage=[{"input": 3, "read": 0, "write": 2003, "w5": 2003, "w1": 0, "output": 100},
+                                {"input": 1, "read": 2003, "write": 355, "w5": 355, "w1": 0, "output": 100}])
+    out = s.run(prices=book)
+    r0 = row(out, 0)
+    p = book.price(SONNET, T0, r0["sim_input_tokens"], 100, r0["sim_cache_write_5m_tokens"], 0, 0)
+    assert p is not None and r0["sim_cost_usd"] == pytest.approx(p.total_usd)
+    q = book.price(SONNET, T0, 3, 100, 2003, 0, 0)
+    assert q is not None and r0["recorded_cost_usd"] == pytest.approx(q.total_usd)
+    s2, _ = two_calls(10, models="no-such-model-xyz", usage=[{"input": 3, "read": 0, "write": 5, "w5": 5, "w1": 0}, None])
+    out2 = s2.run(prices=book)
+    assert out2.filter(~pl.col("is_pending"))["sim_cost_usd"].null_count() == 2
+    assert row(out2, 0)["recorded_cost_usd"] is None
+
+
+def test_break_cost_is_the_write_premium_over_a_read() -> None:
+    from pipeline.prices import PriceBook
+
+    book = PriceBook.load(cache_dir=None)
+    s, _ = two_calls(400)      # 5-minute TTL expired: call 1 re-writes u0
+    r = row(s.run(prices=book), 1)
+    rates = book.rates(SONNET, T0)
+    assert rates is not None
+    want = end(2000) * (rates.base.cache_write_5m - rates.base.cache_read) / 1e6
+    assert r["sim_break_cost_usd"] == pytest.approx(want)
+
+
+def test_a_call_without_a_model_is_simulated_and_left_unpriced() -> None:
+    from pipeline.prices import PriceBook
+
+    s, _ = two_calls(10)
+    for r in s.rows:
+        r["model"] = None
+    out = s.run(prices=PriceBook.load(cache_dir=None))
+    r = row(out, 1)
+    assert r["sim_cost_usd"] is None and r["calibrated_prompt_tokens"] == end(2000, 50, 300)
+
+
+@pytest.mark.parametrize("edit", [True, False])
+def test_a_cache_edit_keeps_the_prefix_and_drops_the_cleared_tokens(edit: bool) -> None:
+    # call 2 clears the tool result u1 (u1c): by rewrite, the prefix breaks there; by cache edit
+    # (an alias), the prefix stays cached and its cleared tokens leave it
+    s = Scenario()
+    for name, tok in (("u0", 2000), ("a0", 50), ("u1", 900), ("a1", 40), ("u2", 100), ("u1c", 10), ("a2", 5)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1c", "a1", "u2"],
+                           ["u0", "a0", "u1c", "a1", "u2", "a2"]], [0, 10, 20])
+    r = row(s.run(aliases={"u1c": "u1"} if edit else None), 2)
+    if edit:
+        assert r["sim_break_cause"] is None
+        assert r["sim_cache_read_tokens"] == end(2000, 50, 10)
+    else:
+        assert r["sim_break_cause"] == "unexplained"
+        assert r["sim_cache_read_tokens"] == end(2000)
+
+
+def test_openai_steady_growth_is_no_break_and_an_expiry_is() -> None:
+    s = Scenario()
+    for name, tok in (("u0", 1500), ("a0", 90), ("u1", 200), ("a1", 60), ("u2", 120), ("a2", 5)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1", "u2"],
+                           ["u0", "a0", "u1", "a1", "u2", "a2"]], [0, 10, 400], models="gpt-4.1")
+    out = s.run()
+    r1, r2 = row(out, 1), row(out, 2)
+    assert r1["sim_cache_read_tokens"] == end(1500) // 128 * 128 and r1["sim_break_cause"] is None
+    assert r2["sim_cache_read_tokens"] == 0 and r2["sim_break_cause"] == "ttl_expiry"
