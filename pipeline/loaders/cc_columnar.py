@@ -72,6 +72,9 @@ from pipeline.loaders.base import (
 from schemas.blocks import BLOCKS, CONTENT_COLUMNS, TS
 
 FORMAT = cc.FORMAT
+# what the SQL JSON reader accepts and orjson does not (two patterns: an alternation of both is slower)
+_TRAILING_COMMA = r",[ \t\r\n]*[\]}]"
+_NAN_OR_INF = r"[:,\[][ \t\r\n]*[-+]?(?i:nan|inf)"
 # lines longer than this take the careful path (bounded memory in the SQL engine for huge lines)
 MAX_FAST_LINE = 8 << 20
 # block keys the reference loader reads itself; any other key of a block is kept in extra_json
@@ -96,7 +99,7 @@ CREATE OR REPLACE TEMP MACRO jint_ok(x) AS (x IS NULL OR regexp_full_match(x, '-
     OR x = 'true' OR x = 'false' OR starts_with(x, '[') OR starts_with(x, '{'));
 CREATE OR REPLACE TEMP MACRO nodup(l) AS (l IS NULL OR len(l) = len(list_distinct(l)));
 CREATE OR REPLACE TEMP MACRO keys_nodup(ks) AS (ks IS NULL OR list_bool_and(list_transform(ks, lambda k: nodup(k))));
-CREATE OR REPLACE TEMP MACRO nodupk(x) AS (x IS NULL OR hash(x) NOT IN (SELECT hk FROM dup_keys));
+CREATE OR REPLACE TEMP MACRO nodupk(x) AS (x IS NULL OR x = [NULL] OR hash(x) NOT IN (SELECT hk FROM dup_keys));
 """
 
 _LINE_SPEC = orjson.dumps({
@@ -116,27 +119,31 @@ _SOURCE_SPEC = orjson.dumps({"type": "JSON", "media_type": "JSON", "data": "JSON
 _TS_RE = r'"[1-9][0-9]{3}-[0-9]{2}-[0-9]{2}T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\.[0-9]{3}Z"'
 _KNOWN_SQL = ", ".join(f"'{k}'" for k in KNOWN_BLOCK_KEYS)
 
-# One row per fast line: the transform, and the keys of every object read (duplicate keys: the SQL
-# engine reads the first, the reference loader the last; such lines take the careful path).
+# One row per candidate line: the keys of every object read (duplicate keys: the SQL engine reads the
+# first, the reference loader the last; such lines take the careful path), which also says whether
+# the line is JSON at all (null: not JSON), and the transform of the lines that are.
 _SQL_PARSE = f"""
 CREATE OR REPLACE TEMP TABLE p AS
-SELECT lid, json_transform(t, '{_LINE_SPEC}') AS s,
-       json_keys(t, ['$', '$.message', '$.message.usage', '$.message.usage.cache_creation', '$.data',
-                     '$.attachment']) AS k
-FROM v
+SELECT lid, k, CASE WHEN k IS NOT NULL THEN json_transform(t, '{_LINE_SPEC}') END AS s
+FROM (SELECT lid, t, try(json_keys(t, ['$', '$.message', '$.message.usage', '$.message.usage.cache_creation',
+                                       '$.data', '$.attachment'])) AS k FROM v)
 """
 
 # key lists with a duplicate key: checked once per distinct list (a few dozen in real files), then
 # matched back by hash (a hash shared with a clean list only sends more lines to the careful path)
 _SQL_DUPS = """
 CREATE OR REPLACE TEMP TABLE dup_keys AS
-SELECT hash(k) AS hk FROM (SELECT DISTINCT k FROM p) WHERE NOT keys_nodup(k)
-UNION ALL
-SELECT hash(bk) AS hk FROM (SELECT DISTINCT bk FROM bi WHERE bk IS NOT NULL) WHERE NOT keys_nodup(bk)
-UNION ALL
-SELECT hash(qk) AS hk FROM (SELECT DISTINCT qk FROM pt WHERE qk IS NOT NULL) WHERE NOT keys_nodup(qk)
-UNION ALL
-SELECT hash(rk) AS hk FROM (SELECT DISTINCT rk FROM src2 WHERE rk IS NOT NULL) WHERE len(rk) <> list_unique(rk)
+WITH sig AS (
+  SELECT hash(k) AS hk, min(k) AS lo, max(k) AS hi FROM p WHERE k IS NOT NULL GROUP BY hash(k)
+  UNION ALL
+  SELECT hash(bk), min(bk), max(bk) FROM bi WHERE bk IS NOT NULL GROUP BY hash(bk)
+  UNION ALL
+  SELECT hash(qk), min(qk), max(qk) FROM pt WHERE qk IS NOT NULL GROUP BY hash(qk)
+  UNION ALL
+  SELECT hash([rk]), min([rk]), max([rk]) FROM src2 WHERE rk IS NOT NULL GROUP BY hash([rk])
+)
+-- a hash shared by two different key lists is flagged too (their lines then take the careful path)
+SELECT hk FROM sig WHERE lo <> hi OR NOT keys_nodup(lo)
 """
 
 # message.content that is not a list: a string (one text block), null / missing, or something else
@@ -241,7 +248,7 @@ WITH blk AS (
                    THEN it
          END,
          CASE WHEN bt IN ('tool_use', 'server_tool_use') AND len(rest) > 0 THEN it END,
-         NOT (bt IS NOT NULL AND nodupk(bk) AND nodupk(rk)
+         NOT (bt IS NOT NULL AND nodupk(bk) AND nodupk([rk])
               AND (bt NOT IN ('text') OR jok(b.text))
               AND (bt <> 'thinking' OR (jok(b.thinking) AND jok(b.signature)))
               AND (bt <> 'redacted_thinking' OR jok(b.data))
@@ -267,7 +274,7 @@ WITH blk AS (
          CASE WHEN q.type IS NULL OR q.type NOT IN ('"text"', '"image"', '"tool_reference"')
               THEN coalesce(pj, 'null') END,
          NULL,
-         NOT (jok(tuid) AND jbool_ok(iserr) AND nodupk(bbk) AND nodupk(qk) AND nodupk(src2.rk)
+         NOT (jok(tuid) AND jbool_ok(iserr) AND nodupk(bbk) AND nodupk(qk) AND nodupk([src2.rk])
               AND (q.type IS DISTINCT FROM '"text"' OR jok(q.text))
               AND (q.type IS DISTINCT FROM '"tool_reference"' OR jok(q.tool_name))
               AND (q.type IS DISTINCT FROM '"image"' OR src2.r IS NULL
@@ -813,25 +820,24 @@ def _parse(b: _Batch) -> None:
         text = pc.utf8_rtrim(text, characters="\r")  # decode_line drops a line's trailing \r
     b.text, b.lines_bin = text, lines_bin
     clock.lap("split lines, UTF-8")
-    # strict JSON (polars' simd-json reads what orjson reads), on the candidate lines only
+    # candidates: one JSON object per line, not too long; the SQL reader checks the rest, but it also
+    # reads trailing commas and NaN / Infinity literals, which orjson refuses: lines that may hold
+    # one (anywhere, strings included) take the careful path
     s = pl.Series("t", text)
-    cand = (s.str.starts_with("{") & s.str.ends_with("}") & (s.str.len_bytes() <= MAX_FAST_LINE)).fill_null(False)
-    lid_all = pl.int_range(0, len(s), eager=True, dtype=pl.Int64)
-    cdf = pl.DataFrame({"lid": lid_all, "t": s}).filter(cand)
-    t_col = cdf.get_column("t")
-    valid = t_col.str.json_path_match("$.type").is_not_null()
+    cand = (s.str.starts_with("{") & s.str.ends_with("}") & (s.str.len_bytes() <= MAX_FAST_LINE)
+            & ~s.str.contains(_TRAILING_COMMA) & ~s.str.contains(_NAN_OR_INF)).fill_null(False)
     # a line with more brackets than MAX_DEPTH may nest deeper than the reference loader reads
-    many = (t_col.str.count_matches("{", literal=True) + t_col.str.count_matches("[", literal=True)) > MAX_DEPTH
-    deep = cdf.filter(valid & many)
-    ok_lids = cdf.get_column("lid").filter(valid)
+    many = (s.str.count_matches("{", literal=True) + s.str.count_matches("[", literal=True)) > MAX_DEPTH
+    lid_all = pl.int_range(0, len(s), eager=True, dtype=pl.Int64)
+    deep = pl.DataFrame({"lid": lid_all, "t": s}).filter(cand & many)
     if deep.height:
         too_deep = [i for i, t in zip(deep["lid"].to_list(), deep["t"].to_list(), strict=True) if _nests_too_deep(t)]
         if too_deep:
-            ok_lids = ok_lids.filter(~ok_lids.is_in(too_deep))
-    clock.lap("strict JSON check (polars)")
-    if ok_lids.len() == 0:
+            cand = cand & ~lid_all.is_in(too_deep)
+    clock.lap("candidate lines (polars)")
+    if not cand.any():
         return
-    mask = lid_all.is_in(ok_lids).to_arrow()
+    mask = cand.to_arrow()
     con = duckdb.connect()
     try:
         con.register("lines", pa.table({"lid": lid_all.to_arrow(), "t": text, "ok": mask}))
@@ -1022,37 +1028,8 @@ def _fast_block_table(ebt: pa.Table) -> pa.Table:
     cols = {c: ebt.column(c) for c in _EB_COLS if c != "part_pos"}
     cols["part_pos"] = ebt.column("pi")
     cols["image_bytes"] = pc.max_element_wise(decoded, pa.scalar(0, pa.int64()), skip_nulls=False)
-    cols["content_sha256"] = _content_shas_columnar({c: cols[c] for c in CONTENT_COLUMNS}, ebt.num_rows)
+    cols["content_sha256"] = pa.array(_content_shas_py({c: cols[c].to_pylist() for c in CONTENT_COLUMNS}), pa.string())
     return pa.Table.from_arrays([_typed(cols[f.name], f.type) for f in _EB_SCHEMA], schema=_EB_SCHEMA)
-
-
-def _content_shas_columnar(cols: dict[str, Any], n: int) -> pa.Array:
-    """content_sha256 of every row, built and hashed in SQL: sha256 of the canonical JSON of the non-null
-    content columns (sorted keys). A row whose JSON text holds a `\\u00` escape (control characters: the
-    SQL writer spells some hex digits in upper case, orjson in lower case) is hashed in Python."""
-    if n == 0:
-        return pa.array([], pa.string())
-    tbl = pa.table(cols)
-    parts = []
-    for k in sorted(CONTENT_COLUMNS):
-        val = f"CASE WHEN {k} THEN 'true' ELSE 'false' END" if k == "is_error" else f"to_json({k})"
-        parts.append(f"CASE WHEN {k} IS NOT NULL THEN '\"{k}\":' || {val} END")
-    con = duckdb.connect()
-    try:
-        con.register("t", tbl)
-        out = con.sql(f"SELECT sha256(j) AS h, contains(j, '\\u00') AS esc FROM "
-                      f"(SELECT '{{' || concat_ws(',', {', '.join(parts)}) || '}}' AS j FROM t)").to_arrow_table()
-    finally:
-        con.close()
-    h = out.column("h").combine_chunks()
-    esc = pc.indices_nonzero(pc.fill_null(out.column("esc"), False)).to_pylist()
-    if not esc:
-        return h
-    hl = h.to_pylist()
-    fixed = _content_shas_py(tbl.take(pa.array(esc, pa.int64())).to_pydict())
-    for i, v in zip(esc, fixed, strict=True):
-        hl[i] = v
-    return pa.array(hl, pa.string())
 
 
 # ---------------------------------------------------------------- per group: nodes
