@@ -60,7 +60,7 @@ class LoadResult:
 
 def is_transcript_name(p: Path) -> bool:
     n = p.name
-    return n.endswith(".jsonl") or ".jsonl.deleted." in n or ".jsonl.reset." in n or n.endswith(".json")
+    return n.endswith((".jsonl", ".json")) or ".jsonl.deleted." in n or ".jsonl.reset." in n
 
 
 def discover(paths: list[Path]) -> tuple[list[Path], list[dict[str, str]]]:
