@@ -1,7 +1,8 @@
 """Load speed: the columnar Claude Code loader against the reference (row-by-row) one.
 
 On a tree made by `gen_tree.py` (default 190 MB), each engine loads the whole tree
-(`load_paths(..., engine=...)`) in a fresh process per run, so peak RSS is its own. Prints per
+(`load_paths(..., engine=...)`) in a fresh process per run, so peak RSS is its own, with Python's
+cyclic GC paused as `ctxreplay run` pauses it while it loads. Prints per
 engine the best wall and CPU seconds of N runs, MB/s, peak RSS (and its growth over the process
 after imports), the speed-up of the columnar engine (goal: at least 5x) and whether both gave the
 same blocks table (every column, every row: `Table.equals`). `--phases` adds the columnar engine's
@@ -16,6 +17,7 @@ JSON functions (what cc_columnar uses) and polars over orjson-decoded batches.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -44,9 +46,11 @@ def child(engine: str, tree: Path, table_out: Path | None) -> None:
 
     base = _rss_mb()
     timings: dict[str, float] | None = {} if engine == "columnar" else None
+    gc.disable()  # as `ctxreplay run` loads (runner._gc_paused)
     t0, c0 = time.perf_counter(), time.process_time()
     res = load_paths([tree], engine=engine, timings=timings)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    gc.enable()
     peak = _rss_mb()
     if table_out is not None:
         with pa.OSFile(str(table_out), "wb") as fh, pa.ipc.new_file(fh, res.blocks.schema) as w:

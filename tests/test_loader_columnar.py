@@ -278,6 +278,26 @@ def test_a_bom_and_an_agent_file(tmp_path: Path) -> None:
     both([tmp_path], "bom + agent")
 
 
+def test_files_read_into_one_buffer_keep_their_own_lines(tmp_path: Path) -> None:
+    """All files of a call are split into lines from one joined buffer: a file without a final
+    newline, a blank one and one with CRLF line ends must keep their own lines, numbers and raw
+    text (the last line of one file never runs into the next file)."""
+    p = _session(tmp_path, _base())
+    p.write_bytes(p.read_bytes().rstrip(b"\n"))  # no newline at the end of the main file
+    sub = tmp_path / "proj" / SID / "subagents"
+    sub.mkdir(parents=True)
+    (sub / "agent-a1.jsonl").write_bytes(b"\n  \n")
+    (sub / "agent-b2.jsonl").write_bytes(
+        json.dumps(_u("s1", None, "task", isSidechain=True, agentId="b2")).encode() + b"\r\n"
+        + json.dumps(_a("s2", "s1", [{"type": "text", "text": "done"}], isSidechain=True)).encode() + b"\r\n")
+    (sub / "agent-c3.jsonl").write_bytes(json.dumps(_u("t1", None, "other", isSidechain=True, agentId="c3")).encode())
+    res = both([tmp_path], "joined buffer")
+    raw = res.blocks.column("raw_line").to_pylist()
+    assert all(r.startswith("{") and r.endswith("}") for r in raw)
+    assert sorted(set(res.blocks.column("entry_id").to_pylist())) == ["a1", "s1", "s2", "t1", "u1"]
+    assert not _columnar_only([tmp_path]).batch.slow_msgs
+
+
 def test_fast_path_sends_what_it_cannot_take_to_the_careful_path(tmp_path: Path) -> None:
     """Lines the columnar reader cannot take exactly (a duplicate key, a float where a count is read, a
     value JSON forbids) go through the reference loader's own line code; the clean lines around them
