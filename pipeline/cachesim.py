@@ -933,6 +933,47 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
 
 
 
+CACHE_EDIT_SUFFIX = ":cache_edit"
+
+
+def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any) -> dict[str, str]:
+    """The aliases (see simulate) of the run's cache edits: a decision whose reason ends in
+    `:cache_edit` (tombstone `mode = "cache_edit"`) changed its thread's request at its call on the
+    provider's side; a message of that call's request that differs from the message at the same
+    index of the call before (the edit replaces in place) keeps the place of that earlier version.
+    Chains resolve to the first version (a message edited twice keeps the place of the one first
+    cached)."""
+    if decisions is None or decisions.height == 0 or "reason" not in decisions.columns:
+        return {}
+    from pipeline.replay import thread_key_expr
+
+    edits = decisions.filter(pl.col("reason").str.ends_with(CACHE_EDIT_SUFFIX)
+                             & ~pl.col("action").is_in(["violation", "conflict"]))
+    if edits.height == 0:
+        return {}
+    at = edits.select(thread_key=thread_key_expr().cast(pl.String), call=pl.col("from_call").cast(pl.Int32)) \
+        .unique().filter(pl.col("call") > 0)
+    cm = call_messages if isinstance(call_messages, pl.DataFrame) else pl.from_arrow(call_messages)
+    assert isinstance(cm, pl.DataFrame)
+    spans = cm.filter(pl.col("slot").is_not_null()).select(pl.col("thread_key").cast(pl.String), "slot", "first_call",
+                                                           "last_call", "sha256")
+
+    def listed(c: pl.Expr) -> pl.DataFrame:
+        """The messages of the request at call c of each edit, with their index in it."""
+        live = spans.join(at.with_columns(_c=c), on="thread_key").filter(
+            (pl.col("first_call") <= pl.col("_c")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_c"))))
+        return live.with_columns(idx=pl.col("slot").rank("ordinal").over("thread_key", "call")).select(
+            "thread_key", "call", "idx", "sha256")
+
+    pairs = listed(pl.col("call") - 1).rename({"sha256": "old"}).join(
+        listed(pl.col("call")).rename({"sha256": "new"}), on=["thread_key", "call", "idx"]) \
+        .filter(pl.col("old") != pl.col("new")).sort("thread_key", "call", "idx")
+    out: dict[str, str] = {}
+    for o, n in zip(pairs.get_column("old").to_list(), pairs.get_column("new").to_list(), strict=True):
+        out.setdefault(n, out.get(o, o))
+    return out
+
+
 def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, store_tables: tuple[Any, Any],
                  decisions: pl.DataFrame | None, count_tokens: Any, prices: Any = "default",
                  policy: Policy | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -956,7 +997,8 @@ def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, sto
     assert isinstance(lb, pl.DataFrame) and isinstance(fb, pl.DataFrame)
     prep = prepare(lb, calls, count_tokens, fb)
     store = SimStore.from_tables(*store_tables)
-    res = simulate(calls, store, prep, decisions=decisions, prices=prices, policy=policy)
+    aliases = cache_edit_aliases(decisions, store_tables[1])
+    res = simulate(calls, store, prep, decisions=decisions, prices=prices, policy=policy, aliases=aliases)
     summary = res.summary
     if prices is not None:
         prices.save()
@@ -967,4 +1009,4 @@ def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, sto
 
 
 __all__ = ["SIM_COLUMNS", "CacheState", "Policy", "Prepared", "SimError", "SimResult", "SimStore", "after_replay",
-           "answer_times", "min_cacheable_tokens", "prepare", "provider_of", "simulate"]
+           "answer_times", "cache_edit_aliases", "min_cacheable_tokens", "prepare", "provider_of", "simulate"]
