@@ -38,9 +38,12 @@ BY = ("session", "day", "month", "model", "project")
 @click.option("--calls", "per_call", is_flag=True, help="With --sim: per call too.")
 @click.option("--breaks", "breaks_out", type=click.Path(path_type=Path), metavar="OUT",
               help="Instead of PATHS: every cache break of the run in OUT, its cause, tokens and cost.")
+@click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write a self-contained HTML page of charts (no network needed to view it); "
+                   "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
 def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
            prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
-           sim_out: Path | None, per_call: bool, breaks_out: Path | None) -> None:
+           sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
     PATHS are files or directories (searched recursively). Without PATHS: what ccusage reads,
@@ -57,9 +60,13 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     Example:
       ctxreplay report ~/.claude/projects --by day --since 20260201 --tz UTC
       ctxreplay report --breaks ctxreplay-out
+      ctxreplay report --sim ctxreplay-out --html report.html
     """
     if sim_out is not None or breaks_out is not None:
-        _run_views(paths, sim_out, per_call, breaks_out, json_)
+        if html_file is not None and sim_out is None:
+            raise Failure("--html goes with PATHS (recorded usage) or --sim OUT (a run's simulation), not --breaks: "
+                          "the page of --sim OUT shows the breaks")
+        _run_views(paths, sim_out, per_call, breaks_out, json_, html_file)
         return
     if per_call:
         raise Failure("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
@@ -84,11 +91,37 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     except CtxReplayError as exc:
         raise Failure(str(exc)) from exc
     doc = rep.to_json()
+    if html_file is not None:
+        _usage_html(rep, doc, book, opts, chosen, html_file)
     if json_:
         click.echo(orjson.dumps(doc).decode())
     else:
         _table(doc)
     _warnings(doc)
+
+
+def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: list[Path], html_file: Path) -> None:
+    """The page of `report PATHS --html`: per session (another grouping when --by is not session) and
+    by day and model, from the report's requests."""
+    import dataclasses
+
+    import polars as pl
+
+    from pipeline import report as rp
+    from pipeline.html_report import usage_html, write_html
+
+    try:
+        sessions = doc["rows"] if rep.by == "session" else rp.build_report(
+            chosen, book, dataclasses.replace(opts, by="session")).rows
+        recs = rep.records
+        dm = pl.DataFrame({"day": [r[rp.DAY] for r in recs], "model": [r[rp.MODEL] or "unknown" for r in recs],
+                           "cost": [r[rp.COST] for r in recs]}, schema={"day": pl.String, "model": pl.String,
+                                                                         "cost": pl.Float64})
+        dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
+        write_html(html_file, usage_html(doc, sessions, dm))
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    click.echo(f"ctxreplay report: wrote {html_file}", err=True)
 
 
 def _warnings(doc: dict[str, Any]) -> None:
@@ -170,7 +203,7 @@ def _cost(r: dict[str, Any]) -> str:
 
 
 def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, breaks_out: Path | None,
-               json_: bool) -> None:
+               json_: bool, html_file: Path | None = None) -> None:
     import orjson
 
     if paths:
@@ -190,6 +223,14 @@ def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, br
         raise Failure(str(exc)) from exc
     if sim_out is not None:
         doc = sim_view(calls, summary, per_call=per_call)
+        if html_file is not None:
+            from pipeline.html_report import sim_html, write_html
+
+            try:
+                write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
+            except CtxReplayError as exc:
+                raise Failure(str(exc)) from exc
+            click.echo(f"ctxreplay report: wrote {html_file}", err=True)
         if json_:
             click.echo(orjson.dumps(doc).decode())
         else:

@@ -123,18 +123,18 @@ def _metrics(calls: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     c = calls.filter(~pl.col("is_pending"))
     has_summary = "sim_summary_cost_usd" in c.columns
     write = pl.col("sim_cache_write_5m_tokens").fill_null(0) + pl.col("sim_cache_write_1h_tokens").fill_null(0)
-    aggs = dict(
-        calls=pl.len(),
-        prompt_tokens=pl.col("calibrated_prompt_tokens").sum(),
-        cache_read_tokens=pl.col("sim_cache_read_tokens").sum(),
-        cache_write_tokens=write.sum(),
-        input_tokens=pl.col("sim_input_tokens").sum(),
-        output_tokens=pl.col("recorded_output_tokens").sum(),
-        cost_usd=pl.col("sim_cost_usd").sum(),
-        breaks=pl.col("sim_break_cause").is_not_null().sum(),
-        summary_requests=(pl.col("sim_summary_cost_usd").is_not_null().sum() if has_summary else pl.lit(0)),
-        unpriced_calls=(pl.col("sim_cost_usd").is_null() & pl.col("sim_input_tokens").is_not_null()).sum(),
-    )
+    aggs = {
+        "calls": pl.len(),
+        "prompt_tokens": pl.col("calibrated_prompt_tokens").sum(),
+        "cache_read_tokens": pl.col("sim_cache_read_tokens").sum(),
+        "cache_write_tokens": write.sum(),
+        "input_tokens": pl.col("sim_input_tokens").sum(),
+        "output_tokens": pl.col("recorded_output_tokens").sum(),
+        "cost_usd": pl.col("sim_cost_usd").sum(),
+        "breaks": pl.col("sim_break_cause").is_not_null().sum(),
+        "summary_requests": (pl.col("sim_summary_cost_usd").is_not_null().sum() if has_summary else pl.lit(0)),
+        "unpriced_calls": (pl.col("sim_cost_usd").is_null() & pl.col("sim_input_tokens").is_not_null()).sum(),
+    }
     g = c.group_by(by).agg(**aggs) if by else c.select(**aggs)
     return g.with_columns(
         cache_hit_rate=pl.when(pl.col("prompt_tokens") > 0).then(pl.col("cache_read_tokens") / pl.col("prompt_tokens")),
