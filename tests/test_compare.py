@@ -188,9 +188,9 @@ def test_mode_keeps_the_spec_hash_of_existing_specs_and_is_checked(tmp_path: Pat
     base = load_spec(spec_file(tmp_path, None))
     rw = load_spec(spec_file(tmp_path, "rewrite"))
     ce = load_spec(spec_file(tmp_path, "cache_edit"))
-    base_stage = [s for s in base.stages if s.stage.name == "tombstone"][0]
-    rw_stage = [s for s in rw.stages if s.stage.name == "tombstone"][0]
-    ce_stage = [s for s in ce.stages if s.stage.name == "tombstone"][0]
+    base_stage = next(s for s in base.stages if s.stage.name == "tombstone")
+    rw_stage = next(s for s in rw.stages if s.stage.name == "tombstone")
+    ce_stage = next(s for s in ce.stages if s.stage.name == "tombstone")
     assert base_stage.config_digest == rw_stage.config_digest != ce_stage.config_digest
     assert "mode" not in base_stage.params_dict and ce_stage.params_dict["mode"] == "cache_edit"
     bad = tmp_path / "bad.toml"
@@ -310,7 +310,8 @@ def test_the_charts_render_in_headless_chromium(compared: dict[str, Any], tmp_pa
     flags = [exe, "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,2200",
              "--virtual-time-budget=10000"]
     env = {**os.environ, "HOME": str(tmp_path)}
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, env=env).stdout
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120, env=env,
+                         check=True).stdout
     # plotly drew every chart: an SVG per chart, bars, lines and the break markers in the DOM
     charts = dom.count('class="plotly-graph-div')
     assert charts == 3      # side by side, per session, along a session
