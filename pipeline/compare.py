@@ -30,7 +30,7 @@ from pipeline.errors import CtxReplayError
 
 TTLS = ("recorded", "5m", "1h")
 METRICS = ("calls", "prompt_tokens", "cache_read_tokens", "cache_write_tokens", "input_tokens", "output_tokens",
-           "cost_usd", "cache_hit_rate", "breaks", "summary_requests")
+           "cost_usd", "cache_hit_rate", "breaks", "summary_requests", "summary_cost_usd")
 
 
 class CompareError(CtxReplayError):
@@ -121,7 +121,8 @@ class Compared:
 
 def _metrics(calls: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     c = calls.filter(~pl.col("is_pending"))
-    has_summary = "sim_summary_cost_usd" in c.columns
+    if "sim_summary_cost_usd" not in c.columns:      # a run made before auto_compact existed
+        c = c.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64), sim_summary_input_tokens=pl.lit(None, pl.Int64))
     write = pl.col("sim_cache_write_5m_tokens").fill_null(0) + pl.col("sim_cache_write_1h_tokens").fill_null(0)
     aggs = {
         "calls": pl.len(),
@@ -130,9 +131,11 @@ def _metrics(calls: pl.DataFrame, by: list[str]) -> pl.DataFrame:
         "cache_write_tokens": write.sum(),
         "input_tokens": pl.col("sim_input_tokens").sum(),
         "output_tokens": pl.col("recorded_output_tokens").sum(),
-        "cost_usd": pl.col("sim_cost_usd").sum(),
+        # a simulated compaction's summarisation request is part of what the pipeline costs
+        "cost_usd": (pl.col("sim_cost_usd") + pl.col("sim_summary_cost_usd").fill_null(0)).sum(),
         "breaks": pl.col("sim_break_cause").is_not_null().sum(),
-        "summary_requests": (pl.col("sim_summary_cost_usd").is_not_null().sum() if has_summary else pl.lit(0)),
+        "summary_requests": pl.col("sim_summary_input_tokens").is_not_null().sum(),
+        "summary_cost_usd": pl.col("sim_summary_cost_usd").sum(),
         "unpriced_calls": (pl.col("sim_cost_usd").is_null() & pl.col("sim_input_tokens").is_not_null()).sum(),
     }
     g = c.group_by(by).agg(**aggs) if by else c.select(**aggs)

@@ -50,8 +50,10 @@ def _price_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     monkeypatch.setenv("CTXREPLAY_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "price-cache"))
 
 
-def write_reads(dst: Path, *, sid: str = SID, reads: int = 14, gap_s: int = 20, model: str = "claude-sonnet-4-5") -> Path:
-    """A session of `reads` turns (ask, Read, a 2,400-character result, answer), `gap_s` apart."""
+def write_reads(dst: Path, *, sid: str = SID, reads: int = 14, gap_s: int = 20, tool_s: int = 1,
+                model: str = "claude-sonnet-4-5") -> Path:
+    """A session of `reads` turns (ask, Read, a 2,400-character result `tool_s` seconds later,
+    answer), `gap_s` apart."""
     lines: list[dict[str, Any]] = []
     parent: str | None = None
     n = 0
@@ -89,10 +91,10 @@ def write_reads(dst: Path, *, sid: str = SID, reads: int = 14, gap_s: int = 20, 
         add("assistant", [{"type": "tool_use", "id": f"toolu_rd_{i:03d}", "name": "Read",
                            "input": {"file_path": f"/doc/part{i}.txt"}}], t + 2, out=30)
         body = "\n".join(f"part {i} line {j}: the quick brown fox jumps over the lazy dog {j * i}" for j in range(40))
-        add("user", [{"type": "tool_result", "tool_use_id": f"toolu_rd_{i:03d}", "content": body}], t + 3)
-        add("assistant", [{"type": "text", "text": f"Part {i} describes step {i} of the setup."}], t + 6, out=20,
-            stop="end_turn")
-        t += gap_s
+        add("user", [{"type": "tool_result", "tool_use_id": f"toolu_rd_{i:03d}", "content": body}], t + 2 + tool_s)
+        add("assistant", [{"type": "text", "text": f"Part {i} describes step {i} of the setup."}], t + 5 + tool_s,
+            out=20, stop="end_turn")
+        t += gap_s + tool_s
     path = dst / "-home-dev-rd" / f"{sid}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"\n".join(orjson.dumps(x) for x in lines) + b"\n")
@@ -328,3 +330,67 @@ def test_the_charts_render_in_headless_chromium(compared: dict[str, Any], tmp_pa
     saturated = sum(n for n, (r, g, b) in colours if max(r, g, b) - min(r, g, b) > 60)
     assert non_white > 0.02 * area.width * area.height
     assert saturated > 0.005 * area.width * area.height
+
+
+# --------------------------------------------------------------------------------------------- auto_compact
+
+AC_SPEC = """
+[pipeline]
+name = "ac"
+
+[[stage]]
+use = "sanitize"
+
+[[stage]]
+use = "pairing"
+
+[[stage]]
+use = "auto_compact"
+threshold_tokens = 6000
+summary_tokens = 800
+"""
+
+
+@pytest.mark.parametrize("tool_s", [1, 400])
+def test_the_summarisation_request_is_priced_before_its_call(tmp_path: Path, tool_s: int) -> None:
+    # the compactions fire at calls after a tool result: `tool_s` after the call before
+    write_reads(tmp_path / "in", tool_s=tool_s)
+    res = run([tmp_path / "in"], parse_spec(AC_SPEC, source="ac"), RunOptions(out_dir=tmp_path / "o"))
+    fired = sorted(res.decisions.filter((pl.col("stage") == "auto_compact") & (pl.col("action") == "insert"))
+                   ["from_call"].to_list())
+    assert len(fired) == 2
+    c = res.calls.sort("call")
+    priced = c.filter(pl.col("sim_summary_cost_usd").is_not_null())
+    assert priced["call"].to_list() == fired
+    for k in fired:
+        r = c.filter(pl.col("call") == k).row(0, named=True)
+        p = c.filter(pl.col("call") == k - 1).row(0, named=True)
+        prev_cached = p["sim_cache_read_tokens"] + p["sim_cache_write_5m_tokens"] + p["sim_cache_write_1h_tokens"]
+        hist = r["sim_summary_cache_read_tokens"] + r["sim_summary_cache_write_tokens"] + r["sim_summary_input_tokens"]
+        # the history it reads: the request before compacting, more than the previous one and more
+        # than the compacted call
+        assert hist > prev_cached and hist > r["calibrated_prompt_tokens"]
+        assert r["sim_summary_output_tokens"] == 800
+        assert (r["timestamp"] - p["timestamp"]).total_seconds() >= tool_s
+        if tool_s < 300:   # the previous request's prefix is alive: read, only the new tail written
+            assert r["sim_summary_cache_read_tokens"] == prev_cached
+        else:              # idle past the 5-minute TTL: nothing left to read, all written
+            assert r["sim_summary_cache_read_tokens"] == 0
+        assert r["sim_summary_cache_write_tokens"] == hist - r["sim_summary_cache_read_tokens"]
+        assert r["sim_summary_cost_usd"] > 0
+    assert c.filter(~pl.col("call").is_in(fired))["sim_summary_cost_usd"].null_count() == c.height - len(fired)
+
+
+def test_compare_counts_the_summarisation_requests_in_the_cost(sessions: Path, tmp_path: Path) -> None:
+    spec = tmp_path / "ac.toml"
+    spec.write_text(AC_SPEC, encoding="utf-8")
+    keep = tmp_path / "runs"
+    r = _cli("compare", sessions, "--pipeline", "identity", "--pipeline", spec, "--json", "--keep", keep)
+    assert r.exit_code == 0, r.output
+    tot = {x["pipeline"]: x for x in json.loads(r.stdout)["totals"]}
+    ac = tot[str(spec)]
+    calls = pl.read_parquet(next(keep.glob("1-*")) / "calls.parquet").filter(~pl.col("is_pending"))
+    assert ac["summary_requests"] == 2 and tot["identity"]["summary_requests"] == 0
+    assert ac["summary_cost_usd"] == pytest.approx(calls["sim_summary_cost_usd"].sum(), abs=1e-6)
+    assert ac["cost_usd"] == pytest.approx(calls["sim_cost_usd"].sum() + ac["summary_cost_usd"], abs=1e-6)
+    assert ac["prompt_tokens"] < tot["identity"]["prompt_tokens"]
