@@ -577,8 +577,8 @@ def summary_requests(decisions: pl.DataFrame | None) -> pl.DataFrame:
     schema = {"thread_key": pl.String, "call": pl.Int32, "_sum_request": pl.Int64, "_sum_out": pl.Int64}
     if decisions is None or decisions.height == 0 or "stage" not in decisions.columns:
         return pl.DataFrame(schema=schema)
+    from pipeline.constants import AUTO_COMPACT_RE
     from pipeline.replay import thread_key_expr
-    from stages.auto_compact import SUMMARY_RE
 
     d = decisions.filter((pl.col("stage") == "auto_compact") & (pl.col("action") == "insert")
                          & pl.col("replacement").is_not_null())
@@ -587,7 +587,7 @@ def summary_requests(decisions: pl.DataFrame | None) -> pl.DataFrame:
     text = pl.col("replacement").str.json_decode(pl.Struct({"text": pl.String})).struct.field("text")
 
     def num(i: int) -> pl.Expr:
-        return text.str.extract(SUMMARY_RE.pattern, i).str.replace_all(",", "").cast(pl.Int64)
+        return text.str.extract(AUTO_COMPACT_RE, i).str.replace_all(",", "").cast(pl.Int64)
 
     return d.select(thread_key=thread_key_expr().cast(pl.String), call=pl.col("from_call").cast(pl.Int32),
                     _sum_request=num(3), _sum_out=num(2)).drop_nulls().unique(["thread_key", "call"]).cast(schema)

@@ -455,3 +455,7 @@ def _compare_tables(doc: dict[str, Any]) -> None:
     for label, causes in doc["breaks_by_cause"].items():
         parts = ", ".join(f"{k} {v}" for k, v in causes.items())
         click.echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))
+    for r in doc["totals"]:
+        if r["summary_requests"]:
+            click.echo(f"simulated auto-compactions under {r['pipeline']}: {r['summary_requests']}, their "
+                       f"summarisation requests {_usd(r['summary_cost_usd'])} USD (in the cost)")

@@ -35,18 +35,23 @@ from pipeline.calls import (
     row_tokens_expr,
     text_tokens,
 )
-from pipeline.constants import BLOCK_KEY, MESSAGE_OVERHEAD_TOKENS, NO_CALL, THREAD
+from pipeline.constants import (
+    AUTO_COMPACT_FILLER,
+    AUTO_COMPACT_RE,
+    AUTO_COMPACT_TEXT,
+    BLOCK_KEY,
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    THREAD,
+)
 from pipeline.marks import Insert, finish, mark_drop, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 from schemas.blocks import CONTENT_COLUMNS
 
 ORIGIN = "auto_compact"
-SUMMARY_HEADER = ("[Simulated auto-compaction: the {dropped:,} tokens of conversation before this point were "
-                  "replaced by a summary of {summary:,} tokens (the request had reached {request:,} tokens). "
-                  "No summary was written offline: the words below only hold its size.]")
-SUMMARY_RE = re.compile(r"^\[Simulated auto-compaction: the ([\d,]+) tokens of conversation before this point were "
-                        r"replaced by a summary of ([\d,]+) tokens \(the request had reached ([\d,]+) tokens\)")
-FILLER = " summary"
+SUMMARY_HEADER = AUTO_COMPACT_TEXT
+SUMMARY_RE = re.compile(AUTO_COMPACT_RE)
+FILLER = AUTO_COMPACT_FILLER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
