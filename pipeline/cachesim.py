@@ -575,7 +575,7 @@ def summary_requests(decisions: pl.DataFrame | None) -> pl.DataFrame:
     """(thread_key, call, request tokens, summary tokens) of each simulated auto-compaction (the
     `insert` decisions of stage auto_compact: their text holds the request's size and the summary's)."""
     schema = {"thread_key": pl.String, "call": pl.Int32, "_sum_request": pl.Int64, "_sum_out": pl.Int64}
-    if decisions is None or decisions.height == 0 or "stage" not in decisions.columns:
+    if decisions is None or decisions.height == 0 or not {"stage", "replacement"} <= set(decisions.columns):
         return pl.DataFrame(schema=schema)
     from pipeline.constants import AUTO_COMPACT_RE
     from pipeline.replay import thread_key_expr
@@ -1023,13 +1023,15 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
 CACHE_EDIT_SUFFIX = ":cache_edit"
 
 
-def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any) -> dict[str, str]:
+def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any, messages: Any = None) -> dict[str, str]:
     """The aliases (see simulate) of the run's cache edits: a decision whose reason ends in
     `:cache_edit` (tombstone `mode = "cache_edit"`) changed its thread's request at its call on the
     provider's side; a message of that call's request that differs from the message at the same
     index of the call before (the edit replaces in place) keeps the place of that earlier version.
-    Chains resolve to the first version (a message edited twice keeps the place of the one first
-    cached)."""
+    With `messages` (the request store's messages table) only a message that kept or lost content
+    blocks is an edit (a clearing replaces or removes blocks), while one that gained blocks (new
+    blocks merged into the last message) changed in the request itself. Chains resolve to the first version (a message edited twice
+    keeps the place of the one first cached)."""
     if decisions is None or decisions.height == 0 or "reason" not in decisions.columns:
         return {}
     from pipeline.replay import thread_key_expr
@@ -1043,7 +1045,7 @@ def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any) -> di
     cm = call_messages if isinstance(call_messages, pl.DataFrame) else pl.from_arrow(call_messages)
     assert isinstance(cm, pl.DataFrame)
     spans = cm.filter(pl.col("slot").is_not_null()).select(pl.col("thread_key").cast(pl.String), "slot", "first_call",
-                                                           "last_call", "sha256")
+                                                           "last_call", pl.col("sha256").cast(pl.String))
 
     def listed(c: pl.Expr) -> pl.DataFrame:
         """The messages of the request at call c of each edit, with their index in it."""
@@ -1055,6 +1057,13 @@ def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any) -> di
     pairs = listed(pl.col("call") - 1).rename({"sha256": "old"}).join(
         listed(pl.col("call")).rename({"sha256": "new"}), on=["thread_key", "call", "idx"]) \
         .filter(pl.col("old") != pl.col("new")).sort("thread_key", "call", "idx")
+    if messages is not None:
+        msgs = messages if isinstance(messages, pl.DataFrame) else pl.from_arrow(messages)
+        assert isinstance(msgs, pl.DataFrame)
+        size = msgs.select(pl.col("sha256").cast(pl.String), _n="n_blocks")
+        pairs = pairs.join(size.rename({"sha256": "old", "_n": "_old_n"}), on="old", how="left") \
+            .join(size.rename({"sha256": "new", "_n": "_new_n"}), on="new", how="left") \
+            .filter(pl.col("_new_n") <= pl.col("_old_n"))
     out: dict[str, str] = {}
     for o, n in zip(pairs.get_column("old").to_list(), pairs.get_column("new").to_list(), strict=True):
         out.setdefault(n, out.get(o, o))
@@ -1084,7 +1093,7 @@ def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, sto
     assert isinstance(lb, pl.DataFrame) and isinstance(fb, pl.DataFrame)
     prep = prepare(lb, calls, count_tokens, fb)
     store = SimStore.from_tables(*store_tables)
-    aliases = cache_edit_aliases(decisions, store_tables[1])
+    aliases = cache_edit_aliases(decisions, store_tables[1], store_tables[0])
     res = simulate(calls, store, prep, decisions=decisions, prices=prices, policy=policy, aliases=aliases)
     summary = res.summary
     if prices is not None:

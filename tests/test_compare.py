@@ -180,6 +180,11 @@ def test_cache_edit_aliases_resolve_to_the_first_cached_version() -> None:
 
     cm = cm.with_columns(thread_key=pl.lit(thread_key("t", "main")))
     assert cache_edit_aliases(dec, cm) == {"a1": "a", "a2": "a"}
+    # a message that gained blocks at the edit's call (new blocks merged into it) is no edit
+    msgs = pl.DataFrame({"sha256": ["m0", "a", "a1", "a2", "x"], "n_blocks": [1, 3, 3, 4, 1]},
+                        schema={"sha256": pl.String, "n_blocks": pl.Int32})
+    assert cache_edit_aliases(dec, cm, msgs) == {"a1": "a"}
+    assert cache_edit_aliases(dec, cm, msgs.with_columns(n_blocks=pl.lit(2, pl.Int32))) == {"a1": "a", "a2": "a"}
     assert cache_edit_aliases(dec.with_columns(reason=pl.lit("token")), cm) == {}
     assert cache_edit_aliases(None, cm) == {}
 
@@ -394,3 +399,17 @@ def test_compare_counts_the_summarisation_requests_in_the_cost(sessions: Path, t
     assert ac["summary_cost_usd"] == pytest.approx(calls["sim_summary_cost_usd"].sum(), abs=1e-6)
     assert ac["cost_usd"] == pytest.approx(calls["sim_cost_usd"].sum() + ac["summary_cost_usd"], abs=1e-6)
     assert ac["prompt_tokens"] < tot["identity"]["prompt_tokens"]
+
+
+def test_compare_prices_file_reprices_every_pipeline(sessions: Path, tmp_path: Path) -> None:
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[models."claude-sonnet-4-5"]\ninput = 30.0\noutput = 150.0\n', encoding="utf-8")
+
+    def total(*extra: object) -> dict[str, Any]:
+        r = _cli("compare", sessions, "--pipeline", "identity", "--pipeline", "identity@ttl=1h", "--json", *extra)
+        assert r.exit_code == 0, r.output
+        return {x["pipeline"]: x["cost_usd"] for x in json.loads(r.stdout)["totals"]}
+
+    base, dear = total(), total("--prices", prices)
+    # ten times genai-prices' Sonnet 4.5 rates (3 / 15 USD per million; writes and reads at the input rate)
+    assert dear["identity"] > 5 * base["identity"] and dear["identity@ttl=1h"] > 5 * base["identity@ttl=1h"]
