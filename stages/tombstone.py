@@ -70,10 +70,7 @@ class Tombstone:
     """At each firing, remove thinking older than this many recent user turns (never in the current tool loop)."""
     mode: Literal["rewrite", "cache_edit"] = dataclasses.field(default="rewrite",
                                                                metadata={"digest_omit_default": True})
-    """`rewrite`: the agent sends the cleared history (the cached prefix breaks at the first cleared
-    block); `cache_edit`: the same request, cleared by the provider in its cache (Anthropic context
-    editing, Claude Code's cached microcompact): the prefix stays cached, the cleared tokens leave it.
-    Decisions' reasons end in `:cache_edit`; the cache simulator keeps the prefix."""
+    """rewrite: the agent sends the cleared history (the cached prefix breaks); cache_edit: the provider clears it in its cache (context editing), the prefix stays cached."""
 
     def validate(self) -> None:
         unknown = set(self.tools) - {"allow", "deny"}
