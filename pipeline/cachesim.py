@@ -604,10 +604,14 @@ def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: A
     if req.height == 0:
         return c.with_columns(*(pl.lit(None, SIM_COLUMNS[x]).alias(x) for x in cols))
     done = ~pl.col("is_pending") & pl.col("sim_cache_read_tokens").is_not_null()
+    # what the previous request left cached: Anthropic, its read and writes (up to its last
+    # breakpoint); automatic caching (OpenAI, Gemini), its whole prompt
+    cached = pl.when(_provider_expr() == "anthropic").then(
+        pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens")) \
+        .otherwise(pl.col("calibrated_prompt_tokens"))
     prev = c.filter(done).sort("thread_key", "call").select(
         "thread_key", "call",
-        _p_cached=(pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens")
-                   + pl.col("sim_cache_write_1h_tokens")).shift(1).over("thread_key"),
+        _p_cached=cached.shift(1).over("thread_key"),
         _p_t=pl.col("_t").shift(1).over("thread_key"), _p_ttl=pl.col("_ttl").shift(1).over("thread_key"),
         _p_model=pl.col("model").shift(1).over("thread_key"))
     x = c.join(req, on=["thread_key", "call"], how="left").join(prev, on=["thread_key", "call"], how="left")
@@ -620,8 +624,8 @@ def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: A
     read = pl.when(alive.fill_null(False)).then(pl.min_horizontal(pl.col("_p_cached"), hist)).otherwise(0)
     x = x.with_columns(_prov=provider, _hist=hist).with_columns(
         sim_summary_cache_read_tokens=pl.when(pl.col("_sum_request").is_not_null()).then(read.cast(pl.Int64)))
-    write = pl.when(pl.col("_prov") == "anthropic").then(pl.col("_hist") - pl.col("sim_summary_cache_read_tokens")) \
-        .otherwise(0)
+    write = pl.when((pl.col("_prov") == "anthropic") & pl.col("uses_cache").fill_null(False)) \
+        .then(pl.col("_hist") - pl.col("sim_summary_cache_read_tokens")).otherwise(0)
     x = x.with_columns(sim_summary_cache_write_tokens=pl.when(pl.col("_sum_request").is_not_null())
                        .then(write.clip(0).cast(pl.Int64))).with_columns(
         sim_summary_input_tokens=(pl.col("_hist") - pl.col("sim_summary_cache_read_tokens")
