@@ -161,8 +161,17 @@ def _scan(df: pl.DataFrame, p: AutoCompact, summary_cost: int) -> pl.DataFrame:
 # the stage
 
 
+COMPACTION_AGENT = "agent-acompact-"   # the loaders' name for a recorded compaction request's thread
+
+
 def _droppable(blocks: pl.LazyFrame) -> pl.Expr:
     return (pl.col("role") != "system") & (pl.col("origin") != ORIGIN)
+
+
+def _compacts(thread_id: pl.Expr) -> pl.Expr:
+    """A thread this stage may compact: not a recorded compaction agent's (that request is the
+    summarisation itself, and stays as recorded)."""
+    return ~thread_id.str.starts_with(COMPACTION_AGENT)
 
 
 def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: AutoCompact, ctx: StageContext) -> pl.LazyFrame:
@@ -192,8 +201,8 @@ def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: AutoCompact, ctx
     per = per.join(ends, left_on=[*THREAD, "keep"], right_on=[*THREAD, "order_key"], how="left")
     per = per.join(ep, on=[*THREAD, "call"], how="left").join(tokens, on=[*THREAD, "call"], how="left") \
         .sort([*THREAD, "call"]).with_columns(pl.col("ep").fill_null(0).cum_max().over(THREAD, order_by="call"))
-    return per.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", keep="keep", ep="ep",
-                      anchor_end="anchor_end")
+    return per.filter(_compacts(pl.col("thread_id"))).select(
+        *THREAD, kind=pl.lit("call"), call="call", tokens="tokens", keep="keep", ep="ep", anchor_end="anchor_end")
 
 
 def _rows(blocks: pl.LazyFrame, msgs: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
@@ -314,6 +323,7 @@ def auto_compact(blocks: pl.LazyFrame, params: AutoCompact, ledger: pl.LazyFrame
     `simulated_summary`). The next compaction replaces that summary too. Nothing is written by a
     model: the text says it is simulated, and the cache simulator prices the summarisation request
     (the history it reads, `summary_tokens` of output). Each firing takes a new cache epoch.
-    Compactions the transcript recorded stay as they are.
+    Compactions the transcript recorded stay as they are, and so does the thread of a recorded
+    compaction agent (`agent-acompact-*`: its request is the summarisation itself).
     """
     return plan(blocks, params, ctx)

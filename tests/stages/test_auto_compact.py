@@ -31,8 +31,8 @@ def tokens_at(blocks: pl.DataFrame, ctx: StageContext = CTX) -> dict[int, int]:
     return dict(zip(t["call"].to_list(), t["tokens"].to_list(), strict=True))
 
 
-def run(messages: list[dict[str, Any]], params: dict[str, Any]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    res = run_stage("auto_compact", make_blocks(messages), params, ctx=CTX)
+def run(messages: list[dict[str, Any]], params: dict[str, Any], **kw: Any) -> tuple[pl.DataFrame, pl.DataFrame]:
+    res = run_stage("auto_compact", make_blocks(messages, **kw), params, ctx=CTX)
     return res.blocks.collect(), res.decisions.collect().sort("from_call", "entry_id")
 
 
@@ -94,6 +94,14 @@ def test_keep_recent_turns_keeps_whole_turns() -> None:
     # the system prompt, the summary, then the two latest turns whole (user, assistant, user)
     assert seen["role"].to_list() == ["system", "user", "user", "assistant", "user"]
     assert seen["text"].to_list()[2].startswith(f"question {k - 1}") and seen["text"].to_list()[4].startswith(f"question {k}")
+
+
+def test_a_recorded_compaction_agent_is_left_as_recorded() -> None:
+    before = tokens_at(make_blocks(chat(10)).collect())
+    params = {"threshold_tokens": before[4], "summary_tokens": 50}
+    assert run(chat(10), params, thread_id="agent-a1b2c3")[1].height > 0      # a subagent compacts
+    blocks, dec = run(chat(10), params, thread_id="agent-acompact-a1b2c3")   # the summarisation request: no
+    assert dec.height == 0 and blocks.filter(pl.col("origin") == ORIGIN).height == 0
 
 
 def test_a_second_run_decides_nothing() -> None:
