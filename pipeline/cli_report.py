@@ -380,6 +380,9 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
     if not pipelines:
         raise Failure("give at least one --pipeline (a preset name or a spec file), e.g. "
                       "`ctxreplay compare PATH --pipeline identity --pipeline default`")
+    if html_file is not None and not html_file.resolve().parent.is_dir():
+        raise Failure(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
+                      f"or pass another path")
     chosen = list(paths) or default_paths()
     if not chosen:
         raise Failure("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "

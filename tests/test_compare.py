@@ -260,6 +260,7 @@ def test_compare_table_and_refusals(sessions: Path, tmp_path: Path) -> None:
         (["--pipeline", "identity@ttl=2h"], "ttl must be one of"),
         (["--pipeline", "identity@speed=9"], "unknown setting"),
         (["--pipeline", "identity", "--pipeline", "identity"], "twice"),
+        (["--pipeline", "identity", "--html", tmp_path / "no" / "x.html"], "does not exist"),
         ([], "at least one --pipeline"),
     ):
         r = _cli("compare", sessions, *args)
