@@ -56,5 +56,5 @@ CALLS = pa.schema(
         pa.field("sim_summary_output_tokens", pa.int64()),
         pa.field("sim_summary_cost_usd", pa.float64()),
     ],
-    metadata={"name": "calls", "version": "3"},
+    metadata={"name": "calls", "version": "4"},
 )
