@@ -160,6 +160,7 @@ class Totals:
     seconds: Counter[str] = field(default_factory=Counter)
     sim_store: Any = None
     request_store: dict[str, Any] | None = None  # the summary's, when taken from the previous run
+    aliases: dict[str, str] = field(default_factory=dict)  # cache edits: message sha256 -> the one it replaces
 
     def add(self, b: BatchResult) -> None:
         ld = b.loaded
@@ -184,13 +185,16 @@ class Totals:
         self.token_conflicts += rs["request_store"]["token_conflicts"]
         self.seconds.update(r.seconds)
 
-    def add_store(self, tables: dict[str, pa.Table]) -> None:
-        """A batch's request store into the cache simulation's (each batch once)."""
-        from pipeline.cachesim import SimStore
+    def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame) -> None:
+        """A batch's request store into the cache simulation's (each batch once), and the aliases
+        of its cache edits (cachesim.cache_edit_aliases: per thread, so per batch)."""
+        from pipeline.cachesim import SimStore, cache_edit_aliases
 
         if self.sim_store is None:
             self.sim_store = SimStore()
         _add_to_sim(self.sim_store, tables["messages"], tables["call_messages"])
+        for new, old in cache_edit_aliases(applied, tables["call_messages"], tables["messages"]).items():
+            self.aliases.setdefault(new, old)
 
     @property
     def n_calls(self) -> int:

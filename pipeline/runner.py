@@ -409,7 +409,7 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
         writers.write_batch(tables, parts[0].index)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
         writers.append("call_facts", facts.to_arrow(), parts[0].index)
-        totals.add_store(tables)
+        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"))
 
 
 def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -429,7 +429,7 @@ def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tup
         warnings.append(f"no prices: {exc}")
     facts = totals.frame(totals.facts)
     prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp")), facts)
-    res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices)
+    res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices, aliases=totals.aliases)
     summary = res.summary
     if prices is not None:
         prices.save()
