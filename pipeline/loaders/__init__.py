@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,10 @@ class LoadResult:
     skipped: list[dict[str, str]] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
     threads: int = 0
+    # the same accounting per input file (a Claude Code session's own counts go to its first file),
+    # so a caller that loads several session groups at once can split it by group
+    stats_by_file: dict[str, dict[str, int]] = field(default_factory=dict)
+    threads_by_file: dict[str, int] = field(default_factory=dict)
 
     @property
     def quarantine(self) -> list[QuarantineRow]:
@@ -203,23 +207,27 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
             skipped.append(_unreadable(f, exc))
     groups = claude_code.group_sessions(cc_files, cc_first)
     columnar_load = None
+    by_file: defaultdict[str, Counter[str]] = defaultdict(Counter)
     if columnar and groups:
         columnar_load = cc_columnar.load_sessions(groups, skipped, timings)
         cc_threads.extend(columnar_load.threads)
         loads.extend(columnar_load.loads)
-        for st in columnar_load.stats:
+        for group, st in zip(groups, columnar_load.stats, strict=True):
             stats.update(st)
+            by_file[path_str(group.files[0])].update(st)
     else:
         for group in groups:
             t, lds, st = claude_code.load_session(group, skipped)
             cc_threads.extend(t)
             loads.extend(lds)
             stats.update(st)
+            by_file[path_str(group.files[0])].update(st)
     other_threads = _dedupe_sessions(per_file)
     threads = other_threads + cc_threads
     _unique_thread_ids(threads, loads)
     for ld in loads:
         stats.update(ld.stats)
+        by_file[ld.path].update(ld.stats)
     loads.sort(key=lambda ld: ld.path)
     notes: list[dict[str, Any]] = []
     if columnar_load is None:
@@ -240,7 +248,10 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
                 seen.add(key)
                 by_path[n["file"]].recovered.append(n)
                 stats["fields_coerced"] += 1
-    return LoadResult(blocks, loads, skipped, dict(stats), threads=len(threads))
+                by_file[n["file"]]["fields_coerced"] += 1
+    return LoadResult(blocks, loads, skipped, dict(stats), threads=len(threads),
+                      stats_by_file={k: dict(v) for k, v in by_file.items()},
+                      threads_by_file=dict(Counter(t.source_file for t in threads)))
 
 
 def _unknown_format(f: Path, data: bytes, first: list[Any]) -> FileLoad:
