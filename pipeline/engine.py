@@ -1,0 +1,649 @@
+"""The live engine: the batch replay's stages and ledger, one session at a time, as an agent runs.
+
+```python
+from pipeline.engine import Engine
+
+with Engine.open("default", "ctx/ledger.duckdb") as eng:      # a preset name, a spec file or a PipelineSpec
+    eng.ingest("s1", entries)                                 # transcript lines (dicts, str or bytes)
+    res = eng.assemble("s1")                                  # the request to send now
+    send(res.request)                                         # == the batch replay's call, byte for byte
+    eng.after_turn("s1", usage)                               # what the provider reported for it
+```
+
+How it stays identical to `ctxreplay run` (docs/engine.md has the details):
+
+- **Entries** are kept as transcript lines, in a private spool directory (one file per transcript
+  file of the session), and read by the batch loaders (`pipeline.loaders.load_paths`): the engine
+  has no parser of its own, so it cannot read a line differently from a batch run.
+- **Stages** run through `pipeline.stagerun.run_stages` with the ledger's view of the session, the
+  same call as the runner's: frozen decisions re-applied, plug-ins isolated (a failing one is
+  quarantined for the session with a `stage_failed` decision), decisions for the pending call
+  provisional, the others committed to the ledger before `assemble` returns.
+- **The request** of the pending call is shaped by `pipeline.replay.replay_thread` from the block
+  versions that call sees, so its canonical bytes and sha256 are those of the batch replay.
+
+Work per call: the stages run over the whole session each time the transcript grew (they are
+columnar and take the ledger's frozen decisions, so they are correct, not incremental); loading
+re-parses only what the spool holds; the replay shapes only the pending call, never the calls
+before it (their requests are frozen). bench/bench_engine.py measures what a call costs.
+
+One engine per ledger: `Engine.open` takes the ledger's lock (the runner's) and holds it until
+`close()`; a second engine or a `ctxreplay run` on that ledger is refused with a `LockError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import orjson
+import polars as pl
+
+from pipeline.errors import CtxReplayError, InputError, LockError, OutputError, SpecError
+from pipeline.ledger import Ledger
+from pipeline.loaders import LoadResult, load_paths
+from pipeline.outdir import RunLock, ledger_lock_path
+from pipeline.registry import StageContext
+from pipeline.replay import (
+    ROW_COLUMNS,
+    CallInfo,
+    call_counts,
+    call_skeleton,
+    replay_thread,
+    thread_calls,
+    thread_key,
+)
+from pipeline.spec import DEFAULT_TARGET, PipelineSpec, load_spec, preset_names
+from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
+from pipeline.targets import Violation, get_target
+from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from schemas.blocks import BLOCKS
+from schemas.check import check_frame
+
+USAGE_DDL = """
+CREATE TABLE IF NOT EXISTS engine_usage (
+    spec_sha256 VARCHAR NOT NULL, session_id VARCHAR NOT NULL, thread_id VARCHAR NOT NULL,
+    call INTEGER NOT NULL, request_sha256 VARCHAR, estimated_tokens BIGINT,
+    input_tokens BIGINT, output_tokens BIGINT, cache_read_tokens BIGINT, cache_write_tokens BIGINT,
+    usage_json VARCHAR NOT NULL, recorded_at VARCHAR NOT NULL
+);
+"""
+
+Entry = Mapping[str, Any] | str | bytes
+
+
+@dataclass(frozen=True)
+class QuarantinedEntry:
+    """An entry the engine could not use: where it came from (the transcript file name given to
+    `ingest`, its line number in that file, 1-based), what it was, and why."""
+
+    file: str
+    line: int
+    raw: str
+    reason: str
+    code: str
+
+
+@dataclass(frozen=True)
+class AssembleResult:
+    """The request the agent sends now (the thread's pending call) and what made it.
+
+    `request` is in the target's wire shape; `request_json` its canonical bytes, whose sha256 is
+    `request_sha256` (the batch replay's `request_sha256` for this call). `decisions` are the
+    decisions that apply from this call on (STAGE_DECISION columns + `stage`, `stage_version`,
+    `is_provisional`): those made for the pending call stay provisional until the next call is
+    assembled. `quarantined` lists every entry of the session the engine could not use (never
+    raised), `stage_failures` the plug-in stages quarantined for the session."""
+
+    session_id: str
+    thread_id: str
+    call: int
+    request: dict[str, Any]
+    request_json: bytes
+    request_sha256: str
+    prompt_tokens: int
+    n_messages: int
+    cache_epoch: int
+    awaits_user: bool
+    prefix_break_message: int | None
+    model: str | None
+    decisions: pl.DataFrame
+    new_decisions: int
+    quarantined: tuple[QuarantinedEntry, ...]
+    stage_failures: tuple[StageFailure, ...]
+    violations: tuple[Violation, ...]
+    token_budget: int | None = None
+
+    @property
+    def over_budget(self) -> bool:
+        """True when a `token_budget` was given and the request's estimate exceeds it."""
+        return self.token_budget is not None and self.prompt_tokens > self.token_budget
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    """What `compact` did: the decisions it made (frozen in the ledger), whether it was forced (a
+    simulated compaction: the pipeline's tombstone run with its triggers at their minimum, not an
+    LLM summary), and the request after it."""
+
+    session_id: str
+    thread_id: str
+    forced: bool
+    simulated: bool
+    decisions: pl.DataFrame
+    result: AssembleResult
+
+
+@dataclass(frozen=True)
+class TurnUsage:
+    """The usage recorded by `after_turn`, beside the engine's estimate for the same request."""
+
+    session_id: str
+    thread_id: str
+    call: int
+    estimated_tokens: int | None
+    input_tokens: int | None
+    output_tokens: int | None
+    cache_read_tokens: int | None
+    cache_write_tokens: int | None
+
+    @property
+    def recorded_prompt_tokens(self) -> int | None:
+        parts = [self.input_tokens, self.cache_read_tokens, self.cache_write_tokens]
+        return None if all(p is None for p in parts) else sum(p or 0 for p in parts)
+
+    @property
+    def ratio(self) -> float | None:
+        """recorded / estimated prompt tokens (the calibration the reports use), when both are known."""
+        rec = self.recorded_prompt_tokens
+        if rec is None or not self.estimated_tokens:
+            return None
+        return rec / self.estimated_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# per-session state
+
+
+@dataclass
+class _File:
+    path: Path
+    lines: list[bytes] = field(default_factory=list)
+    written: int = 0  # lines already appended to the spool file
+
+
+@dataclass
+class _Pass:
+    """One run of load + stages over a session: what the replay and the results read."""
+
+    loaded: LoadResult
+    blocks: pl.DataFrame  # the final block versions (sorted for replay)
+    skeleton: pl.DataFrame
+    counts: dict[tuple[str, str], int]
+    staged: StagesResult
+    new_decisions: int
+    seconds: dict[str, float]
+
+
+@dataclass
+class _Session:
+    session_id: str
+    dir: Path
+    files: dict[str, _File] = field(default_factory=dict)
+    rejected: list[QuarantinedEntry] = field(default_factory=list)
+    dirty: bool = True
+    last: _Pass | None = None
+    prev_ids: dict[str, list[bytes]] = field(default_factory=dict)  # thread -> last request's message digests
+    assembled: dict[str, AssembleResult] = field(default_factory=dict)  # thread -> last result
+
+
+def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
+    if isinstance(spec, PipelineSpec):
+        return spec
+    text = str(spec)
+    if isinstance(spec, str) and text in preset_names():
+        return load_spec(preset=text)
+    if Path(text).is_file():
+        return load_spec(text)
+    raise SpecError(f"{text}: neither a preset ({', '.join(preset_names())}) nor a pipeline spec file; "
+                    f"pass a preset name, a TOML file or a PipelineSpec")
+
+
+def _safe_name(name: str) -> str:
+    """A transcript file name as given to `ingest`, checked: a relative path inside the spool."""
+    p = Path(name)
+    if not name or p.is_absolute() or any(part in ("", ".", "..") for part in p.parts):
+        raise InputError(f"file={name!r}: the transcript file name must be a relative path without '..' "
+                         f"(e.g. '<session-id>.jsonl' or '<session-id>/subagents/agent-1.jsonl')")
+    return name
+
+
+class Engine:
+    """The live engine over one ledger (see the module docstring). Not thread-safe: one caller."""
+
+    def __init__(self, spec: PipelineSpec, ledger_path: Path, target: str, *, token_counter: str,
+                 spill_dir: Path | None) -> None:
+        self.spec = spec
+        self.target = target
+        self.ledger_path = ledger_path
+        self.spill_dir = spill_dir if spill_dir is not None else ledger_path.parent / "spill"
+        self._lock = RunLock(ledger_lock_path(ledger_path), f"the ledger {ledger_path}")
+        try:
+            self._lock.acquire()
+        except LockError as exc:
+            raise LockError(f"cannot open an engine on {ledger_path}: {exc}") from None
+        try:
+            self.ledger = Ledger(ledger_path)
+            self.ledger.con.execute(USAGE_DDL)
+        except BaseException:
+            self._lock.release()
+            raise
+        self.counter = TokenCounter(token_counter, cache=self.ledger)
+        self._spool = Path(tempfile.mkdtemp(prefix="ctxreplay-engine-"))
+        self._sessions: dict[str, _Session] = {}
+        self._closed = False
+        t = get_target(target)
+        self._ctx = StageContext(target=target, window_tokens=spec.window_tokens,
+                                 count_tokens=self.counter.series_counter(), token_counter_version=self.counter.name,
+                                 supports_images=bool(getattr(t, "supports_images", True)))
+
+    # ------------------------------------------------------------------ life cycle
+
+    @classmethod
+    def open(cls, spec: PipelineSpec | str | Path, ledger_path: str | Path, target: str = DEFAULT_TARGET, *,
+             token_counter: str = TIKTOKEN_COUNTER, spill_dir: str | Path | None = None) -> Engine:
+        """An engine running `spec` (a PipelineSpec, a preset name or a spec file) for `target`,
+        with its decisions in the DuckDB ledger at `ledger_path` (created if missing). The same
+        spec, target and ledger as a `ctxreplay run` give the same requests. Raises LockError when
+        another engine or run holds the ledger, SpecError for a bad spec or target."""
+        resolved = _spec_of(spec)
+        t = get_target(target)  # an unknown target fails here
+        resolved = resolved.for_target(t.name)
+        path = Path(ledger_path)
+        if path.exists() and not path.is_file():
+            raise OutputError(f"ledger {path} is a directory, not a file: pass a file path")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create the ledger's directory {path.parent}: {exc.strerror}") from exc
+        return cls(resolved, path, t.name, token_counter=token_counter,
+                   spill_dir=Path(spill_dir) if spill_dir is not None else None)
+
+    def close(self) -> None:
+        """Release the ledger (its lock too) and remove the spool. Decisions are already committed."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.ledger.close()
+        finally:
+            self._lock.release()
+            shutil.rmtree(self._spool, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CtxReplayError("this engine is closed; open a new one with Engine.open(...)")
+
+    # ------------------------------------------------------------------ ingest
+
+    def ingest(self, session_id: str, entries: Iterable[Entry], *, file: str | None = None) -> int:
+        """Append transcript entries to a session, in order: the dicts of a transcript's lines (any
+        supported format: Claude Code, OpenClaw / pi, Codex rollout), or the lines themselves as
+        str / bytes. `file` names the transcript file they belong to (default
+        `<session_id>.jsonl`); a Claude Code sub-agent's entries go to
+        `<session_id>/subagents/agent-<id>.jsonl`, as on disk. Returns how many entries were taken;
+        an entry that cannot be written as one JSON line is quarantined, never raised."""
+        self._check_open()
+        if not isinstance(session_id, str) or not session_id:
+            raise InputError("session_id must be a non-empty string")
+        name = _safe_name(file if file is not None else f"{session_id}.jsonl")
+        s = self._session(session_id)
+        f = s.files.get(name)
+        if f is None:
+            f = s.files[name] = _File(s.dir / name)
+        n = 0
+        for e in entries:
+            f.lines.append(self._line(s, name, len(f.lines) + 1, e))
+            n += 1
+        if n:
+            s.dirty = True
+        return n
+
+    def ingest_batch(self, batch: Mapping[str, Iterable[Entry]] | Iterable[tuple[str, Iterable[Entry]]]) -> int:
+        """`ingest` for several sessions: a mapping (or pairs) session_id -> entries."""
+        items = batch.items() if isinstance(batch, Mapping) else batch
+        return sum(self.ingest(sid, entries) for sid, entries in items)
+
+    def _session(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            d = self._spool / hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+            d.mkdir()
+            s = self._sessions[session_id] = _Session(session_id, d)
+        return s
+
+    @staticmethod
+    def _line(s: _Session, file: str, line: int, e: Any) -> bytes:
+        """One spool line for an entry. What cannot be one JSON line is quarantined by the engine
+        and spooled as a JSON string (which the loader counts as a quarantined line too, so line
+        numbers stay those of the caller's stream)."""
+        why = None
+        if isinstance(e, bytes | bytearray):
+            raw = bytes(e)[:-1] if e.endswith(b"\n") else bytes(e)
+            if b"\n" in raw:
+                why = "the entry holds a line break: pass one transcript line per entry"
+            else:
+                return raw
+        elif isinstance(e, str):
+            raw_s = e[:-1] if e.endswith("\n") else e
+            if "\n" in raw_s:
+                why = "the entry holds a line break: pass one transcript line per entry"
+            else:
+                return raw_s.encode("utf-8", "surrogateescape")
+        else:
+            try:
+                return orjson.dumps(e, option=orjson.OPT_NON_STR_KEYS)
+            except (TypeError, orjson.JSONEncodeError) as exc:
+                why = f"the entry cannot be written as JSON ({exc}): pass the dict of a transcript line"
+        shown = repr(e)[:2000]
+        s.rejected.append(QuarantinedEntry(file, line, shown, why, "not_json_line"))
+        return orjson.dumps(f"<entry quarantined by the engine: {why}>")
+
+    # ------------------------------------------------------------------ the pipeline pass
+
+    def _refresh(self, s: _Session, *, window_tokens: int | None = None, spec: PipelineSpec | None = None,
+                 freeze_pending: bool = False) -> _Pass:
+        """Load the session, run the stages with the ledger's view, commit the new decisions."""
+        if not s.dirty and s.last is not None and window_tokens is None and spec is None:
+            return s.last
+        t0 = time.perf_counter()
+        for f in s.files.values():
+            if f.written < len(f.lines):
+                f.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(f.path, "ab") as fh:
+                    fh.write(b"".join(ln + b"\n" for ln in f.lines[f.written:]))
+                f.written = len(f.lines)
+        loaded = load_paths([s.dir]) if s.files else LoadResult(BLOCKS.empty_table(), [])
+        blocks = pl.from_arrow(loaded.blocks)
+        assert isinstance(blocks, pl.DataFrame)
+        check_frame(blocks, BLOCKS, where="on load")
+        skeleton = call_skeleton(blocks)
+        counts = call_counts(blocks)
+        calls = CallMap.from_blocks(blocks, counts)
+        blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
+        t1 = time.perf_counter()
+        run_spec = spec or self.spec
+        ctx = self._ctx
+        if window_tokens is not None:
+            import dataclasses
+
+            ctx = dataclasses.replace(ctx, window_tokens=int(window_tokens))
+        sessions = sorted(blocks.get_column("session_id").unique().to_list())
+        view = LedgerView.translate(self.ledger.earlier_all(self.spec.sha256, sessions), calls)
+        if freeze_pending:  # compact: the pending call's decisions are frozen as made
+            view = LedgerView(CallMap(calls.keys, calls.pending.with_columns(pending_call=pl.lit(1 << 30, pl.Int32))),
+                              view.decisions)
+        staged = run_stages(blocks, run_spec, view, ctx)
+        t2 = time.perf_counter()
+        new = 0
+        for o in staged.outcomes:
+            new += self.ledger.stage(o.new, spec_sha256=self.spec.sha256, stage=o.name,
+                                     stage_version=o.stage.version, config_digest=o.config_digest)
+        self._write_spills(staged.spills)
+        if staged.failures or new or self.ledger._pending_tokens:
+            self.ledger.commit_run(None, self.spec.resolved(), spec_sha256=self.spec.sha256)
+        final = staged.blocks.sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call",
+                                    "entry_id"])
+        p = _Pass(loaded, final, skeleton, counts, staged, new,
+                  {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2})
+        s.last, s.dirty = p, False
+        return p
+
+    def _write_spills(self, spills: pl.DataFrame) -> None:
+        if not spills.height:
+            return
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            for sha, text in zip(spills.get_column("sha256").to_list(), spills.get_column("text").to_list()):
+                path = self.spill_dir / sha
+                if not path.exists():
+                    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        except OSError as exc:
+            raise OutputError(f"cannot write spilled tool results to {self.spill_dir}: {exc.strerror or exc}. "
+                              f"Pass a spill_dir you can write to") from exc
+
+    # ------------------------------------------------------------------ assemble
+
+    def threads(self, session_id: str) -> dict[str, str | None]:
+        """The session's threads (after a pass over what was ingested): thread id -> the entry id of
+        its last message."""
+        self._check_open()
+        s = self._known(session_id)
+        p = self._refresh(s)
+        sid = self._loaded_session(s, p)
+        if sid is None:
+            return {}
+        tips = (p.blocks.filter(pl.col("session_id") == sid).sort("order_key")
+                .group_by("thread_id", maintain_order=True).agg(pl.col("entry_id").last()))
+        return dict(zip(tips.get_column("thread_id").to_list(), tips.get_column("entry_id").to_list()))
+
+    def assemble(self, session_id: str, thread: str = "main", token_budget: int | None = None, *,
+                 model: str | None = None) -> AssembleResult:
+        """The request the thread sends now (its pending call), in the target's wire shape.
+
+        Runs the stages when entries were ingested since the last call, freezing in the ledger the
+        decisions of every call before the pending one. `token_budget`, when given, is the window
+        the budget layers (result_budget, snip, tombstone) work to for this pass instead of the
+        spec's `window_tokens`; the result says whether the request fits (`over_budget`).
+
+        `model`: the model the request goes to (part of the request). Default: the model of the
+        thread's last recorded call, as in the batch replay's pending request; the batch replay's
+        recorded call k carries the model that answered it, so pass the model you call to get its
+        bytes after a model switch (or for the first call, which has no earlier model)."""
+        self._check_open()
+        s = self._known(session_id)
+        p = self._refresh(s, window_tokens=token_budget)
+        res = self._assemble(s, p, thread, token_budget, model)
+        if token_budget is not None:
+            s.dirty = True  # the next call without a budget runs the stages again with the spec's window
+        return res
+
+    def _known(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise InputError(f"session {session_id!r} has no entries in this engine; ingest(session_id, entries) "
+                             f"first (a re-opened engine starts empty: ingest the transcript again)")
+        return s
+
+    @staticmethod
+    def _loaded_session(s: _Session, p: _Pass) -> str | None:
+        """The session id the loader gave the entries (from their own ids, as a batch run does)."""
+        ids = p.blocks.get_column("session_id").unique().sort().to_list()
+        if not ids:
+            return None
+        if s.session_id in ids:
+            return s.session_id
+        return str(ids[0])
+
+    def _assemble(self, s: _Session, p: _Pass, thread: str, token_budget: int | None,
+                  model: str | None = None) -> AssembleResult:
+        target = get_target(self.target)
+        sid = self._loaded_session(s, p)
+        part = p.blocks.filter((pl.col("session_id") == sid) & (pl.col("thread_id") == thread)) if sid else \
+            p.blocks.clear()
+        if sid is not None and not part.height:
+            names = sorted(p.blocks.filter(pl.col("session_id") == sid).get_column("thread_id").unique().to_list())
+            raise InputError(f"session {s.session_id!r} has no thread {thread!r}; its threads: {', '.join(names)}")
+        lsid = sid or s.session_id
+        infos = thread_calls(p.skeleton, p.counts).get((lsid, thread), [])
+        n = p.counts.get((lsid, thread), 0)
+        visible = part.filter((pl.col("first_call") <= n) & (pl.col("last_call").is_null() | (pl.col("last_call") > n)))
+        if model is None:
+            model = infos[-1].model if infos else None
+        # the pending call's request from the versions it sees: shaped as the replay shapes it
+        flat = visible.with_columns(first_call=pl.lit(0, pl.Int32), last_call=pl.lit(None, pl.Int32))
+        rows = flat.select(ROW_COLUMNS).to_dicts()
+        toks = row_tokens(flat, self.counter).to_list() if flat.height else []
+        res = None
+        for r in replay_thread(rows, toks, [CallInfo(0, model)], target,
+                               materialize=lambda k, pending: pending):
+            res = r
+        assert res is not None and res.is_pending and res.request_json is not None
+        key = thread_key(lsid, thread)
+        violations = tuple(target.validate(res.request, thread_key=key, call=n, awaits_user=res.awaits_user)) \
+            if res.request is not None else ()
+        digests = _message_digests(res.request, target.list_key)
+        prev = s.prev_ids.get(thread)
+        brk = None if prev is None else _first_diff(prev, digests)
+        s.prev_ids[thread] = digests
+        applied = p.staged.applied
+        mine = applied.filter((pl.col("session_id") == lsid) & (pl.col("thread_id") == thread)
+                              & (pl.col("from_call") == n))
+        epoch = int(visible.get_column("cache_epoch").max() or 0) if visible.height else 0  # type: ignore[arg-type]
+        out = AssembleResult(
+            session_id=s.session_id, thread_id=thread, call=n, request=res.request or {},
+            request_json=res.request_json, request_sha256=str(res.request_sha256), prompt_tokens=res.prompt_tokens,
+            n_messages=res.n_messages, cache_epoch=epoch, awaits_user=res.awaits_user, prefix_break_message=brk,
+            model=model, decisions=mine, new_decisions=p.new_decisions, quarantined=self._quarantined(s, p),
+            stage_failures=tuple(f for f in p.staged.failures if lsid in f.sessions), violations=violations,
+            token_budget=token_budget)
+        s.assembled[thread] = out
+        return out
+
+    def _quarantined(self, s: _Session, p: _Pass) -> tuple[QuarantinedEntry, ...]:
+        mine = {(q.file, q.line) for q in s.rejected}
+        out = list(s.rejected)
+        root = str(s.dir)
+        for q in p.loaded.quarantine:
+            name = q.file[len(root) + 1:] if q.file.startswith(root + "/") else q.file
+            if (name, q.line) not in mine:
+                out.append(QuarantinedEntry(name, q.line, q.raw, q.reason, q.code))
+        return tuple(sorted(out, key=lambda q: (q.file, q.line)))
+
+    # ------------------------------------------------------------------ compact, after_turn
+
+    def compact(self, session_id: str, force: bool = False, thread: str = "main") -> CompactResult:
+        """Run the time- and budget-based layers now and freeze what they decide.
+
+        Without `force`: the pipeline as specified (tombstone's idle and token triggers, snip's
+        watermark, result_budget), on what was ingested, with the pending call's decisions frozen in
+        the ledger at once (a compaction is a decision the agent acts on). With `force`: a simulated
+        compaction, marked `simulated`: the spec's tombstone runs with its triggers at their
+        minimum (every eligible old tool result is cleared now). A compaction recorded in the
+        transcript (a summary entry) needs nothing here: it is replayed from the entries. An LLM
+        summary is out of scope."""
+        self._check_open()
+        s = self._known(session_id)
+        self._refresh(s)
+        spec = self._forced_spec() if force else None
+        s.dirty = True
+        p = self._refresh(s, spec=spec, freeze_pending=True)
+        res = self._assemble(s, p, thread, None)
+        if force:
+            s.dirty = True  # later passes run the spec as written (the forced decisions are frozen)
+        return CompactResult(s.session_id, thread, force, force, res.decisions, res)
+
+    def _forced_spec(self) -> PipelineSpec:
+        import dataclasses
+
+        stages = []
+        found = False
+        for rs in self.spec.stages:
+            if rs.stage.name == "tombstone":
+                found = True
+                params = dataclasses.replace(rs.params, trigger_tokens=1, clear_at_least_tokens=0)
+                rs = dataclasses.replace(rs, params=params)
+            stages.append(rs)
+        if not found:
+            raise SpecError(f"compact(force=True) clears old tool results with the pipeline's tombstone stage, and "
+                            f"{self.spec.source} has none: add a [[stage]] use = \"tombstone\"")
+        return dataclasses.replace(self.spec, stages=tuple(stages))
+
+    def after_turn(self, session_id: str, usage: Mapping[str, Any], thread: str = "main") -> TurnUsage:
+        """Record the usage the provider reported for the request last assembled on this thread
+        (Anthropic `usage` keys, or OpenAI `prompt_tokens` / `completion_tokens`), beside the
+        engine's estimate, in the ledger's `engine_usage` table (calibration and cost)."""
+        self._check_open()
+        s = self._known(session_id)
+        last = s.assembled.get(thread)
+        if last is None:
+            raise InputError(f"after_turn({session_id!r}): assemble() this thread first; the usage belongs to the "
+                             f"request it returned")
+        if not isinstance(usage, Mapping):
+            raise InputError(f"after_turn: usage must be a mapping (the provider's usage object), not "
+                             f"{type(usage).__name__}")
+
+        def num(*keys: str) -> int | None:
+            for k in keys:
+                v = usage.get(k)
+                if isinstance(v, int) and not isinstance(v, bool):
+                    return v
+            return None
+
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        inp = num("input_tokens")
+        if inp is None and num("prompt_tokens") is not None:
+            inp = num("prompt_tokens") - (cached if isinstance(cached, int) else 0)  # type: ignore[operator]
+        rec = TurnUsage(s.session_id, thread, last.call, last.prompt_tokens, inp,
+                        num("output_tokens", "completion_tokens"),
+                        num("cache_read_input_tokens") if "cache_read_input_tokens" in usage else
+                        (cached if isinstance(cached, int) else None),
+                        num("cache_creation_input_tokens"))
+        import datetime as _dt
+
+        self.ledger.con.execute(
+            "INSERT INTO engine_usage VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [self.spec.sha256, s.session_id, thread, last.call, last.request_sha256, last.prompt_tokens,
+             rec.input_tokens, rec.output_tokens, rec.cache_read_tokens, rec.cache_write_tokens,
+             orjson.dumps(dict(usage), default=str).decode(),
+             _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")])
+        return rec
+
+    def usage(self, session_id: str | None = None) -> pl.DataFrame:
+        """The usage recorded by `after_turn` in this ledger (all sessions, or one)."""
+        self._check_open()
+        q = "SELECT * FROM engine_usage" + (" WHERE session_id = ?" if session_id else "") + " ORDER BY session_id, call"
+        return pl.from_arrow(self.ledger.con.execute(q, [session_id] if session_id else []).to_arrow_table())  # type: ignore[return-value]
+
+    def timings(self, session_id: str) -> dict[str, float]:
+        """Seconds of the last pass over the session: load, stages, commit."""
+        s = self._known(session_id)
+        return dict(s.last.seconds) if s.last else {}
+
+
+def _message_digests(request: dict[str, Any] | None, list_key: str) -> list[bytes]:
+    from pipeline.blockops import canonical_json
+
+    msgs = (request or {}).get(list_key) or []
+    return [hashlib.sha256(canonical_json(m)).digest() for m in msgs]
+
+
+def _first_diff(prev: list[bytes], cur: list[bytes]) -> int | None:
+    for i, (a, b) in enumerate(zip(prev, cur)):
+        if a != b:
+            return i
+    return len(cur) if len(cur) < len(prev) else None
+
+
+def iter_lines(path: str | Path) -> Iterator[bytes]:
+    """The physical lines of a transcript file, as `ingest` takes them (line breaks removed)."""
+    with open(path, "rb") as fh:
+        for raw in fh:
+            yield raw.rstrip(b"\n")
+
+
+__all__ = ["AssembleResult", "CompactResult", "Engine", "QuarantinedEntry", "TurnUsage", "iter_lines"]
