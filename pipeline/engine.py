@@ -190,6 +190,7 @@ class _Pass:
     staged: StagesResult
     new_decisions: int
     seconds: dict[str, float]
+    written: pl.DataFrame  # the decisions this pass wrote to the ledger (+ `stage`)
 
 
 @dataclass
@@ -342,13 +343,13 @@ class Engine:
         numbers stay those of the caller's stream)."""
         why = None
         if isinstance(e, bytes | bytearray):
-            raw = bytes(e)[:-1] if e.endswith(b"\n") else bytes(e)
+            raw = bytes(e).removesuffix(b"\n")
             if b"\n" in raw:
                 why = "the entry holds a line break: pass one transcript line per entry"
             else:
                 return raw
         elif isinstance(e, str):
-            raw_s = e[:-1] if e.endswith("\n") else e
+            raw_s = e.removesuffix("\n")
             if "\n" in raw_s:
                 why = "the entry holds a line break: pass one transcript line per entry"
             else:
@@ -364,10 +365,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the pipeline pass
 
-    def _refresh(self, s: _Session, *, window_tokens: int | None = None, spec: PipelineSpec | None = None,
-                 freeze_pending: bool = False) -> _Pass:
+    def _refresh(self, s: _Session, *, spec: PipelineSpec | None = None, freeze_pending: bool = False) -> _Pass:
         """Load the session, run the stages with the ledger's view, commit the new decisions."""
-        if not s.dirty and s.last is not None and window_tokens is None and spec is None:
+        if not s.dirty and s.last is not None and spec is None:
             return s.last
         t0 = time.perf_counter()
         for f in s.files.values():
@@ -387,10 +387,6 @@ class Engine:
         t1 = time.perf_counter()
         run_spec = spec or self.spec
         ctx = self._ctx
-        if window_tokens is not None:
-            import dataclasses
-
-            ctx = dataclasses.replace(ctx, window_tokens=int(window_tokens))
         sessions = sorted(blocks.get_column("session_id").unique().to_list())
         view = LedgerView.translate(self.ledger.earlier_all(self.spec.sha256, sessions), calls)
         if freeze_pending:  # compact: the pending call's decisions are frozen as made
@@ -399,16 +395,23 @@ class Engine:
         staged = run_stages(blocks, run_spec, view, ctx)
         t2 = time.perf_counter()
         new = 0
+        written = []
         for o in staged.outcomes:
-            new += self.ledger.stage(o.new, spec_sha256=self.spec.sha256, stage=o.name,
+            rows = o.new
+            if freeze_pending:  # a compaction decides for the pending call on, never for calls already sent
+                rows = rows.join(calls.pending, on=["session_id", "thread_id"], how="left").filter(
+                    pl.col("from_call") >= pl.col("pending_call")).drop("pending_call")
+            new += self.ledger.stage(rows, spec_sha256=self.spec.sha256, stage=o.name,
                                      stage_version=o.stage.version, config_digest=o.config_digest)
+            written.append(rows.drop("call_key", strict=False).with_columns(stage=pl.lit(o.name)))
         self._write_spills(staged.spills)
         if staged.failures or new or self.ledger._pending_tokens:
             self.ledger.commit_run(None, self.spec.resolved(), spec_sha256=self.spec.sha256)
         final = staged.blocks.sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call",
                                     "entry_id"])
         p = _Pass(loaded, final, skeleton, counts, staged, new,
-                  {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2})
+                  {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2},
+                  pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame())
         s.last, s.dirty = p, False
         return p
 
@@ -445,9 +448,10 @@ class Engine:
         """The request the thread sends now (its pending call), in the target's wire shape.
 
         Runs the stages when entries were ingested since the last call, freezing in the ledger the
-        decisions of every call before the pending one. `token_budget`, when given, is the window
-        the budget layers (result_budget, snip, tombstone) work to for this pass instead of the
-        spec's `window_tokens`; the result says whether the request fits (`over_budget`).
+        decisions of every call before the pending one. `token_budget`, when given, is checked,
+        not enforced: the result says whether the request's estimate fits (`over_budget`). The
+        layers work to the spec's `window_tokens` (a budget that changed what they decide would
+        also change calls already sent); to make room now, call `compact(session_id, force=True)`.
 
         `model`: the model the request goes to (part of the request). Default: the model of the
         thread's last recorded call, as in the batch replay's pending request; the batch replay's
@@ -455,11 +459,9 @@ class Engine:
         bytes after a model switch (or for the first call, which has no earlier model)."""
         self._check_open()
         s = self._known(session_id)
-        p = self._refresh(s, window_tokens=token_budget)
-        res = self._assemble(s, p, thread, token_budget, model)
-        if token_budget is not None:
-            s.dirty = True  # the next call without a budget runs the stages again with the spec's window
-        return res
+        if token_budget is not None and (not isinstance(token_budget, int) or token_budget <= 0):
+            raise InputError(f"token_budget must be a positive number of tokens, not {token_budget!r}")
+        return self._assemble(s, self._refresh(s), thread, token_budget, model)
 
     def _known(self, session_id: str) -> _Session:
         s = self._sessions.get(session_id)
@@ -547,14 +549,13 @@ class Engine:
         summary is out of scope."""
         self._check_open()
         s = self._known(session_id)
-        self._refresh(s)
         spec = self._forced_spec() if force else None
+        self._refresh(s)
         s.dirty = True
-        p = self._refresh(s, spec=spec, freeze_pending=True)
-        res = self._assemble(s, p, thread, None)
-        if force:
-            s.dirty = True  # later passes run the spec as written (the forced decisions are frozen)
-        return CompactResult(s.session_id, thread, force, force, res.decisions, res)
+        made = self._refresh(s, spec=spec, freeze_pending=True).written
+        s.dirty = True  # the request comes from a pass of the spec as written, the new decisions re-applied
+        res = self._assemble(s, self._refresh(s), thread, None)
+        return CompactResult(s.session_id, thread, force, force, made, res)
 
     def _forced_spec(self) -> PipelineSpec:
         import dataclasses
@@ -616,8 +617,10 @@ class Engine:
     def usage(self, session_id: str | None = None) -> pl.DataFrame:
         """The usage recorded by `after_turn` in this ledger (all sessions, or one)."""
         self._check_open()
-        q = "SELECT * FROM engine_usage" + (" WHERE session_id = ?" if session_id else "") + " ORDER BY session_id, call"
-        return pl.from_arrow(self.ledger.con.execute(q, [session_id] if session_id else []).to_arrow_table())  # type: ignore[return-value]
+        q = "SELECT * FROM engine_usage" + (" WHERE session_id = $sid" if session_id else "") + \
+            " ORDER BY session_id, call"
+        rel = self.ledger.con.sql(q, params={"sid": session_id} if session_id else None)
+        return pl.from_arrow(rel.to_arrow_table())  # type: ignore[return-value]
 
     def timings(self, session_id: str) -> dict[str, float]:
         """Seconds of the last pass over the session: load, stages, commit."""
