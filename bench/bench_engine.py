@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_replay import SID, generate  # noqa: E402
+from bench_replay import SID, generate
 
-from pipeline.engine import Engine, iter_lines  # noqa: E402
-from pipeline.runner import RunOptions, run  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
-from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER  # noqa: E402
+from pipeline.engine import Engine, iter_lines
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
+from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
 
 
 def main() -> None:
@@ -78,8 +78,10 @@ def main() -> None:
                   f"median {med * 1000:.0f} ms (min {min(lat) * 1000:.0f}, max {max(lat) * 1000:.0f})")
             keys = parts[0].keys()
             split = ", ".join(f"{k} {statistics.median(p[k] for p in parts) * 1000:.0f} ms" for k in keys)
-            shaped = med - sum(statistics.median(p[k] for p in parts) for k in keys)
-            print(f"  of which: {split}, shaping the request and the rest {shaped * 1000:.0f} ms")
+            rest = med - sum(statistics.median(p[k] for p in parts) for k in keys)
+            print(f"  of which (medians): {split}, the rest {rest * 1000:.0f} ms")
+            print("  (load: the loaders read the session's spool again; stages: every stage over the whole "
+                  "session, frozen decisions re-applied; shape: the pending request from the kept replay state)")
             share = 100 * med / best
             print(f"one appended call costs {share:.1f} % of the whole replay (target: <= 5 %): "
                   f"{'met' if share <= 5 else 'NOT met'}")

@@ -33,6 +33,7 @@ One engine per ledger: `Engine.open` takes the ledger's lock (the runner's) and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import shutil
 import tempfile
@@ -46,24 +47,22 @@ from typing import Any, Self
 import orjson
 import polars as pl
 
+from pipeline.engine_replay import LiveThread
 from pipeline.errors import CtxReplayError, InputError, LockError, OutputError, SpecError
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult, load_paths
 from pipeline.outdir import RunLock, ledger_lock_path
 from pipeline.registry import StageContext
 from pipeline.replay import (
-    ROW_COLUMNS,
-    CallInfo,
     call_counts,
     call_skeleton,
-    replay_thread,
     thread_calls,
     thread_key,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec, load_spec, preset_names
 from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
 from pipeline.targets import Violation, get_target
-from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter, row_tokens
+from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter
 from schemas.blocks import BLOCKS
 from schemas.check import check_frame
 
@@ -105,7 +104,6 @@ class AssembleResult:
     session_id: str
     thread_id: str
     call: int
-    request: dict[str, Any]
     request_json: bytes
     request_sha256: str
     prompt_tokens: int
@@ -118,8 +116,22 @@ class AssembleResult:
     new_decisions: int
     quarantined: tuple[QuarantinedEntry, ...]
     stage_failures: tuple[StageFailure, ...]
-    violations: tuple[Violation, ...]
     token_budget: int | None = None
+    target: str = DEFAULT_TARGET
+    rebuilt: bool = False  # the replay state was built again from every visible row (not appended to)
+
+    @functools.cached_property
+    def request(self) -> dict[str, Any]:
+        """The request, parsed from `request_json` (on first use)."""
+        return dict(orjson.loads(self.request_json))
+
+    @functools.cached_property
+    def violations(self) -> tuple[Violation, ...]:
+        """What the target's validator finds wrong with the request (checked on first use), as the
+        batch run checks every pending request."""
+        return tuple(get_target(self.target).validate(self.request, thread_key=thread_key(self.session_id,
+                                                                                          self.thread_id),
+                                                      call=self.call, awaits_user=self.awaits_user))
 
     @property
     def over_budget(self) -> bool:
@@ -201,7 +213,8 @@ class _Session:
     rejected: list[QuarantinedEntry] = field(default_factory=list)
     dirty: bool = True
     last: _Pass | None = None
-    prev_ids: dict[str, list[bytes]] = field(default_factory=dict)  # thread -> last request's message digests
+    live: dict[str, LiveThread] = field(default_factory=dict)  # thread -> its replay state
+    shaped: float = 0.0  # seconds the last assemble took to shape the request
     assembled: dict[str, AssembleResult] = field(default_factory=dict)  # thread -> last result
 
 
@@ -495,33 +508,23 @@ class Engine:
         visible = part.filter((pl.col("first_call") <= n) & (pl.col("last_call").is_null() | (pl.col("last_call") > n)))
         if model is None:
             model = infos[-1].model if infos else None
-        # the pending call's request from the versions it sees: shaped as the replay shapes it
-        flat = visible.with_columns(first_call=pl.lit(0, pl.Int32), last_call=pl.lit(None, pl.Int32))
-        rows = flat.select(ROW_COLUMNS).to_dicts()
-        toks = row_tokens(flat, self.counter).to_list() if flat.height else []
-        res = None
-        for r in replay_thread(rows, toks, [CallInfo(0, model)], target,
-                               materialize=lambda k, pending: pending):
-            res = r
-        assert res is not None and res.is_pending and res.request_json is not None
-        key = thread_key(lsid, thread)
-        violations = tuple(target.validate(res.request, thread_key=key, call=n, awaits_user=res.awaits_user)) \
-            if res.request is not None else ()
-        digests = _message_digests(res.request, target.list_key)
-        prev = s.prev_ids.get(thread)
-        brk = None if prev is None else _first_diff(prev, digests)
-        s.prev_ids[thread] = digests
+        live = s.live.get(thread)
+        if live is None:
+            live = s.live[thread] = LiveThread(target)
+        t0 = time.perf_counter()
+        pend = live.update(visible, model, self.counter)
+        s.shaped = time.perf_counter() - t0
         applied = p.staged.applied
         mine = applied.filter((pl.col("session_id") == lsid) & (pl.col("thread_id") == thread)
                               & (pl.col("from_call") == n))
         epoch = int(visible.get_column("cache_epoch").max() or 0) if visible.height else 0  # type: ignore[arg-type]
         out = AssembleResult(
-            session_id=s.session_id, thread_id=thread, call=n, request=res.request or {},
-            request_json=res.request_json, request_sha256=str(res.request_sha256), prompt_tokens=res.prompt_tokens,
-            n_messages=res.n_messages, cache_epoch=epoch, awaits_user=res.awaits_user, prefix_break_message=brk,
+            session_id=s.session_id, thread_id=thread, call=n, request_json=pend.request_json,
+            request_sha256=pend.request_sha256, prompt_tokens=pend.prompt_tokens, n_messages=pend.n_messages,
+            cache_epoch=epoch, awaits_user=pend.awaits_user, prefix_break_message=pend.prefix_break_message,
             model=model, decisions=mine, new_decisions=p.new_decisions, quarantined=self._quarantined(s, p),
-            stage_failures=tuple(f for f in p.staged.failures if lsid in f.sessions), violations=violations,
-            token_budget=token_budget)
+            stage_failures=tuple(f for f in p.staged.failures if lsid in f.sessions), token_budget=token_budget,
+            target=self.target, rebuilt=pend.rebuilt)
         s.assembled[thread] = out
         return out
 
@@ -623,23 +626,10 @@ class Engine:
         return pl.from_arrow(rel.to_arrow_table())  # type: ignore[return-value]
 
     def timings(self, session_id: str) -> dict[str, float]:
-        """Seconds of the last pass over the session: load, stages, commit."""
+        """Seconds of the last pass over the session (load, stages, commit) and of shaping the last
+        request assembled (shape)."""
         s = self._known(session_id)
-        return dict(s.last.seconds) if s.last else {}
-
-
-def _message_digests(request: dict[str, Any] | None, list_key: str) -> list[bytes]:
-    from pipeline.blockops import canonical_json
-
-    msgs = (request or {}).get(list_key) or []
-    return [hashlib.sha256(canonical_json(m)).digest() for m in msgs]
-
-
-def _first_diff(prev: list[bytes], cur: list[bytes]) -> int | None:
-    for i, (a, b) in enumerate(zip(prev, cur)):
-        if a != b:
-            return i
-    return len(cur) if len(cur) < len(prev) else None
+        return {**(s.last.seconds if s.last else {}), "shape": s.shaped}
 
 
 def iter_lines(path: str | Path) -> Iterator[bytes]:
