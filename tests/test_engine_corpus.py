@@ -60,15 +60,15 @@ def _cuts(path: Path) -> list[tuple[int, str, int, str | None, str | None]]:
     return sorted(out, key=lambda c: (c[0], c[1]))
 
 
-def feed_call_by_call(path: Path, spec: PipelineSpec, work: Path) -> Outcome:
-    batch = run([path], spec, RunOptions(out_dir=work / "out", token_counter=CHARS4_COUNTER)).calls
+def feed_call_by_call(path: Path, spec: PipelineSpec, work: Path, target: str = "anthropic") -> Outcome:
+    batch = run([path], spec, RunOptions(out_dir=work / "out", token_counter=CHARS4_COUNTER, target=target)).calls
     expected = {(r["thread_id"], r["call"]): r["request_sha256"]
                 for r in batch.select("thread_id", "call", "request_sha256").iter_rows(named=True)}
     pending = {r["thread_id"]: r["request_sha256"]
                for r in batch.filter(pl.col("is_pending")).select("thread_id", "request_sha256").iter_rows(named=True)}
     lines = list(iter_lines(path))
     got = Outcome()
-    with Engine.open(spec, work / "engine.duckdb", token_counter=CHARS4_COUNTER) as eng:
+    with Engine.open(spec, work / "engine.duckdb", target, token_counter=CHARS4_COUNTER) as eng:
         fed = 0
         for line, tid, k, tip, model in _cuts(path):
             if line - 1 > fed:
@@ -106,6 +106,12 @@ def _check(got: Outcome, expected_pending: int | None = None) -> None:
 @pytest.mark.parametrize("name", SMALL, ids=lambda n: n.split("/")[0])
 def test_engine_call_by_call_equals_the_batch_replay(corpus: Path, tmp_path: Path, name: str) -> None:
     _check(feed_call_by_call(corpus / name, load_spec(preset="default"), tmp_path))
+
+
+@pytest.mark.parametrize("target", ["openai-chat", "openai-responses", "gemini"])
+def test_engine_call_by_call_equals_the_batch_replay_for_other_targets(corpus: Path, tmp_path: Path,
+                                                                       target: str) -> None:
+    _check(feed_call_by_call(corpus / SMALL[1], load_spec(preset="default"), tmp_path, target))
 
 
 def _all_files() -> list[str]:
