@@ -252,7 +252,8 @@ class Engine:
         try:
             self._lock.acquire()
         except LockError as exc:
-            raise LockError(f"cannot open an engine on {ledger_path}: {exc}") from None
+            raise LockError(f"cannot open an engine on {ledger_path}: {exc}. For an engine: close() the one that "
+                            f"holds it, or open this one on another ledger_path") from None
         try:
             self.ledger = Ledger(ledger_path)
             self.ledger.con.execute(USAGE_DDL)
