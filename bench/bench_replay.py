@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.runner import RunOptions, run  # noqa: E402
-from pipeline.spec import load_spec  # noqa: E402
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
 from pipeline.store import iter_request_json
-from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER  # noqa: E402
+from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
 
 SID = "9b1f0000-0000-4000-8000-00000000beef"
 

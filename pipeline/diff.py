@@ -196,8 +196,10 @@ def compare(golden: Golden, rp: Replay, *, book: Any = None) -> DiffReport:
             if td.unpriced_calls and not td.priced_calls:
                 td.cost_usd_delta = None  # nothing of it could be priced: unknown, not 0
         if sim_both:
+            # the pending call (and a model nobody prices) has no simulated cost: compare the calls
+            # priced on both sides, when the same calls are priced on both
             g, n = part.get_column(SIM_COST), part.get_column(f"{SIM_COST}_new")
-            if g.null_count() == 0 and n.null_count() == 0:
+            if g.is_null().equals(n.is_null()) and g.null_count() < g.len():
                 td.sim_cost_usd_delta = float(n.sum() - g.sum())
         if td.status == "changed":
             first = dpart.row(0, named=True)
@@ -234,7 +236,8 @@ def compare(golden: Golden, rp: Replay, *, book: Any = None) -> DiffReport:
         notes=notes,
         cost_usd_delta=sum(t.cost_usd_delta or 0.0 for t in out) if costs is not None else None,
         unpriced_calls=sum(t.unpriced_calls for t in out), unpriced_models=unpriced_models,
-        sim_cost_usd_delta=sum(with_sim) if sim_both and with_sim else (0.0 if sim_both else None),
+        # None where no changed thread could be priced on both sides: unknown, not 0
+        sim_cost_usd_delta=(sum(with_sim) if with_sim else (None if out else 0.0)) if sim_both else None,
         prices=getattr(book, "source", None),
     )
     report.seconds["compare"] = time.perf_counter() - t0
@@ -673,7 +676,7 @@ def _summary_facts(r: DiffReport) -> list[tuple[str, str]]:
 
 
 def _summary_lines(r: DiffReport) -> list[str]:
-    return [_head(r), *(f"  {label + ':':<15}{text}" for label, text in _summary_facts(r))]
+    return [_head(r), *(f"  {label + ':':<16}{text}" for label, text in _summary_facts(r))]
 
 
 def _table_rows(r: DiffReport) -> list[tuple[str, ...]]:

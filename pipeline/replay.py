@@ -278,6 +278,12 @@ class _HashChain:
         off the main thread."""
         states, data = self.states, self.data
         c = min(m // CHUNK, len(states) - 1 + FAR)
+        self._extend(c)
+        return states[c].copy(), c > 0, data[c * CHUNK:m]
+
+    def _extend(self, c: int) -> None:
+        """Keep hash states through chunk c (each one the previous plus CHUNK more messages)."""
+        states, data = self.states, self.data
         while len(states) <= c:
             lo = (len(states) - 1) * CHUNK
             h = states[-1].copy()
@@ -285,19 +291,12 @@ class _HashChain:
                 h.update(b",")
             h.update(b",".join(data[lo:lo + CHUNK]))
             states.append(h)
-        return states[c].copy(), c > 0, data[c * CHUNK:m]
 
     def state(self, m: int) -> Any:
         """A new hash object holding the prefix through message m-1."""
         states, data = self.states, self.data
         c = m // CHUNK
-        while len(states) <= c:
-            lo = (len(states) - 1) * CHUNK
-            h = states[-1].copy()
-            if lo:
-                h.update(b",")
-            h.update(b",".join(data[lo:lo + CHUNK]))
-            states.append(h)
+        self._extend(c)
         h = states[c].copy()
         if m > c * CHUNK:
             if c:

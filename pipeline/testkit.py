@@ -259,3 +259,21 @@ def check_golden(case: Path, stage_name: str | None = None, *, update: bool = Fa
     again = run_stage(name, res.blocks, cfg, ctx=ctx)
     assert again.decisions.collect().height == 0, f"{case}: a second pass must decide nothing"
     assert _json_rows(_golden_view(again.blocks)) == got_blocks, f"{case}: a second pass must change nothing"
+
+
+# ------------------------------------------------------------------ version histories for tests
+
+def replace_from(blocks: pl.LazyFrame, mask: pl.Expr, new_values: dict[str, pl.Expr], from_call: int,
+                 reason: str = "test") -> pl.LazyFrame:
+    """The blocks with `new_values` replacing the columns where `mask` holds, from call `from_call`
+    on (a new version there), as a layer would do it through the marks API."""
+    from pipeline.marks import finish, mark_replace_from, start_marks
+
+    return finish(mark_replace_from(start_marks(blocks), mask, new_values, reason, pl.lit(from_call))).blocks
+
+
+def drop_from(blocks: pl.LazyFrame, mask: pl.Expr, from_call: int, reason: str = "test") -> pl.LazyFrame:
+    """The blocks with the versions where `mask` holds dropped from call `from_call` on."""
+    from pipeline.marks import finish, mark_drop, start_marks
+
+    return finish(mark_drop(start_marks(blocks), mask, reason, pl.lit(from_call))).blocks

@@ -197,39 +197,50 @@ def _stage_matcher(name: str | None, known: list[str]) -> Any:
     return lambda s: s == name or (("#" not in name) and s.split("#")[0] == name)
 
 
-def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
-    """The request at opts.call (None: the pending call) with every effective decision, as data."""
-    from pipeline.store import request as assemble_call
-    from pipeline.targets import LogicalMessage, get_target
+@dataclass
+class _Call:
+    """What `build` knows about one call: the visible rows of both sides and the decisions."""
+    opts: WhyOptions
+    fin_by: dict[tuple[str, int, int], dict[str, Any]]
+    rec_by: dict[tuple[str, int, int], dict[str, Any]]
+    effective: dict[tuple[str, int, int], list[dict[str, Any]]]
+    match_stage: Any
 
-    target_name = view.target
-    request = assemble_call(view.run_dir, ref.key, opts.call, target_name)  # checks the call too
-    mine_calls = view.calls.filter(pl.col("thread_key") == ref.key)
-    pending = int(mine_calls.filter(pl.col("is_pending"))["call"][0])
-    k = pending if opts.call is None else opts.call
-    row = mine_calls.filter(pl.col("call") == k).row(0, named=True)
-    match_stage = _stage_matcher(opts.stage, known_stages(view))
+    def status_of(self, r: dict[str, Any]) -> str:
+        old = self.rec_by.get(_key(r))
+        if old is None:
+            return "inserted"
+        if old["content_sha256"] != r["content_sha256"]:
+            return "changed"
+        if old["order_key"] != r["order_key"] or any(d["action"] == "move" for d in self.effective.get(_key(r), [])):
+            return "moved"
+        return "unchanged"
 
-    if ("final", ref.key) not in view.memo:
-        view.memo[("final", ref.key)] = pl.scan_parquet(view.path("blocks.parquet")).filter(
-            (pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)).collect()
-    final = view.memo[("final", ref.key)]
-    rec = load_recorded(view, ref, final, pending)
-    fin_rows = _visible(final, k).to_dicts()
-    rec_rows = _visible(rec.blocks, k).to_dicts()
-    fin_by = {_key(r): r for r in fin_rows}
-    rec_by = {_key(r): r for r in rec_rows}
-    if len(fin_by) != len(fin_rows) or len(rec_by) != len(rec_rows):
-        raise CtxReplayError(f"thread '{ref.key}' call {k}: a block has two versions visible at once; this is "
-                             f"a bug in a stage")
+    def block(self, r: dict[str, Any], status: str) -> dict[str, Any]:
+        opts = self.opts
+        b = {"entry_id": r["entry_id"], "block_pos": r["block_pos"], "part_pos": r["part_pos"],
+             "block_type": r["block_type"], "part_type": r["part_type"], "tool_use_id": r["tool_use_id"],
+             "tool_name": r["tool_name"], "is_error": r["is_error"], "status": status,
+             "origin": r["origin"], "first_call": r["first_call"], "last_call": r["last_call"],
+             "bytes": _payload_bytes(r), **_content(r, opts.full),
+             "decisions": [d for d in self.effective.get(_key(r), []) if self.match_stage(d["stage"])]}
+        if opts.diff and status in ("changed", "moved"):
+            old = self.rec_by[_key(r)]
+            b["recorded"] = {"bytes": _payload_bytes(old), **_content(old, opts.full)}
+            if status == "changed":
+                b["recorded"]["diff"] = _text_diff(old, r, opts.full)
+        return b
 
-    stage_rank = _stage_rank()
+
+def _effective_decisions(view: RunView, ref: ThreadRef, k: int, keys: set[tuple[str, int, int]],
+                         stage_rank: dict[str, int]) -> dict[tuple[str, int, int], list[dict[str, Any]]]:
+    """The decisions in force at call k on the blocks of either side, per block, in applying order."""
     decs = view.decisions.filter((pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)
                                  & (pl.col("from_call") <= k))
     effective: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     for d in decs.to_dicts():
         key = _key(d)
-        if key in fin_by or key in rec_by:
+        if key in keys:
             effective.setdefault(key, []).append({
                 "stage": d["stage"], "stage_version": d["stage_version"], "action": d["action"],
                 "reason": d["reason"], "from_call": d["from_call"], "cache_epoch": d["cache_epoch"],
@@ -238,39 +249,19 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
             })
     for lst in effective.values():
         lst.sort(key=lambda d: (d["from_call"], stage_rank.get(d["stage"], len(stage_rank)), d["stage"]))
+    return effective
 
-    def block(r: dict[str, Any], status: str) -> dict[str, Any]:
-        key = _key(r)
-        b = {"entry_id": r["entry_id"], "block_pos": r["block_pos"], "part_pos": r["part_pos"],
-             "block_type": r["block_type"], "part_type": r["part_type"], "tool_use_id": r["tool_use_id"],
-             "tool_name": r["tool_name"], "is_error": r["is_error"], "status": status,
-             "origin": r["origin"], "first_call": r["first_call"], "last_call": r["last_call"],
-             "bytes": _payload_bytes(r), **_content(r, opts.full),
-             "decisions": [d for d in effective.get(key, []) if match_stage(d["stage"])]}
-        if opts.diff and status in ("changed", "moved"):
-            old = rec_by[key]
-            b["recorded"] = {"bytes": _payload_bytes(old), **_content(old, opts.full)}
-            if status == "changed":
-                b["recorded"]["diff"] = _text_diff(old, r, opts.full)
-        return b
 
-    def status_of(r: dict[str, Any]) -> str:
-        old = rec_by.get(_key(r))
-        if old is None:
-            return "inserted"
-        if old["content_sha256"] != r["content_sha256"]:
-            return "changed"
-        if old["order_key"] != r["order_key"] or any(d["action"] == "move" for d in effective.get(_key(r), [])):
-            return "moved"
-        return "unchanged"
+def _group_messages(fin_rows: list[dict[str, Any]], split_system: bool) -> tuple[list[dict[str, Any]], list[Any],
+                                                                                  list[int]]:
+    """Messages as the replay groups them: consecutive visible rows of one msg_key, system rows
+    apart when the target carries them in the envelope. Returns (messages, the wire-bound logical
+    messages, the messages[] index of each)."""
+    from pipeline.targets import LogicalMessage
 
-    # messages as the replay groups them: consecutive visible rows of one msg_key; system rows apart
-    # when the target carries them in the envelope
-    target = get_target(target_name)
-    split_system = target.splits_system()
     messages: list[dict[str, Any]] = []
     logical: list[LogicalMessage] = []
-    log_index: list[int] = []  # messages[] index of each logical (wire-bound) message
+    log_index: list[int] = []
     last_by_stream: dict[bool, int] = {}
     for r in fin_rows:
         is_sys = split_system and r["role"] == "system"
@@ -284,10 +275,15 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
             if not is_sys:
                 logical.append(LogicalMessage(r["role"], [], r["msg_key"]))
                 log_index.append(len(messages) - 1)
-    for lm, mi in zip(logical, log_index):
+    for lm, mi in zip(logical, log_index, strict=True):
         lm.rows = messages[mi]["_rows"]
+    return messages, logical, log_index
 
-    # where each logical message went on the wire (checked against the assembled request)
+
+def _wire_places(target: Any, request: dict[str, Any], messages: list[dict[str, Any]], logical: list[Any],
+                 log_index: list[int]) -> tuple[dict[int, list[int | str]], bool]:
+    """Where each message went on the wire (checked against the assembled request): its indexes in
+    the request's list, or "system"; and whether the check held."""
     wire_of: dict[int, list[int | str]] = {}
     wire_list = request.get(target.list_key) or []
     shaped = target.shape(logical, 0) if logical else []
@@ -303,10 +299,13 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
     for mi, m in enumerate(messages):
         if m["system"]:
             wire_of[mi] = ["system"]
+    return wire_of, wire_checked
 
-    # dropped blocks: in their message when it is still there, else a message of their own, placed
-    # where the transcript had it
-    dropped = [r for r in rec_rows if _key(r) not in fin_by]
+
+def _place_dropped(dropped: list[dict[str, Any]], messages: list[dict[str, Any]], wire_of: dict[int, list[int | str]],
+                   split_system: bool) -> dict[int, list[int | str]]:
+    """Put dropped blocks in their message when it is still there, else in a message of their own
+    where the transcript had it (messages is changed in place; returns the renumbered wire_of)."""
     by_msg = {m["msg_key"]: i for i, m in reversed(list(enumerate(messages)))}
     orphans: dict[str, list[dict[str, Any]]] = {}
     for r in dropped:
@@ -329,13 +328,19 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
         messages.insert(at, m)
         wire_of = {(i + 1 if i >= at else i): v for i, v in wire_of.items()}
         wire_of[at] = []
+    return wire_of
 
+
+def _shown_messages(c: _Call, messages: list[dict[str, Any]],
+                    wire_of: dict[int, list[int | str]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The messages and blocks to show (after --stage / --changed), and the decisions they carry."""
+    opts = c.opts
     out_msgs = []
     shown_decisions: list[dict[str, Any]] = []
     for mi, m in enumerate(messages):
         blocks = []
         for r in m["_rows"]:
-            b = block(r, "dropped" if r.get("_dropped") else status_of(r))
+            b = c.block(r, "dropped" if r.get("_dropped") else c.status_of(r))
             if opts.stage and not b["decisions"]:
                 continue
             if opts.changed_only and b["status"] == "unchanged" and not b["decisions"]:
@@ -352,6 +357,56 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
                       ("inserted" if all(r.get("origin") != "transcript" for r in m["_rows"]) else "kept"),
             "blocks": blocks,
         })
+    return out_msgs, shown_decisions
+
+
+def _recorded_side(rec: Any, ref: ThreadRef, k: int, target: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """--diff: the identity request at the same call, and where the two part."""
+    ident = identity_request(rec, ref, k, target.name)
+    ident_bytes = canonical_json(ident)
+    a, b = ident.get(target.list_key) or [], request.get(target.list_key) or []
+    first_diff = next((j for j in range(min(len(a), len(b))) if canonical_json(a[j]) != canonical_json(b[j])),
+                      None if len(a) == len(b) else min(len(a), len(b)))
+    return {"request_sha256": hashlib.sha256(ident_bytes).hexdigest(), "request_bytes": len(ident_bytes),
+            "n_messages": len(a), "first_difference": first_diff,
+            "envelope_differs": {x: y for x, y in ident.items() if x != target.list_key}
+            != {x: y for x, y in request.items() if x != target.list_key}}
+
+
+def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
+    """The request at opts.call (None: the pending call) with every effective decision, as data."""
+    from pipeline.store import request as assemble_call
+    from pipeline.targets import get_target
+
+    target = get_target(view.target)
+    request = assemble_call(view.run_dir, ref.key, opts.call, view.target)  # checks the call too
+    mine_calls = view.calls.filter(pl.col("thread_key") == ref.key)
+    pending = int(mine_calls.filter(pl.col("is_pending"))["call"][0])
+    k = pending if opts.call is None else opts.call
+    row = mine_calls.filter(pl.col("call") == k).row(0, named=True)
+
+    if ("final", ref.key) not in view.memo:
+        view.memo[("final", ref.key)] = pl.scan_parquet(view.path("blocks.parquet")).filter(
+            (pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)).collect()
+    final = view.memo[("final", ref.key)]
+    rec = load_recorded(view, ref, final, pending)
+    fin_rows = _visible(final, k).to_dicts()
+    rec_rows = _visible(rec.blocks, k).to_dicts()
+    fin_by = {_key(r): r for r in fin_rows}
+    rec_by = {_key(r): r for r in rec_rows}
+    if len(fin_by) != len(fin_rows) or len(rec_by) != len(rec_rows):
+        raise CtxReplayError(f"thread '{ref.key}' call {k}: a block has two versions visible at once; this is "
+                             f"a bug in a stage")
+    stage_rank = _stage_rank()
+    effective = _effective_decisions(view, ref, k, set(fin_by) | set(rec_by), stage_rank)
+    c = _Call(opts, fin_by, rec_by, effective, _stage_matcher(opts.stage, known_stages(view)))
+
+    split_system = target.splits_system()
+    messages, logical, log_index = _group_messages(fin_rows, split_system)
+    wire_of, wire_checked = _wire_places(target, request, messages, logical, log_index)
+    dropped = [r for r in rec_rows if _key(r) not in fin_by]
+    wire_of = _place_dropped(dropped, messages, wire_of, split_system)
+    out_msgs, shown_decisions = _shown_messages(c, messages, wire_of)
 
     by_stage: dict[str, int] = {}
     for d in shown_decisions:
@@ -359,12 +414,13 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
     by_stage = dict(sorted(by_stage.items(), key=lambda kv: (stage_rank.get(kv[0], len(stage_rank)), kv[0])))
     req_bytes = canonical_json(request)
     sha = hashlib.sha256(req_bytes).hexdigest()
+    statuses = [c.status_of(r) for r in fin_rows]
     doc: dict[str, Any] = {
         "thread_key": ref.key, "session_id": ref.session_id, "thread_id": ref.thread_id,
         "kind": thread_kind(ref.thread_id, final["source_format"][0] if final.height else None,
                             bool(final["is_sidechain"].any()) if final.height else False),
         "call": k, "pending_call": pending, "is_pending": k == pending,
-        "target": target_name, "pipeline": view.summary.get("pipeline"),
+        "target": view.target, "pipeline": view.summary.get("pipeline"),
         "pipeline_sha256": view.summary.get("pipeline_sha256"), "run_id": view.summary.get("run_id"),
         "model": row["model"], "timestamp": str(row["timestamp"]) if row["timestamp"] is not None else None,
         "request_sha256": sha, "request_sha256_matches": sha == row["request_sha256"],
@@ -375,22 +431,12 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
                       "by_stage": by_stage},
         "blocks": {"shown": sum(len(m["blocks"]) for m in out_msgs),
                    "visible": len(fin_rows), "dropped": len(dropped),
-                   "changed": sum(1 for r in fin_rows if status_of(r) == "changed"),
-                   "inserted": sum(1 for r in fin_rows if status_of(r) == "inserted"),
-                   "moved": sum(1 for r in fin_rows if status_of(r) == "moved")},
+                   **{s: statuses.count(s) for s in ("changed", "inserted", "moved")}},
         "messages": out_msgs,
         "wire": _wire_summary(request, target.list_key, messages, wire_of, out_msgs, wire_checked),
     }
     if opts.diff:
-        ident = identity_request(rec, ref, k, target_name)
-        ident_bytes = canonical_json(ident)
-        a, b = ident.get(target.list_key) or [], wire_list
-        first_diff = next((j for j in range(min(len(a), len(b))) if canonical_json(a[j]) != canonical_json(b[j])),
-                          None if len(a) == len(b) else min(len(a), len(b)))
-        doc["recorded"] = {"request_sha256": hashlib.sha256(ident_bytes).hexdigest(), "request_bytes": len(ident_bytes),
-                           "n_messages": len(a), "first_difference": first_diff,
-                           "envelope_differs": {x: y for x, y in ident.items() if x != target.list_key}
-                           != {x: y for x, y in request.items() if x != target.list_key}}
+        doc["recorded"] = _recorded_side(rec, ref, k, target, request)
     return doc
 
 

@@ -6,4 +6,4 @@ from schemas.decisions import DECISIONS, STAGE_DECISION
 from schemas.messages import CALL_MESSAGES, MESSAGES
 from schemas.quarantine import QUARANTINE
 
-__all__ = ["BLOCKS", "CALLS", "CALL_MESSAGES", "DECISIONS", "MESSAGES", "STAGE_DECISION", "QUARANTINE"]
+__all__ = ["BLOCKS", "CALLS", "CALL_MESSAGES", "DECISIONS", "MESSAGES", "QUARANTINE", "STAGE_DECISION"]

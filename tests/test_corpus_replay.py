@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -60,7 +61,7 @@ def test_pending_request_holds_the_compaction_summary_first(corpus: Path, tmp_pa
     assert all(first_prompt not in json.dumps(m) for m in req["messages"][1:])
     # messages alternate, in order; the pending request ends with the final answer
     roles = [m["role"] for m in req["messages"]]
-    assert all(a != b for a, b in zip(roles, roles[1:]))
+    assert all(a != b for a, b in itertools.pairwise(roles))
     main = res.calls.filter((pl.col("thread_id") == "main") & ~pl.col("is_pending"))
     assert main.height == 217
 

@@ -254,7 +254,7 @@ def test_other_lines_and_quarantine(tmp_path: Path) -> None:
         {"payload": {}},
         item(type="message", role="robot", content=[]),
     ]
-    threads, load = codex.load(write(tmp_path, objs))
+    _threads, load = codex.load(write(tmp_path, objs))
     assert load.other_lines == {
         "session_meta": 1,
         "response_item:ghost_snapshot": 1,

@@ -301,8 +301,8 @@ def test_bash_execution_rendered_like_pi(tmp_path: Path) -> None:
     texts = frame(threads)["text"].to_list()
     assert texts == [
         "Ran `ls`\n```\na\nb\n```",
-        "Ran `make`\n(no output)\n\nCommand exited with code 2"
-        "\n\n[Output truncated. Full output: /tmp/out.log]",
+        ("Ran `make`\n(no output)\n\nCommand exited with code 2"
+        "\n\n[Output truncated. Full output: /tmp/out.log]"),
         "Ran `sleep 9`\n```\nx\n```\n\n(command cancelled)",
     ]
     assert frame(threads)["role"].to_list() == ["user"] * 3
@@ -507,7 +507,7 @@ def test_bad_lines_are_quarantined_with_reasons(tmp_path: Path) -> None:
         {"type": "message", "id": "m8", "message": {"content": []}},
     ]
     p = write(tmp_path, objs, raw_lines=["{not json"])
-    threads, load = openclaw.load(p)
+    _threads, load = openclaw.load(p)
     reasons = {q.line: q.reason for q in load.quarantine}
     assert reasons == {
         3: "expected a JSON object, got list",

@@ -68,7 +68,7 @@ def test_goldens_written_then_checked_then_a_change_fails_with_the_report(projec
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines([
         "E * AssertionError: ctxreplay diff: 3 of 8 threads changed (3 by the pipeline, 0 by changed inputs)*",
-        "E * pipeline:      tombstone (#3) keep_recent: 2 → 1",
+        "E * pipeline:       tombstone (#3) keep_recent: 2 → 1",
         "E * == 019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d (pipeline change)",
         "E * first differing call: 3 (1 of 4 calls differ)",
         ("E * decision: tombstone: tombstone (token) from call 3, cache_epoch 4, tool call call_A1b2C3d4; made by "

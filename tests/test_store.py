@@ -23,7 +23,6 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.blockops import drop_where, replace_where
 from pipeline.cli import main
 from pipeline.replay import (
     CHUNK,
@@ -48,7 +47,14 @@ from pipeline.store import (
     write_store,
 )
 from pipeline.targets import TARGETS, get_target
-from pipeline.testkit import check_replay_against_naive, make_blocks, replay_all_calls, replay_rows
+from pipeline.testkit import (
+    check_replay_against_naive,
+    drop_from,
+    make_blocks,
+    replace_from,
+    replay_all_calls,
+    replay_rows,
+)
 from pipeline.tokens import CHARS4_COUNTER
 from schemas.messages import CALL_MESSAGES, MESSAGES
 
@@ -97,19 +103,15 @@ def _deep_changes(conv: list[dict[str, Any]], changes: list[tuple[int, int, str]
     for j, (entry, k, kind) in enumerate(changes):
         where = pl.col("entry_id") == f"e{entry:04d}"
         if kind == "replace":  # a tombstone: the content changes, the message stays
-            b, _ = replace_where(b, where & (pl.col("block_type") == "tool_result"),
-                                 {"text": pl.lit(f"[cleared at {k}]")}, action="replace", reason="test",
-                                 from_call=pl.lit(k))
+            b = replace_from(b, where & (pl.col("block_type") == "tool_result"), {"text": pl.lit(f"[cleared at {k}]")}, k)
         elif kind == "rename":  # a tool call's name (Gemini names results after their call)
-            b, _ = replace_where(b, where & (pl.col("block_type") == "tool_use"), {"tool_name": pl.lit(f"Renamed{k}")},
-                                 action="replace", reason="test", from_call=pl.lit(k))
+            b = replace_from(b, where & (pl.col("block_type") == "tool_use"), {"tool_name": pl.lit(f"Renamed{k}")}, k)
         elif kind == "replace_any":  # every block of the message
-            b, _ = replace_where(b, where, {"text": pl.lit(f"changed at {k}")}, action="replace", reason="test",
-                                 from_call=pl.lit(k))
+            b = replace_from(b, where, {"text": pl.lit(f"changed at {k}")}, k)
         elif kind == "drop":  # a whole message dropped (snip)
-            b, _ = drop_where(b, where, reason="test", from_call=pl.lit(k))
+            b = drop_from(b, where, k)
         elif kind == "drop_block":  # one block of it
-            b, _ = drop_where(b, where & (pl.col("block_pos") == 0), reason="test", from_call=pl.lit(k))
+            b = drop_from(b, where & (pl.col("block_pos") == 0), k)
         else:  # a message inserted after it from call k on (a synthetic result, a header)
             df = b.collect()
             src = df.filter(where).sort("block_pos", "part_pos", "first_call").head(1)

@@ -9,10 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.blockops import drop_where, replace_where
 from pipeline.targets import get_target, target_names
 from pipeline.targets._wire import label, split
-from pipeline.testkit import check_replay_against_naive, make_blocks, replay_all_calls
+from pipeline.testkit import (
+    check_replay_against_naive,
+    drop_from,
+    make_blocks,
+    replace_from,
+    replay_all_calls,
+)
 
 TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
 
@@ -76,10 +81,9 @@ def test_incremental_equals_naive_under_versioned_changes(data: st.DataObject) -
         entry = data.draw(st.sampled_from([f"e{i:04d}" for i in range(len(conv))]))
         k = data.draw(st.integers(0, 4))
         if data.draw(st.booleans()):
-            b, _ = replace_where(b, pl.col("entry_id") == entry, {"text": pl.lit(f"changed@{k}")},
-                                 action="replace", reason="test", from_call=pl.lit(k))
+            b = replace_from(b, pl.col("entry_id") == entry, {"text": pl.lit(f"changed@{k}")}, k)
         else:
-            b, _ = drop_where(b, pl.col("entry_id") == entry, reason="test", from_call=pl.lit(k))
+            b = drop_from(b, pl.col("entry_id") == entry, k)
     df = b.collect()
     df = df.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
     _check_against_naive(df, data.draw(st.sampled_from(TARGETS)))
