@@ -119,6 +119,7 @@ class AssembleResult:
     token_budget: int | None = None
     target: str = DEFAULT_TARGET
     rebuilt: bool = False  # the replay state was built again from every visible row (not appended to)
+    conflicts: int = 0  # decisions of the last pass that disagreed with the ledger (as in summary.json)
 
     @functools.cached_property
     def request(self) -> dict[str, Any]:
@@ -525,7 +526,7 @@ class Engine:
             cache_epoch=epoch, awaits_user=pend.awaits_user, prefix_break_message=pend.prefix_break_message,
             model=model, decisions=mine, new_decisions=p.new_decisions, quarantined=self._quarantined(s, p),
             stage_failures=tuple(f for f in p.staged.failures if lsid in f.sessions), token_budget=token_budget,
-            target=self.target, rebuilt=pend.rebuilt)
+            target=self.target, rebuilt=pend.rebuilt, conflicts=p.staged.conflicts)
         s.assembled[thread] = out
         return out
 

@@ -112,15 +112,20 @@ def batch_hashes(s: Session, tmp: Path) -> list[str]:
 
 
 def live_hashes(eng: Engine, s: Session, upto: int | None = None) -> list[str]:
-    """Ingest the session call by call (each answer's entries after its request was assembled)."""
+    """Ingest the session call by call (each answer's entries after its request was assembled);
+    no pass may disagree with the ledger."""
     fed, out = 0, []
     for i in s.calls[:upto]:
         eng.ingest(SID, s.entries[fed:i])
         fed = i
-        out.append(eng.assemble(SID, model="claude-x").request_sha256)
+        res = eng.assemble(SID, model="claude-x")
+        assert res.conflicts == 0
+        out.append(res.request_sha256)
     if upto is None:
         eng.ingest(SID, s.entries[fed:])
-        out.append(eng.assemble(SID).request_sha256)
+        res = eng.assemble(SID)
+        assert res.conflicts == 0
+        out.append(res.request_sha256)
     return out
 
 
