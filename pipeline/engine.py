@@ -65,6 +65,7 @@ from pipeline.targets import Violation, get_target
 from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter
 from schemas.blocks import BLOCKS
 from schemas.check import check_frame
+from schemas.decisions import DECISION_KEY
 
 USAGE_DDL = """
 CREATE TABLE IF NOT EXISTS engine_usage (
@@ -380,8 +381,11 @@ class Engine:
 
     # ------------------------------------------------------------------ the pipeline pass
 
-    def _refresh(self, s: _Session, *, spec: PipelineSpec | None = None, freeze_pending: bool = False) -> _Pass:
-        """Load the session, run the stages with the ledger's view, commit the new decisions."""
+    def _refresh(self, s: _Session, *, spec: PipelineSpec | None = None, freeze_pending: bool = False,
+                 forced: frozenset[str] = frozenset()) -> _Pass:
+        """Load the session, run the stages with the ledger's view, commit the new decisions.
+        `spec`, `freeze_pending` and `forced` (the names of stages run with forced params): see
+        `compact`."""
         if not s.dirty and s.last is not None and spec is None:
             return s.last
         t0 = time.perf_counter()
@@ -414,8 +418,13 @@ class Engine:
         for o in staged.outcomes:
             rows = o.new
             if freeze_pending:  # a compaction decides for the pending call on, never for calls already sent
-                rows = rows.join(calls.pending, on=["session_id", "thread_id"], how="left").filter(
-                    pl.col("from_call") >= pl.col("pending_call")).drop("pending_call")
+                rows = rows.join(calls.pending, on=["session_id", "thread_id"], how="left")
+                if forced and o.name in forced:
+                    # the forced stage fired at every call; the compaction happens now: what it would
+                    # have changed at an earlier call (and still sees) changes from the pending call on
+                    rows = rows.with_columns(from_call=pl.max_horizontal("from_call", "pending_call")).unique(
+                        DECISION_KEY, keep="last", maintain_order=True)
+                rows = rows.filter(pl.col("from_call") >= pl.col("pending_call")).drop("pending_call")
             new += self.ledger.stage(rows, spec_sha256=self.spec.sha256, stage=o.name,
                                      stage_version=o.stage.version, config_digest=o.config_digest)
             written.append(rows.drop("call_key", strict=False).with_columns(stage=pl.lit(o.name)))
@@ -557,7 +566,8 @@ class Engine:
         spec = self._forced_spec() if force else None
         self._refresh(s)
         s.dirty = True
-        made = self._refresh(s, spec=spec, freeze_pending=True).written
+        made = self._refresh(s, spec=spec, freeze_pending=True,
+                             forced=frozenset({"tombstone"}) if force else frozenset()).written
         s.dirty = True  # the request comes from a pass of the spec as written, the new decisions re-applied
         res = self._assemble(s, self._refresh(s), thread, None)
         return CompactResult(s.session_id, thread, force, force, made, res)

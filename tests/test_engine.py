@@ -270,6 +270,26 @@ def test_compact_force_clears_old_results_and_the_decision_survives_a_restart(tm
         assert eng.assemble(SID).request_sha256 == after.request_sha256
 
 
+def test_compact_force_clears_results_that_were_eligible_at_earlier_calls_too(tmp_path: Path) -> None:
+    # two turns of three small results: the first turn's results leave the tool loop at call 4, when
+    # the token trigger does not fire; a forced compaction at the pending call clears them now
+    s = Session().user("go")
+    for k in range(3):
+        s.tool_turn(k, 600)
+    s.answer(90, "half").user("go on")
+    for k in range(3, 6):
+        s.tool_turn(k, 600)
+    s.answer(91, "done").user("more")
+    with _open(tmp_path) as eng:
+        eng.ingest(SID, s.entries)
+        before = eng.assemble(SID)
+        done = eng.compact(SID, force=True)
+    cleared = done.decisions.filter(pl.col("action") == "tombstone")
+    assert cleared.height == 4  # 6 results outside the current tool loop, keep_recent = 2
+    assert set(cleared.get_column("from_call").to_list()) == {before.call}
+    assert done.result.request_json.decode().count("[Old tool result content cleared]") == 4
+
+
 def test_token_budget_says_when_the_request_does_not_fit(tmp_path: Path) -> None:
     s = session(3)
     with _open(tmp_path) as eng:
