@@ -172,6 +172,23 @@ def test_resume_in_one_go_after_a_restart_gives_the_same_pending_request(tmp_pat
         assert eng.assemble(SID).request_sha256 == live[-1]
 
 
+def test_a_batch_run_on_the_engines_ledger_reuses_its_decisions(tmp_path: Path) -> None:
+    s = session()
+    with _open(tmp_path) as eng:
+        live = live_hashes(eng, s)
+    path = tmp_path / "t" / f"{SID}.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps(e) + "\n" for e in s.entries))
+    res = run([path], SPEC, RunOptions(out_dir=tmp_path / "o", ledger_path=tmp_path / "ledger.duckdb",
+                                       token_counter=CHARS4_COUNTER))
+    main = res.calls.filter(pl.col("thread_id") == "main").sort("call")
+    assert main.get_column("request_sha256").to_list() == live
+    assert res.summary["conflicts"] == 0
+    stats = res.summary["decisions_by_stage"]
+    assert sum(v["new_decisions"] for v in stats.values()) == 0  # every frozen decision came from the engine
+    assert sum(v["reused_decisions"] for v in stats.values()) > 0
+
+
 def test_two_engines_on_one_ledger_are_refused(tmp_path: Path) -> None:
     s = session(2)
     eng = _open(tmp_path)
