@@ -62,7 +62,11 @@ def _cuts(path: Path) -> list[tuple[int, str, int, str | None, str | None]]:
     return sorted(out, key=lambda c: (c[0], c[1]))
 
 
-def feed_call_by_call(path: Path, spec: PipelineSpec, work: Path, target: str = "anthropic") -> Outcome:
+def feed_call_by_call(path: Path, spec: PipelineSpec, work: Path, target: str = "anthropic",
+                      max_assembles: int | None = None) -> Outcome:
+    """Feed `path` to an engine call by call and compare with `ctxreplay run` (module docstring).
+    `max_assembles`: on a longer file, assemble every k-th call only (and the last ten): the entries
+    still arrive in order, a stretch of calls at a time, and each assembled call is compared."""
     batch = run([path], spec, RunOptions(out_dir=work / "out", token_counter=CHARS4_COUNTER, target=target)).calls
     expected = {(r["thread_id"], r["call"]): r["request_sha256"]
                 for r in batch.select("thread_id", "call", "request_sha256").iter_rows(named=True)}
@@ -72,7 +76,11 @@ def feed_call_by_call(path: Path, spec: PipelineSpec, work: Path, target: str = 
     got = Outcome()
     with Engine.open(spec, work / "engine.duckdb", target, token_counter=CHARS4_COUNTER) as eng:
         fed = 0
-        for line, tid, k, tip, model in _cuts(path):
+        cuts = _cuts(path)
+        stride = max(1, -(-len(cuts) // max_assembles)) if max_assembles else 1
+        for i, (line, tid, k, tip, model) in enumerate(cuts):
+            if i % stride and i < len(cuts) - 10:
+                continue
             if line - 1 > fed:
                 eng.ingest("s", lines[fed:line - 1], file=path.name)
                 fed = line - 1
@@ -105,7 +113,7 @@ def _check(got: Outcome, expected_pending: int | None = None) -> None:
     assert not got.mismatches, got.mismatches[:5]
     assert got.pending_matched >= 1
     # a few rewinds are skipped; every other call is compared
-    assert got.matched >= 1 and got.skipped <= max(2, got.matched // 4), (got.matched, got.skipped)
+    assert got.matched >= 1 and got.skipped <= max(2, got.matched // 10), (got.matched, got.skipped)
 
 
 @pytest.mark.parametrize("name", SMALL, ids=lambda n: n.split("/")[0])
@@ -132,4 +140,7 @@ def _all_files() -> list[str]:
 @pytest.mark.parametrize("preset", preset_names())
 @pytest.mark.parametrize("name", _all_files(), ids=lambda n: n.rsplit("/", 1)[-1][-48:])
 def test_engine_every_corpus_thread_every_preset(corpus: Path, tmp_path: Path, name: str, preset: str) -> None:
-    _check(feed_call_by_call(corpus / name, load_spec(preset=preset), tmp_path))
+    """Every call of files up to 150 calls; on the longer ones (the claude-projects sessions of
+    500-1,000 calls, where each engine call re-runs the stages over the whole session: see
+    docs/engine.md) about 150 calls spread over the file, and the last ten."""
+    _check(feed_call_by_call(corpus / name, load_spec(preset=preset), tmp_path, max_assembles=150))
