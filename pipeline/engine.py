@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import shutil
 import tempfile
 import time
@@ -371,9 +372,12 @@ class Engine:
             else:
                 return raw_s.encode("utf-8", "surrogateescape")
         else:
+            # the json module, not orjson: NaN and Infinity stay what they were in the line (the
+            # loaders refuse them, as in a batch run) instead of becoming null; escapes keep lone
+            # surrogates as the line had them
             try:
-                return orjson.dumps(e, option=orjson.OPT_NON_STR_KEYS)
-            except (TypeError, orjson.JSONEncodeError) as exc:
+                return json.dumps(e, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+            except (TypeError, ValueError, RecursionError) as exc:
                 why = f"the entry cannot be written as JSON ({exc}): pass the dict of a transcript line"
         shown = repr(e)[:2000]
         s.rejected.append(QuarantinedEntry(file, line, shown, why, "not_json_line"))

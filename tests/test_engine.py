@@ -217,14 +217,16 @@ def test_a_bad_entry_is_quarantined_not_raised(tmp_path: Path) -> None:
         eng.ingest(SID, s.entries)
         clean = eng.assemble(SID)
         assert clean.quarantined == ()
-    bad: list[Any] = [*s.entries[:2], '{"type": "user", "message": ', [1, 2], {"weird": {1, 2}}, "a\nb",
+    nan = {**s.entries[1], "uuid": "nan-entry", "costUSD": float("nan")}  # a batch run refuses NaN too
+    bad: list[Any] = [*s.entries[:2], '{"type": "user", "message": ', [1, 2], {"weird": {1, 2}}, "a\nb", nan,
                       *s.entries[2:]]
     with Engine.open(SPEC, tmp_path / "bad.duckdb", token_counter=CHARS4_COUNTER) as eng:
         eng.ingest(SID, bad)
         res = eng.assemble(SID)
     assert res.request_sha256 == clean.request_sha256  # the good entries make the same request
     got = {(q.line, q.code) for q in res.quarantined}
-    assert got == {(3, "truncated_json"), (4, "not_an_object"), (5, "not_json_line"), (6, "not_json_line")}
+    assert got == {(3, "truncated_json"), (4, "not_an_object"), (5, "not_json_line"), (6, "not_json_line"),
+                   (7, "invalid_json")}
     assert all(q.file == f"{SID}.jsonl" for q in res.quarantined)
     unserialisable = next(q for q in res.quarantined if q.line == 5)
     assert "cannot be written as JSON" in unserialisable.reason
