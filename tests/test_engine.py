@@ -356,3 +356,20 @@ def test_unknown_session_thread_and_closed_engine_are_clear_errors(tmp_path: Pat
     eng.close()
     with pytest.raises(CtxReplayError, match="closed"):
         eng.assemble(SID)
+
+
+@pytest.mark.parametrize("sample", ["openclaw-sample.jsonl", "codex-sample.jsonl", "pi-legacy-sample.jsonl"])
+def test_dict_entries_of_other_formats_give_the_batch_requests(tmp_path: Path, sample: str) -> None:
+    src = Path(__file__).resolve().parent.parent / "data" / "samples" / sample
+    batch = run([src], SPEC, RunOptions(out_dir=tmp_path / "o", token_counter=CHARS4_COUNTER)).calls
+    entries: list[Any] = []
+    for line in src.read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:  # the pi sample has a line with two objects: pass it as it is
+            entries.append(line)
+    with _open(tmp_path) as eng:
+        eng.ingest("s", entries, file=src.name)  # the file name the loader reads a session id from
+        for tid, sha in batch.filter(pl.col("is_pending")).select("thread_id", "request_sha256").iter_rows():
+            assert eng.assemble("s", tid).request_sha256 == sha
+
