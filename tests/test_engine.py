@@ -344,6 +344,17 @@ def test_model_defaults_to_the_last_call_and_can_be_given(tmp_path: Path) -> Non
         assert eng.assemble(SID, model="claude-y").request["model"] == "claude-y"
 
 
+def test_ingest_batch_keeps_sessions_apart(tmp_path: Path) -> None:
+    a, b = session(1), session(2)
+    other = "0d9e8f7a-6b5c-4d3e-8f2a-1b0c9d8e7f6a"
+    b_entries = [{**e, "sessionId": other} for e in b.entries]
+    with _open(tmp_path) as eng:
+        assert eng.ingest_batch({SID: a.entries, other: b_entries}) == len(a.entries) + len(b.entries)
+        ra, rb = eng.assemble(SID), eng.assemble(other)
+        assert eng.threads(SID) == {"main": a.entries[-1]["uuid"]}
+    assert (ra.call, rb.call) == (len(a.calls), len(b.calls))
+
+
 def test_unknown_session_thread_and_closed_engine_are_clear_errors(tmp_path: Path) -> None:
     eng = _open(tmp_path)
     with pytest.raises(InputError, match="has no entries in this engine"):
