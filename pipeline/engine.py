@@ -57,7 +57,6 @@ from pipeline.registry import StageContext
 from pipeline.replay import (
     call_counts,
     call_skeleton,
-    thread_calls,
     thread_key,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec, load_spec, preset_names
@@ -518,11 +517,12 @@ class Engine:
             names = sorted(p.blocks.filter(pl.col("session_id") == sid).get_column("thread_id").unique().to_list())
             raise InputError(f"session {s.session_id!r} has no thread {thread!r}; its threads: {', '.join(names)}")
         lsid = sid or s.session_id
-        infos = thread_calls(p.skeleton, p.counts).get((lsid, thread), [])
         n = p.counts.get((lsid, thread), 0)
         visible = part.filter((pl.col("first_call") <= n) & (pl.col("last_call").is_null() | (pl.col("last_call") > n)))
-        if model is None:
-            model = infos[-1].model if infos else None
+        if model is None:  # the last call's model, None for an inherited one (replay.thread_calls)
+            last = p.skeleton.filter((pl.col("session_id") == lsid) & (pl.col("thread_id") == thread)
+                                     & (pl.col("call") == n - 1)).get_column("model")
+            model = last[0] if len(last) else None
         live = s.live.get(thread)
         if live is None:
             live = s.live[thread] = LiveThread(target)
