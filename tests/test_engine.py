@@ -384,3 +384,17 @@ def test_dict_entries_of_other_formats_give_the_batch_requests(tmp_path: Path, s
         for tid, sha in batch.filter(pl.col("is_pending")).select("thread_id", "request_sha256").iter_rows():
             assert eng.assemble("s", tid).request_sha256 == sha
 
+
+
+def test_the_docs_example_runs_and_agrees_with_the_batch_replay(capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    root = Path(__file__).resolve().parent.parent
+    runpy.run_path(str(root / "examples" / "engine_quickstart.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "same requests as ctxreplay run: True" in out
+    assert "resumed pending request identical: True" in out
+    # the output docs/engine.md shows is the output the example prints
+    doc = (root / "docs" / "engine.md").read_text()
+    for line in out.splitlines():
+        assert line in doc, line
