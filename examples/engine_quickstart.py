@@ -48,7 +48,8 @@ def main() -> None:
                       + ("extends the last request" if brk is None else f"differs from message {brk} on"))
                 last_answer = msg.get("id")
             eng.ingest(SESSION, [e])
-        res = eng.assemble(SESSION)  # the pending call: what a resumed session sends next
+        # the pending call, as a resumed session carries it until the user's next message
+        res = eng.assemble(SESSION, awaiting_user=True)
         sent.append(res.request_sha256)
         print(f"pending call {res.call}: {res.n_messages} messages, ~{res.prompt_tokens} tokens, "
               f"awaits the user: {res.awaits_user}, decisions for it: {res.decisions.height}, "
@@ -65,7 +66,8 @@ def main() -> None:
     # a new process: re-open the engine on the ledger, ingest the transcript again, resume
     with Engine.open(spec, ledger) as eng:
         eng.ingest(SESSION, entries)
-        print("resumed pending request identical:", eng.assemble(SESSION).request_sha256 == sent[-1])
+        print("resumed pending request identical:",
+              eng.assemble(SESSION, awaiting_user=True).request_sha256 == sent[-1])
 
 
 if __name__ == "__main__":

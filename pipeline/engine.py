@@ -471,7 +471,7 @@ class Engine:
         return dict(zip(tips.get_column("thread_id").to_list(), tips.get_column("entry_id").to_list()))
 
     def assemble(self, session_id: str, thread: str = "main", token_budget: int | None = None, *,
-                 model: str | None = None) -> AssembleResult:
+                 model: str | None = None, awaiting_user: bool = False) -> AssembleResult:
         """The request the thread sends now (its pending call), in the target's wire shape.
 
         Runs the stages when entries were ingested since the last call, freezing in the ledger the
@@ -483,12 +483,19 @@ class Engine:
         `model`: the model the request goes to (part of the request). Default: the model of the
         thread's last recorded call, as in the batch replay's pending request; the batch replay's
         recorded call k carries the model that answered it, so pass the model you call to get its
-        bytes after a model switch (or for the first call, which has no earlier model)."""
+        bytes after a model switch (or for the first call, which has no earlier model).
+
+        `awaiting_user`: the request is sent now (default), so when the thread ends with an
+        assistant message (every entry after it was dropped, e.g. an orphan tool result) and the
+        target takes no prefill (Anthropic), that message is left out, as in the batch replay's
+        recorded calls. With `awaiting_user=True` it is kept, as in the batch replay's pending call
+        of a thread that ended on the assistant's answer (`awaits_user`): the request a resumed
+        session carries until the user's next message is added."""
         self._check_open()
         s = self._known(session_id)
         if token_budget is not None and (not isinstance(token_budget, int) or token_budget <= 0):
             raise InputError(f"token_budget must be a positive number of tokens, not {token_budget!r}")
-        return self._assemble(s, self._refresh(s), thread, token_budget, model)
+        return self._assemble(s, self._refresh(s), thread, token_budget, model, awaiting_user)
 
     def _known(self, session_id: str) -> _Session:
         s = self._sessions.get(session_id)
@@ -508,7 +515,7 @@ class Engine:
         return str(ids[0])
 
     def _assemble(self, s: _Session, p: _Pass, thread: str, token_budget: int | None,
-                  model: str | None = None) -> AssembleResult:
+                  model: str | None = None, awaiting_user: bool = False) -> AssembleResult:
         target = get_target(self.target)
         sid = self._loaded_session(s, p)
         part = p.blocks.filter((pl.col("session_id") == sid) & (pl.col("thread_id") == thread)) if sid else \
@@ -527,7 +534,7 @@ class Engine:
         if live is None:
             live = s.live[thread] = LiveThread(target)
         t0 = time.perf_counter()
-        pend = live.update(visible, model, self.counter)
+        pend = live.update(visible, model, self.counter, awaiting_user=awaiting_user)
         s.shaped = time.perf_counter() - t0
         applied = p.staged.applied
         mine = applied.filter((pl.col("session_id") == lsid) & (pl.col("thread_id") == thread)

@@ -80,8 +80,12 @@ class LiveThread:
         self.system_rows: list[int] = []
         self.sys_version = 0
 
-    def update(self, visible: pl.DataFrame, model: str | None, counter: TokenCounter) -> Pending:
-        """The pending request from the rows it sees (`visible`, sorted for replay)."""
+    def update(self, visible: pl.DataFrame, model: str | None, counter: TokenCounter, *,
+               awaiting_user: bool = False) -> Pending:
+        """The request from the rows the pending call sees (`visible`, sorted for replay). A
+        trailing assistant message is left out when the target takes no prefill, as in the batch
+        replay's recorded calls (the request is sent now), unless `awaiting_user`: then it is kept,
+        as in the batch replay's pending call (the request waits for the user's next message)."""
         target = self.target
         idents = visible.select(pl.struct(IDENT_COLUMNS).hash(7).alias("ident")).to_series()
         kept = idents.is_in(self.idents.implode()) if self.idents.len() else pl.Series([False] * len(idents),
@@ -131,12 +135,13 @@ class LiveThread:
                                     tokens=sum(r["_tok"] for r in sent))
             self.env_tok = self.store.tokens[env_id]
         th = self.th
-        m = len(th.wb)
+        n = len(th.wb)
+        m = n - 1 if (n and not awaiting_user and not getattr(target, "allow_prefill", True) and th.wasst[-1]) else n
         if m:
-            msg_tok = th.wtok_total
+            msg_tok = th.wtok_total - (th.wtok[-1] if m < n else 0)
             h, comma, rest = th.chain.split_state(m)
-            body = b",".join(th.wb)
-            ids = th.wid
+            body = b",".join(th.wb[:m])
+            ids = th.wid[:m]
         else:  # nothing before the first call: the target's stand-in turn
             if self.stand_ids is None:
                 self.stand_ids = [self.store.add(canonical_json(x), kind="message", role=wire_role(x),
@@ -155,7 +160,7 @@ class LiveThread:
             request_sha256=sha,
             prompt_tokens=REQUEST_OVERHEAD_TOKENS + self.env_tok + msg_tok + MESSAGE_OVERHEAD_TOKENS * length,
             n_messages=length,
-            awaits_user=bool(m) and th.wasst[m - 1],
+            awaits_user=awaiting_user and bool(m) and th.wasst[m - 1],
             prefix_break_message=brk,
             rebuilt=rebuilt,
         )

@@ -336,6 +336,20 @@ def test_after_turn_records_usage_beside_the_estimate(tmp_path: Path) -> None:
     assert usage.select("call", "request_sha256", "input_tokens").row(0) == (res.call, res.request_sha256, 100)
 
 
+def test_a_trailing_answer_is_left_out_of_a_request_sent_now_and_kept_when_awaiting_the_user(tmp_path: Path) -> None:
+    s = session(2)
+    s.entries.pop()  # the session ends on the assistant's answer
+    pending = batch_hashes(s, tmp_path)[-1]
+    with _open(tmp_path) as eng:
+        eng.ingest(SID, s.entries)
+        now = eng.assemble(SID)
+        waiting = eng.assemble(SID, awaiting_user=True)
+    assert waiting.request_sha256 == pending and waiting.awaits_user
+    assert waiting.request["messages"][-1]["role"] == "assistant"
+    assert not now.awaits_user and now.n_messages == waiting.n_messages - 1
+    assert now.request["messages"][-1]["role"] == "user" and now.prompt_tokens < waiting.prompt_tokens
+
+
 def test_model_defaults_to_the_last_call_and_can_be_given(tmp_path: Path) -> None:
     s = session(2)
     with _open(tmp_path) as eng:
@@ -382,7 +396,7 @@ def test_dict_entries_of_other_formats_give_the_batch_requests(tmp_path: Path, s
     with _open(tmp_path) as eng:
         eng.ingest("s", entries, file=src.name)  # the file name the loader reads a session id from
         for tid, sha in batch.filter(pl.col("is_pending")).select("thread_id", "request_sha256").iter_rows():
-            assert eng.assemble("s", tid).request_sha256 == sha
+            assert eng.assemble("s", tid, awaiting_user=True).request_sha256 == sha
 
 
 

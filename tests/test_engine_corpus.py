@@ -2,9 +2,11 @@
 
 Each corpus transcript file is fed to the engine one call at a time: before the first line of the
 answer to call k, the entries so far are ingested and the thread whose last message is the one
-that call k answers is assembled (with the model that answered it: the request names its model).
+that call k answers is assembled (with the model that answered it: the request names its model;
+sent now, so a trailing assistant message is left out where the target takes no prefill).
 Its `request_sha256` must be the batch replay's for call k (`ctxreplay run` over the same file,
-fresh ledger); at the end, every thread's pending request must be the batch run's too. A call whose
+fresh ledger); at the end, every thread's pending request (`awaiting_user=True`) must be the
+batch run's too. A call whose
 prefix has no thread ending where it starts (a rewind that re-answers a message already answered)
 has no live request to compare and is counted as skipped. The live thread is the one of the same
 name when the prefix has it at that call (thread names stay as a file grows), else the one whose
@@ -101,7 +103,7 @@ def feed_call_by_call(path: Path, spec: PipelineSpec, work: Path, target: str = 
                 got.mismatches.append(f"{path.name} {tid} call {k} (live thread {live[0]}, call {res.call})")
         eng.ingest("s", lines[fed:], file=path.name)
         for tid, sha in pending.items():
-            res = eng.assemble("s", tid)
+            res = eng.assemble("s", tid, awaiting_user=True)  # as the batch's pending call
             if res.request_sha256 == sha:
                 got.pending_matched += 1
             else:
