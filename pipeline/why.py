@@ -287,6 +287,9 @@ def _wire_places(target: Any, request: dict[str, Any], messages: list[dict[str, 
     wire_of: dict[int, list[int | str]] = {}
     wire_list = request.get(target.list_key) or []
     shaped = target.shape(logical, 0) if logical else []
+    if (len(shaped) == len(wire_list) + 1 and not getattr(target, "allow_prefill", True)
+            and shaped[-1][1].get("role") == "assistant"):
+        shaped = shaped[:-1]  # the replay leaves out a trailing assistant message (no prefill)
     wire_checked = [canonical_json(m) for _, m in shaped] == [canonical_json(m) for m in wire_list]
     if wire_checked:
         labels = [lab for lab, _ in shaped]

@@ -63,6 +63,7 @@ def _one_paragraph(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_second_run_fails_at_once_naming_the_holder_and_nothing_is_lost(tmp_path: Path) -> None:
     first, hold = _held(tmp_path)
     try:
@@ -114,6 +115,7 @@ def test_a_killed_run_never_blocks_the_next_one(tmp_path: Path) -> None:
     assert _counts(tmp_path / "o" / "ledger.duckdb")[0] == 1
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_serialise_or_refuse(tmp_path: Path) -> None:
     single = tmp_path / "single"
     run([SAMPLES], load_spec(preset="default"), RunOptions(out_dir=single, token_counter=CHARS4_COUNTER))

@@ -66,6 +66,7 @@ def test_pending_request_holds_the_compaction_summary_first(corpus: Path, tmp_pa
     assert main.height == 217
 
 
+@pytest.mark.slow
 def test_two_runs_give_identical_hashes(corpus: Path, tmp_path: Path) -> None:
     a = _run([corpus], tmp_path / "a").calls
     b = _run([corpus], tmp_path / "b").calls
@@ -98,7 +99,8 @@ def _half(src: Path, dst_dir: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("preset", ["identity", pytest.param("default", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["identity", "default"])
 def test_prefix_causality_and_resume_every_file(corpus: Path, tmp_path: Path, preset: str) -> None:
     """First half of each file: same hashes for its recorded calls as the full file; and a run on the
     half with a ledger followed by the full file with the same ledger equals a fresh full run."""

@@ -33,6 +33,7 @@ def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ru
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["anthropic", "openai-chat"])
 def test_every_call_of_every_thread_passes_the_validator(runs: dict[str, RunResult], target: str) -> None:
     res = runs[target]

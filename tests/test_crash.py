@@ -276,6 +276,7 @@ def _named_points(w: World) -> list[str]:
     return [p for ph in ("stages", "write", "ledger", "publish") for p in w.named.get(ph, [])]
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_a_few_points_leaves_one_complete_run(world: World, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     publish = world.named["publish"]

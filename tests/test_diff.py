@@ -491,6 +491,7 @@ def _run_step(step: dict, cwd: Path, env: dict[str, str], values: dict[str, str]
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
     steps = _job_steps()
     assert {"Install ctxreplay", "ctxreplay diff", "Upload the report", "Comment on the pull request",
@@ -575,6 +576,7 @@ def _kr_spec(d: Path, keep_recent: int) -> Path:
     return p
 
 
+@pytest.mark.slow
 @pytest.mark.corpus
 def test_corpus_subset_keep_recent_then_input_edit_then_update(corpus_subset: Path, tmp_path: Path) -> None:
     s = tmp_path / "s"

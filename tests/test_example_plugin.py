@@ -94,6 +94,7 @@ def test_it_masks_a_secret_in_a_replayed_session(installed: None, tmp_path: Path
     assert SECRET not in text and "[REDACTED anthropic-key]" in text
 
 
+@pytest.mark.slow
 @pytest.mark.corpus
 def test_it_runs_on_the_corpus_from_its_entry_point(installed: None, corpus: Path, tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["run", str(corpus), "--pipeline", str(_spec(tmp_path)), "--out",
