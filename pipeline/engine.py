@@ -39,6 +39,7 @@ import json
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,6 +265,8 @@ class Engine:
             raise
         self.counter = TokenCounter(token_counter, cache=self.ledger)
         self._spool = Path(tempfile.mkdtemp(prefix="ctxreplay-engine-"))
+        # an engine dropped without close() still leaves no spool behind
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._spool), True)
         self._sessions: dict[str, _Session] = {}
         self._closed = False
         t = get_target(target)
@@ -302,7 +305,7 @@ class Engine:
             self.ledger.close()
         finally:
             self._lock.release()
-            shutil.rmtree(self._spool, ignore_errors=True)
+            self._cleanup()
 
     def __enter__(self) -> Self:
         return self
