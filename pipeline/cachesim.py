@@ -499,6 +499,8 @@ SIM_COLUMNS = {
     "sim_break_cause": pl.String, "sim_break_detail": pl.String, "sim_break_tokens": pl.Int64,
     "sim_break_cost_usd": pl.Float64, "recorded_break_cause": pl.String, "recorded_break_detail": pl.String,
     "recorded_break_tokens": pl.Int64, "recorded_break_cost_usd": pl.Float64,
+    "sim_summary_cache_read_tokens": pl.Int64, "sim_summary_cache_write_tokens": pl.Int64,
+    "sim_summary_input_tokens": pl.Int64, "sim_summary_output_tokens": pl.Int64, "sim_summary_cost_usd": pl.Float64,
 }
 
 
@@ -563,9 +565,98 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     c = c.join(sim, on=["thread_key", "call"], how="left")
     c = brk.recorded_breaks(c)
     c = _price(c, prices)
+    c = _summary_requests(c, decisions, prices)
     result = c.sort("_row").select(*calls.columns, *SIM_COLUMNS)   # the input's row order
     summary = brk.summary(result, cal, policy, prices)
     return SimResult(result, summary)
+
+
+def summary_requests(decisions: pl.DataFrame | None) -> pl.DataFrame:
+    """(thread_key, call, request tokens, summary tokens) of each simulated auto-compaction (the
+    `insert` decisions of stage auto_compact: their text holds the request's size and the summary's)."""
+    schema = {"thread_key": pl.String, "call": pl.Int32, "_sum_request": pl.Int64, "_sum_out": pl.Int64}
+    if decisions is None or decisions.height == 0 or not {"stage", "replacement"} <= set(decisions.columns):
+        return pl.DataFrame(schema=schema)
+    from pipeline.constants import AUTO_COMPACT_RE
+    from pipeline.replay import thread_key_expr
+
+    d = decisions.filter((pl.col("stage") == "auto_compact") & (pl.col("action") == "insert")
+                         & pl.col("replacement").is_not_null())
+    if d.height == 0:
+        return pl.DataFrame(schema=schema)
+    text = pl.col("replacement").str.json_decode(pl.Struct({"text": pl.String})).struct.field("text")
+
+    def num(i: int) -> pl.Expr:
+        return text.str.extract(AUTO_COMPACT_RE, i).str.replace_all(",", "").cast(pl.Int64)
+
+    return d.select(thread_key=thread_key_expr().cast(pl.String), call=pl.col("from_call").cast(pl.Int32),
+                    _sum_request=num(3), _sum_out=num(2)).drop_nulls().unique(["thread_key", "call"]).cast(schema)
+
+
+def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: Any) -> pl.DataFrame:
+    """The summarisation request of each simulated auto-compaction, sent just before its call: it
+    reads the history (the request as it stood before compacting, calibrated like the call), from
+    the cache where the thread's previous request left it alive (same model, within its TTL),
+    writes the rest with the call's TTL (uncached input where writes are free), and answers
+    `summary_tokens`; priced like any call."""
+    req = summary_requests(decisions)
+    cols = [x for x in SIM_COLUMNS if x.startswith("sim_summary_")]
+    if req.height == 0:
+        return c.with_columns(*(pl.lit(None, SIM_COLUMNS[x]).alias(x) for x in cols))
+    done = ~pl.col("is_pending") & pl.col("sim_cache_read_tokens").is_not_null()
+    # what the previous request left cached: Anthropic, its read and writes (up to its last
+    # breakpoint); automatic caching (OpenAI, Gemini), its whole prompt
+    cached = pl.when(_provider_expr() == "anthropic").then(
+        pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens")) \
+        .otherwise(pl.col("calibrated_prompt_tokens"))
+    prev = c.filter(done).sort("thread_key", "call").select(
+        "thread_key", "call",
+        _p_cached=cached.shift(1).over("thread_key"),
+        _p_t=pl.col("_t").shift(1).over("thread_key"), _p_ttl=pl.col("_ttl").shift(1).over("thread_key"),
+        _p_model=pl.col("model").shift(1).over("thread_key"))
+    x = c.join(req, on=["thread_key", "call"], how="left").join(prev, on=["thread_key", "call"], how="left")
+    provider = _provider_expr()
+    hist = (pl.col("preamble_tokens").fill_null(0) + pl.col("ratio").fill_null(1.0) * pl.col("_sum_request")).round(0) \
+        .cast(pl.Int64)
+    ttl_s = pl.when(pl.col("_p_ttl") == "1h").then(pl.lit(3600.0)).otherwise(pl.lit(300.0))
+    alive = (pl.col("_p_model") == pl.col("model")) & ((pl.col("_t") - pl.col("_p_t")) < ttl_s) \
+        & pl.col("uses_cache").fill_null(False)
+    read = pl.when(alive.fill_null(False)).then(pl.min_horizontal(pl.col("_p_cached"), hist)).otherwise(0)
+    x = x.with_columns(_prov=provider, _hist=hist).with_columns(
+        sim_summary_cache_read_tokens=pl.when(pl.col("_sum_request").is_not_null()).then(read.cast(pl.Int64)))
+    write = pl.when((pl.col("_prov") == "anthropic") & pl.col("uses_cache").fill_null(False)) \
+        .then(pl.col("_hist") - pl.col("sim_summary_cache_read_tokens")).otherwise(0)
+    x = x.with_columns(sim_summary_cache_write_tokens=pl.when(pl.col("_sum_request").is_not_null())
+                       .then(write.clip(0).cast(pl.Int64))).with_columns(
+        sim_summary_input_tokens=(pl.col("_hist") - pl.col("sim_summary_cache_read_tokens")
+                                  - pl.col("sim_summary_cache_write_tokens")).clip(0),
+        sim_summary_output_tokens=pl.col("_sum_out"))
+    if prices is None:
+        x = x.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64))
+    else:
+        z = pl.lit(0, pl.Int64)
+        is1h = pl.col("_ttl") == "1h"
+        x = x.with_columns(
+            _si=pl.col("sim_summary_input_tokens").fill_null(0), _so=pl.col("sim_summary_output_tokens").fill_null(0),
+            _s5=pl.when(is1h).then(z).otherwise(pl.col("sim_summary_cache_write_tokens")).fill_null(0),
+            _s1=pl.when(is1h).then(pl.col("sim_summary_cache_write_tokens")).otherwise(z).fill_null(0),
+            _sr=pl.col("sim_summary_cache_read_tokens").fill_null(0),
+            _pmodel=pl.col("model").fill_null("unknown"),
+            _pts=pl.col("timestamp").forward_fill().backward_fill().over("thread_key").fill_null(
+                pl.lit(datetime(1970, 1, 1, tzinfo=UTC)).cast(c.schema["timestamp"])))
+        x = prices.price_frame(x, model="_pmodel", timestamp="_pts", input="_si", output="_so", cache_write_5m="_s5",
+                               cache_write_1h="_s1", cache_read="_sr", out="sim_summary_cost_usd")
+        x = x.with_columns(sim_summary_cost_usd=pl.when(pl.col("_sum_request").is_not_null())
+                           .then(pl.col("sim_summary_cost_usd")))
+    return x.drop([k for k in x.columns if k.startswith("_") and k not in c.columns])
+
+
+def _provider_expr() -> pl.Expr:
+    """provider_of, as an expression (anthropic / openai / gemini / empty)."""
+    m = pl.col("model").fill_null("").str.to_lowercase()
+    return pl.when(m.str.contains("claude") | m.str.starts_with("anthropic")).then(pl.lit("anthropic")) \
+        .when(m.str.contains(r"(?:^|/)(?:gpt|o\d|chatgpt|codex)")).then(pl.lit("openai")) \
+        .when(m.str.contains("gemini")).then(pl.lit("gemini")).otherwise(pl.lit(""))
 
 
 def _decisions_by_thread(decisions: pl.DataFrame | None) -> dict[str, list[tuple[int, str]]]:
@@ -933,6 +1024,56 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
 
 
 
+CACHE_EDIT_SUFFIX = ":cache_edit"
+
+
+def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any, messages: Any = None) -> dict[str, str]:
+    """The aliases (see simulate) of the run's cache edits: a decision whose reason ends in
+    `:cache_edit` (tombstone `mode = "cache_edit"`) changed its thread's request at its call on the
+    provider's side; a message of that call's request that differs from the message at the same
+    index of the call before (the edit replaces in place) keeps the place of that earlier version.
+    With `messages` (the request store's messages table) only a message that kept or lost content
+    blocks is an edit (a clearing replaces or removes blocks), while one that gained blocks (new
+    blocks merged into the last message) changed in the request itself. Chains resolve to the first version (a message edited twice
+    keeps the place of the one first cached)."""
+    if decisions is None or decisions.height == 0 or "reason" not in decisions.columns:
+        return {}
+    from pipeline.replay import thread_key_expr
+
+    edits = decisions.filter(pl.col("reason").str.ends_with(CACHE_EDIT_SUFFIX)
+                             & ~pl.col("action").is_in(["violation", "conflict"]))
+    if edits.height == 0:
+        return {}
+    at = edits.select(thread_key=thread_key_expr().cast(pl.String), call=pl.col("from_call").cast(pl.Int32)) \
+        .unique().filter(pl.col("call") > 0)
+    cm = call_messages if isinstance(call_messages, pl.DataFrame) else pl.from_arrow(call_messages)
+    assert isinstance(cm, pl.DataFrame)
+    spans = cm.filter(pl.col("slot").is_not_null()).select(pl.col("thread_key").cast(pl.String), "slot", "first_call",
+                                                           "last_call", pl.col("sha256").cast(pl.String))
+
+    def listed(c: pl.Expr) -> pl.DataFrame:
+        """The messages of the request at call c of each edit, with their index in it."""
+        live = spans.join(at.with_columns(_c=c), on="thread_key").filter(
+            (pl.col("first_call") <= pl.col("_c")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_c"))))
+        return live.with_columns(idx=pl.col("slot").rank("ordinal").over("thread_key", "call")).select(
+            "thread_key", "call", "idx", "sha256")
+
+    pairs = listed(pl.col("call") - 1).rename({"sha256": "old"}).join(
+        listed(pl.col("call")).rename({"sha256": "new"}), on=["thread_key", "call", "idx"]) \
+        .filter(pl.col("old") != pl.col("new")).sort("thread_key", "call", "idx")
+    if messages is not None:
+        msgs = messages if isinstance(messages, pl.DataFrame) else pl.from_arrow(messages)
+        assert isinstance(msgs, pl.DataFrame)
+        size = msgs.select(pl.col("sha256").cast(pl.String), _n="n_blocks")
+        pairs = pairs.join(size.rename({"sha256": "old", "_n": "_old_n"}), on="old", how="left") \
+            .join(size.rename({"sha256": "new", "_n": "_new_n"}), on="new", how="left") \
+            .filter(pl.col("_new_n") <= pl.col("_old_n"))
+    out: dict[str, str] = {}
+    for o, n in zip(pairs.get_column("old").to_list(), pairs.get_column("new").to_list(), strict=True):
+        out.setdefault(n, out.get(o, o))
+    return out
+
+
 def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, store_tables: tuple[Any, Any],
                  decisions: pl.DataFrame | None, count_tokens: Any, prices: Any = "default",
                  policy: Policy | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -956,7 +1097,8 @@ def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, sto
     assert isinstance(lb, pl.DataFrame) and isinstance(fb, pl.DataFrame)
     prep = prepare(lb, calls, count_tokens, fb)
     store = SimStore.from_tables(*store_tables)
-    res = simulate(calls, store, prep, decisions=decisions, prices=prices, policy=policy)
+    aliases = cache_edit_aliases(decisions, store_tables[1], store_tables[0])
+    res = simulate(calls, store, prep, decisions=decisions, prices=prices, policy=policy, aliases=aliases)
     summary = res.summary
     if prices is not None:
         prices.save()
@@ -967,4 +1109,4 @@ def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, sto
 
 
 __all__ = ["SIM_COLUMNS", "CacheState", "Policy", "Prepared", "SimError", "SimResult", "SimStore", "after_replay",
-           "answer_times", "min_cacheable_tokens", "prepare", "provider_of", "simulate"]
+           "answer_times", "cache_edit_aliases", "min_cacheable_tokens", "prepare", "provider_of", "simulate"]

@@ -17,7 +17,7 @@ import click
 import orjson
 
 from pipeline.cli_regress import diff, snapshot
-from pipeline.cli_report import report
+from pipeline.cli_report import compare, report
 from pipeline.clicommon import CONTEXT, Failure, Interrupted, fail, preset_choice, target_choice
 from pipeline.errors import CtxReplayError, internal_error
 from pipeline.words import plural
@@ -447,6 +447,7 @@ def _toml(doc: dict[str, Any]) -> str:
 
 
 main.add_command(report)  # pipeline/cli_report.py
+main.add_command(compare)  # pipeline/cli_report.py
 main.add_command(snapshot)  # pipeline/cli_regress.py
 main.add_command(diff)  # pipeline/cli_regress.py
 

@@ -38,9 +38,12 @@ BY = ("session", "day", "month", "model", "project")
 @click.option("--calls", "per_call", is_flag=True, help="With --sim: per call too.")
 @click.option("--breaks", "breaks_out", type=click.Path(path_type=Path), metavar="OUT",
               help="Instead of PATHS: every cache break of the run in OUT, its cause, tokens and cost.")
+@click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write a self-contained HTML page of charts (no network needed to view it); "
+                   "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
 def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
            prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
-           sim_out: Path | None, per_call: bool, breaks_out: Path | None) -> None:
+           sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
     PATHS are files or directories (searched recursively). Without PATHS: what ccusage reads,
@@ -57,9 +60,13 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     Example:
       ctxreplay report ~/.claude/projects --by day --since 20260201 --tz UTC
       ctxreplay report --breaks ctxreplay-out
+      ctxreplay report --sim ctxreplay-out --html report.html
     """
     if sim_out is not None or breaks_out is not None:
-        _run_views(paths, sim_out, per_call, breaks_out, json_)
+        if html_file is not None and sim_out is None:
+            raise Failure("--html goes with PATHS (recorded usage) or --sim OUT (a run's simulation), not --breaks: "
+                          "the page of --sim OUT shows the breaks")
+        _run_views(paths, sim_out, per_call, breaks_out, json_, html_file)
         return
     if per_call:
         raise Failure("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
@@ -84,11 +91,37 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     except CtxReplayError as exc:
         raise Failure(str(exc)) from exc
     doc = rep.to_json()
+    if html_file is not None:
+        _usage_html(rep, doc, book, opts, chosen, html_file)
     if json_:
         click.echo(orjson.dumps(doc).decode())
     else:
         _table(doc)
     _warnings(doc)
+
+
+def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: list[Path], html_file: Path) -> None:
+    """The page of `report PATHS --html`: per session (another grouping when --by is not session) and
+    by day and model, from the report's requests."""
+    import dataclasses
+
+    import polars as pl
+
+    from pipeline import report as rp
+    from pipeline.html_report import usage_html, write_html
+
+    try:
+        sessions = doc["rows"] if rep.by == "session" else rp.build_report(
+            chosen, book, dataclasses.replace(opts, by="session")).rows
+        recs = rep.records
+        dm = pl.DataFrame({"day": [r[rp.DAY] for r in recs], "model": [r[rp.MODEL] or "unknown" for r in recs],
+                           "cost": [r[rp.COST] for r in recs]}, schema={"day": pl.String, "model": pl.String,
+                                                                         "cost": pl.Float64})
+        dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
+        write_html(html_file, usage_html(doc, sessions, dm))
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    click.echo(f"ctxreplay report: wrote {html_file}", err=True)
 
 
 def _warnings(doc: dict[str, Any]) -> None:
@@ -170,7 +203,7 @@ def _cost(r: dict[str, Any]) -> str:
 
 
 def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, breaks_out: Path | None,
-               json_: bool) -> None:
+               json_: bool, html_file: Path | None = None) -> None:
     import orjson
 
     if paths:
@@ -190,6 +223,14 @@ def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, br
         raise Failure(str(exc)) from exc
     if sim_out is not None:
         doc = sim_view(calls, summary, per_call=per_call)
+        if html_file is not None:
+            from pipeline.html_report import sim_html, write_html
+
+            try:
+                write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
+            except CtxReplayError as exc:
+                raise Failure(str(exc)) from exc
+            click.echo(f"ctxreplay report: wrote {html_file}", err=True)
         if json_:
             click.echo(orjson.dumps(doc).decode())
         else:
@@ -296,3 +337,128 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
                       _rate(r["rec_break_share"]), str(r["sim_breaks"]), _usd(r["sim_cost"]), _usd(r["sim_break_cost"]),
                       _rate(r["sim_break_share"]))
     _console().print(table)
+
+
+# ---------------------------------------------------------------------------------------------
+# ctxreplay compare
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--pipeline", "pipelines", multiple=True, metavar="SPEC[@ttl=5m|1h]",
+              help="A preset name or a spec file, repeatable; the first is the baseline. `identity` is the "
+                   "sessions as recorded; `@ttl=1h` prices every cache write with a 1-hour TTL.")
+@click.option("--json", "json_", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write a self-contained HTML page of charts (no network needed to view it).")
+@click.option("--prices", "prices_file", type=click.Path(path_type=Path),
+              help="TOML file of prices that override or add models (see README, Prices).")
+@click.option("--keep", type=click.Path(path_type=Path), metavar="DIR",
+              help="Keep each pipeline's run in DIR/<n>-<name> (default: a temporary directory).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, html_file: Path | None,
+            prices_file: Path | None, keep: Path | None, quiet: bool) -> None:
+    """What the same sessions cost under several context policies, side by side.
+
+    Each --pipeline runs over PATHS (fresh ledger, fresh simulated cache) and its requests go
+    through the prompt-cache simulator. Per session and in total: prompt tokens (calibrated to
+    the provider's tokenizer), simulated cache read and write, cost, cache hit rate and breaks,
+    with the differences from the first pipeline. Without PATHS: ~/.claude/projects and
+    ~/.openclaw/agents.
+
+    \b
+    Example:
+      ctxreplay compare ~/.claude/projects --pipeline identity --pipeline default \\
+          --pipeline context-editing --pipeline identity@ttl=1h --html compare.html
+    """
+    import orjson
+
+    from pipeline.compare import compare as run_compare
+    from pipeline.compare import parse_choice
+    from pipeline.report import default_paths
+
+    if not pipelines:
+        raise Failure("give at least one --pipeline (a preset name or a spec file), e.g. "
+                      "`ctxreplay compare PATH --pipeline identity --pipeline default`")
+    if html_file is not None and not html_file.resolve().parent.is_dir():
+        raise Failure(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
+                      f"or pass another path")
+    chosen = list(paths) or default_paths()
+    if not chosen:
+        raise Failure("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
+                      "~/.openclaw/agents exists; pass transcript files or directories")
+    say = None if (quiet or json_ or not sys.stderr.isatty()) else (lambda m: click.echo(f"… {m}", err=True))
+    try:
+        choices = [parse_choice(p) for p in pipelines]
+        if len({c.label for c in choices}) < len(choices):
+            raise Failure("the same --pipeline is given twice; each must differ (a preset, a file, or @ttl=...)")
+        res = run_compare(chosen, choices, prices_file=prices_file, progress=say, keep=keep)
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    doc = res.to_json()
+    if html_file is not None:
+        from pipeline.html_report import compare_html, write_html
+
+        write_html(html_file, compare_html(res))
+        if not json_:
+            click.echo(f"ctxreplay compare: wrote {html_file}", err=True)
+    if json_:
+        click.echo(orjson.dumps(doc).decode())
+    else:
+        _compare_tables(doc)
+    for w in doc["warnings"]:
+        click.echo(f"ctxreplay compare: {w}", err=True)
+
+
+def _signed_usd(v: float | None) -> str:
+    return "–" if v is None else f"{v:+,.4f}"
+
+
+def _compare_tables(doc: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    labels = [p["label"] for p in doc["pipelines"]]
+    click.echo(f"ctxreplay compare: {len({r['session_id'] for r in doc['sessions']})} session(s) under "
+               f"{len(labels)} pipeline(s), differences from {labels[0]}; prices: {doc['prices']}")
+
+    def add_cols(table: Table) -> None:
+        for label in ("Calls", "Prompt", "Cache read", "Cache write", "Hit rate", "Breaks", "Cost (USD)", "Δ cost",
+                      "Δ %"):
+            table.add_column(label, justify="right")
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        first = r["pipeline"] == labels[0]
+        cost = "unpriced" if r["unpriced_calls"] == r["calls"] else _usd(r["cost_usd"]) + (
+            " + unpriced" if r["unpriced_calls"] else "")
+        return [f"{r['calls']:,}", _fmt_int(r["prompt_tokens"]), _fmt_int(r["cache_read_tokens"]),
+                _fmt_int(r["cache_write_tokens"]), _rate(r["cache_hit_rate"]), str(r["breaks"]), cost,
+                "" if first else _signed_usd(r["d_cost_usd"]), "" if first else _pct(r.get("cost_change"))]
+
+    table = Table(title="Per session")
+    table.add_column("Session", no_wrap=True)
+    table.add_column("Pipeline", no_wrap=True)
+    add_cols(table)
+    last = None
+    for r in doc["sessions"]:
+        sid = r["session_id"] if r["session_id"] != last else ""
+        if sid and last is not None:
+            table.add_section()
+        last = r["session_id"]
+        table.add_row(sid[:8] if sid else "", r["pipeline"], *cells(r))
+    _console().print(table)
+    table = Table(title="Total")
+    table.add_column("Pipeline", no_wrap=True)
+    add_cols(table)
+    for r in doc["totals"]:
+        table.add_row(r["pipeline"], *cells(r))
+    _console().print(table)
+    rec = doc["recorded"]
+    click.echo(f"recorded usage of the same calls: {_usd(rec['recorded_cost_usd'])} USD, cache read "
+               f"{_fmt_int(rec['recorded_cache_read_tokens'])} tokens")
+    for label, causes in doc["breaks_by_cause"].items():
+        parts = ", ".join(f"{k} {v}" for k, v in causes.items())
+        click.echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))
+    for r in doc["totals"]:
+        if r["summary_requests"]:
+            click.echo(f"simulated auto-compactions under {r['pipeline']}: {r['summary_requests']}, their "
+                       f"summarisation requests {_usd(r['summary_cost_usd'])} USD (in the cost)")

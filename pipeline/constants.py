@@ -82,6 +82,12 @@ SNIP_MARKER_RE = (r"^\[Earlier conversation snipped: (\d+) messages \(~(\d+) tok
                   r"budget\]$")
 CLEARED_TEXT = "[Old tool result content cleared]"
 BOOTSTRAP_TEXT = "(session bootstrap)"
+AUTO_COMPACT_TEXT = ("[Simulated auto-compaction: the {dropped:,} tokens of conversation before this point were "
+                     "replaced by a summary of {summary:,} tokens (the request had reached {request:,} tokens). "
+                     "No summary was written offline: the words below only hold its size.]")
+AUTO_COMPACT_RE = (r"^\[Simulated auto-compaction: the ([\d,]+) tokens of conversation before this point were "
+                   r"replaced by a summary of ([\d,]+) tokens \(the request had reached ([\d,]+) tokens\)")
+AUTO_COMPACT_FILLER = " summary"
 
 
 def polars_format(template: str) -> str:

@@ -92,6 +92,8 @@ class Report:
     since: str | None
     until: str | None
     compat: str | None
+    records: list[tuple[Any, ...]] = field(default_factory=list, repr=False)
+    """The requests counted (one tuple each, fields KEY ... COST): what `--html` groups by day and model."""
 
     def to_json(self) -> dict[str, Any]:
         return {"by": self.by, "rows": self.rows, "totals": self.totals, "genai_prices_version": self.genai_prices_version,
@@ -817,7 +819,7 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         bad_lines=[b for s in scans for b in s.bad_lines], warnings=list(book.warnings),
         genai_prices_version=book.genai_prices_version, prices=book.source,
         tz=opts.tz or "local", since=since.isoformat() if since else None,
-        until=until.isoformat() if until else None, compat=opts.compat)
+        until=until.isoformat() if until else None, compat=opts.compat, records=kept)
 
 
 parse_day = _parse_day

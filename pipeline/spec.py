@@ -44,7 +44,14 @@ class ResolvedStage:
 
     @property
     def params_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self.params))
+        """The params as JSON values. A field declared with `metadata={"digest_omit_default": True}`
+        is left out while it holds its default: a new param whose default keeps the old output
+        keeps the old spec hash and config digest (the ledger's namespace) too."""
+        d = dataclasses.asdict(self.params)
+        for f in dataclasses.fields(self.params):
+            if f.metadata.get("digest_omit_default") and d.get(f.name) == f.default:
+                d.pop(f.name, None)
+        return _jsonable(d)
 
     @property
     def config_digest(self) -> str:

@@ -48,6 +48,13 @@ CALLS = pa.schema(
         pa.field("recorded_break_detail", pa.string()),
         pa.field("recorded_break_tokens", pa.int64()),
         pa.field("recorded_break_cost_usd", pa.float64()),
+        # a simulated auto-compaction's own summarisation request, sent before this call (stage
+        # auto_compact): the history it reads, the summary it writes; null where there is none
+        pa.field("sim_summary_cache_read_tokens", pa.int64()),
+        pa.field("sim_summary_cache_write_tokens", pa.int64()),
+        pa.field("sim_summary_input_tokens", pa.int64()),
+        pa.field("sim_summary_output_tokens", pa.int64()),
+        pa.field("sim_summary_cost_usd", pa.float64()),
     ],
-    metadata={"name": "calls", "version": "3"},
+    metadata={"name": "calls", "version": "4"},
 )

@@ -68,6 +68,9 @@ class Tombstone:
     """Also replace the input of each cleared result's tool call by `{}` (id and name kept)."""
     clear_thinking_keep: int | Literal["all"] = "all"
     """At each firing, remove thinking older than this many recent user turns (never in the current tool loop)."""
+    mode: Literal["rewrite", "cache_edit"] = dataclasses.field(default="rewrite",
+                                                               metadata={"digest_omit_default": True})
+    """rewrite: the agent sends the cleared history (the cached prefix breaks); cache_edit: the provider clears it in its cache (context editing), the prefix stays cached."""
 
     def validate(self) -> None:
         unknown = set(self.tools) - {"allow", "deny"}
@@ -82,6 +85,8 @@ class Tombstone:
                 raise ValueError(f"{name} must not be negative; got {getattr(self, name)}")
         if isinstance(self.clear_thinking_keep, int) and self.clear_thinking_keep < 0:
             raise ValueError(f"clear_thinking_keep must be 'all' or >= 0; got {self.clear_thinking_keep}")
+        if self.mode not in ("rewrite", "cache_edit"):
+            raise ValueError(f"mode must be 'rewrite' or 'cache_edit'; got {self.mode!r}")
 
     @property
     def allow(self) -> tuple[str, ...]:
@@ -524,13 +529,23 @@ def _thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame) -> pl.LazyFrame:
         .join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left")
 
 
+CACHE_EDIT_SUFFIX = ":cache_edit"
+
+
+def _why(reason: pl.Expr, params: Tombstone) -> pl.Expr:
+    """A decision's reason: as it is (`rewrite`), or with `:cache_edit` (once) in cache-edit mode."""
+    base = reason.str.strip_suffix(CACHE_EDIT_SUFFIX)
+    return base + pl.lit(CACHE_EDIT_SUFFIX) if params.mode == "cache_edit" else base
+
+
 def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
            owners: pl.LazyFrame | None) -> StageResult:
     """Clear what the walk assigned, each from its firing's call and in its epoch: a result's first
     part becomes CLEARED and its other parts go (`tombstone`); with `clear_tool_inputs` its call's
     input becomes `{}` (`clear_input`); cleared thinking goes, and a message of thinking only keeps
     one REASONING_OMITTED text block (`replace`)."""
-    a = assign.select(*BLOCK_KEY, "kind", _call="clear_call", _epoch="epoch", _reason="reason")
+    a = assign.select(*BLOCK_KEY, "kind", _call="clear_call", _epoch="epoch",
+                      _reason=_why(pl.col("reason"), params))
     marked = blocks.join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
     if owners is not None:
         owner = a.filter(pl.col("kind") == "result").join(owners, on=BLOCK_KEY).sort("_call").select(
@@ -554,8 +569,8 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
     if owners is not None:
         is_call = pl.col("_in_call").is_not_null() & pl.col("block_type").is_in(list(TOOL_CALL_TYPES))
         w = mark_replace_from(w, is_call & pl.col("tool_input").ne_missing(pl.lit("{}")),
-                              {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_in_epoch")}, "tombstone",
-                              pl.col("_in_call"), action="clear_input")
+                              {"tool_input": pl.lit("{}"), "cache_epoch": pl.col("_in_epoch")},
+                              _why(pl.lit("tombstone"), params), pl.col("_in_call"), action="clear_input")
     if params.clear_thinking_keep != "all":
         think = pl.col("_th_call").is_not_null() & pl.col("block_type").is_in(list(THINKING_TYPES))
         # a message left with only thinking keeps one text block saying so (as layer 1 does)
@@ -563,8 +578,9 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
         w = w.with_columns(_kept_block=kept.any().over(BLOCK_KEY))
         w = mark_replace_from(w, kept, {"block_type": pl.lit("text"), "text": pl.lit(REASONING_OMITTED),
                                         "signature": pl.lit(None, pl.String), "cache_epoch": pl.col("_th_epoch")},
-                              "clear_thinking", pl.col("_th_call"))
-        w = mark_drop(w, think & ~pl.col("_kept_block"), "clear_thinking", from_call=pl.col("_th_call"),
+                              _why(pl.lit("clear_thinking"), params), pl.col("_th_call"))
+        w = mark_drop(w, think & ~pl.col("_kept_block"), _why(pl.lit("clear_thinking"), params),
+                      from_call=pl.col("_th_call"),
                       epoch=pl.col("_th_epoch"))
     return finish(w)
 

@@ -74,8 +74,8 @@ def test_ledger_filters_take_prefixes_and_say_when_nothing_matches(syn_out: Path
     assert "0 decisions applied = 0 frozen in the ledger + 0 provisional" in r.stdout
     r = cli("ledger", syn_out, "--stage", "tombstones")
     assert r.exit_code == 2
-    assert one_error_line(r) == ("ctxreplay: unknown stage 'tombstones'. Did you mean 'tombstone'? Stages: images, "
-                                 "inter_session, pairing, pairing#2, result_budget, sanitize, snip, tombstone")
+    assert one_error_line(r) == ("ctxreplay: unknown stage 'tombstones'. Did you mean 'tombstone'? Stages: auto_compact, "
+                                 "images, inter_session, pairing, pairing#2, result_budget, sanitize, snip, tombstone")
     r = cli("ledger", syn_out, "--session", "zz")
     assert r.exit_code == 2 and one_error_line(r) == f"ctxreplay: no session 'zz' in {syn_out}. Sessions: {SYN_SID}"
     # `pairing` takes its later uses too; `pairing#2` only that one

@@ -169,8 +169,8 @@ def test_stage_filter_and_changed_only(syn: dict[str, Path]) -> None:
     assert everything["blocks"]["shown"] == everything["blocks"]["visible"] + everything["blocks"]["dropped"]
     bad = cli("why", syn["out"], SYN_SID, "--stage", "tombstones")
     assert bad.exit_code == 2
-    assert one_error_line(bad) == ("ctxreplay: unknown stage 'tombstones'. Did you mean 'tombstone'? Stages: images, "
-                                   "inter_session, pairing, pairing#2, result_budget, sanitize, snip, tombstone")
+    assert one_error_line(bad) == ("ctxreplay: unknown stage 'tombstones'. Did you mean 'tombstone'? Stages: auto_compact, "
+                                   "images, inter_session, pairing, pairing#2, result_budget, sanitize, snip, tombstone")
 
 
 def test_long_texts_fold_and_full_unfolds(syn: dict[str, Path]) -> None:
