@@ -129,6 +129,21 @@ def test_engine_call_by_call_equals_the_batch_replay_for_other_targets(corpus: P
     _check(feed_call_by_call(corpus / SMALL[1], load_spec(preset="default"), tmp_path, target))
 
 
+def test_engine_call_by_call_equals_the_batch_replay_with_simulated_auto_compaction(corpus: Path,
+                                                                                    tmp_path: Path) -> None:
+    from pipeline.runner import run as batch_run
+    from pipeline.spec import parse_spec
+
+    spec = parse_spec('[pipeline]\nname = "ac"\n[[stage]]\nuse = "sanitize"\n[[stage]]\nuse = "pairing"\n'
+                      '[[stage]]\nuse = "auto_compact"\nthreshold_tokens = 1500\nsummary_tokens = 200\n',
+                      source="test")
+    path = corpus / "claude-code" / ("daaain__claude-code-log__-Users-dain-workspace-danieldemmel-me-next__"
+                                     "b25638d7-b104-4f06-a797-70ac33d069ed.jsonl")
+    fired = batch_run([path], spec, RunOptions(out_dir=tmp_path / "fired", token_counter=CHARS4_COUNTER))
+    assert fired.summary["decisions"]["auto_compact"] > 0  # it does fire on this thread
+    _check(feed_call_by_call(path, spec, tmp_path))
+
+
 def _all_files() -> list[str]:
     from tests.conftest import CORPUS
 
