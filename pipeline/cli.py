@@ -80,9 +80,15 @@ def main() -> None:
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
               "the JSON document is still printed.")
+@click.option("--batch-bytes", type=click.IntRange(min=1), help="Input bytes per batch of session groups (default: "
+              "64 MiB): memory grows with it, not with the whole input.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), help="Worker processes for the batches (default: one per "
+              "core); the outputs are the same for any number.")
+@click.option("--full", is_flag=True, help="Run every session group again, even those whose files did not change "
+              "since the previous run in OUT (by default their outputs are reused).")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
-        quiet: bool) -> None:
+        quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
@@ -106,8 +112,16 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
             raise Failure("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
                           "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
         opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
-                          token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
-                          progress=_progress(quiet, json_))
+                          token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER)
+        if _progress(quiet, json_) is not None:  # a terminal: files, groups, calls, ETA (pipeline/progress.py)
+            from pipeline.progress import RunProgress
+
+            opts.display = RunProgress()
+            opts.progress = opts.display.note
+        opts.reuse = not full
+        opts.jobs = jobs  # None: one per core
+        if batch_bytes:
+            opts.batch_bytes = batch_bytes
         result = do_run(chosen, spec, opts)
     except Failure:
         raise
@@ -140,6 +154,10 @@ def _human(s: dict[str, Any]) -> str:
         (f"  {plural(s['sessions'], 'session')}, {plural(s['threads'], 'thread')}, {plural(s['calls'], 'call')} "
          f"({s['recorded_calls']:,} recorded + {s['pending_calls']:,} pending)"),
     ]
+    g = s.get("groups")
+    if g:
+        lines.append(f"  {plural(g['total'], 'session group')} in {plural(g['batches'], 'batch', 'batches')}: "
+                     f"{g['reused']:,} reused from the previous run, {g['rerun']:,} re-run, {g['new']:,} new")
     if s["decisions"]:
         lines.append("  decisions: " + ", ".join(f"{k} {v:,}" for k, v in s["decisions"].items()))
     else:

@@ -49,9 +49,11 @@ LEGACY_OUTPUTS = ("calls.parquet", "blocks.parquet", "quarantine.parquet", "deci
 
 
 def new_run_id() -> str:
-    """A fresh run id: UTC time, pid and random bits (sorts by start time)."""
+    """A fresh run id: UTC time, pid and random bits (sorts by start time). Every id has the same
+    length (the pid padded to 7 digits), so a reused output file is relabelled in place
+    (pipeline/reuse.py)."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    return f"{stamp}-{os.getpid()}-{secrets.token_hex(3)}"
+    return f"{stamp}-{os.getpid():07d}-{secrets.token_hex(3)}"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import gc
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,40 +30,33 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import pipeline
-from pipeline import crashpoints
-from pipeline.errors import (
-    CheckFailed,
-    InputError,
-    NothingToDo,
-    OutputError,
-    internal_error,
-)
+from pipeline import crashpoints, manifest
+from pipeline.batches import DEFAULT_BATCH_BYTES, plan
+from pipeline.batchout import RUN_ID_KEY, Totals, Writers, sorted_tables
+from pipeline.batchrun import BatchCounter, BatchResult, Env, output_error
+from pipeline.errors import CheckFailed, NothingToDo, OutputError
 from pipeline.ledger import Ledger
-from pipeline.loaders import LoadResult, load_paths
+from pipeline.loaders import LoadResult
 from pipeline.outdir import OutputDir, RunLock, ledger_lock_path, new_run_id
-from pipeline.registry import StageContext
 from pipeline.replay import (
     ROW_COLUMNS,
     MessageStore,
     SpanLog,
-    call_counts,
-    call_skeleton,
     replay_thread,
     thread_calls,
     thread_key,
     thread_rows,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec
-from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
-from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE, store_tables
+from pipeline.stagerun import StageFailure
+from pipeline.store import store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
 from pipeline.words import plural
-from schemas.blocks import BLOCKS
+from pipeline.workers import batch_results, default_jobs
 from schemas.calls import CALLS
-from schemas.check import SchemaMismatch, check_frame, polars_schema, to_arrow
+from schemas.check import SchemaMismatch, polars_schema, to_arrow
 from schemas.decisions import DECISION_KEY, STAGE_DECISION
-from schemas.quarantine import QUARANTINE
 
 Progress = Callable[[str], None]
 
@@ -79,13 +71,21 @@ class RunOptions:
     validate: bool = True
     token_counter: str = TIKTOKEN_COUNTER
     progress: Progress | None = None
+    # input bytes per batch of session groups (pipeline/batches.py): memory grows with it, not the corpus
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    # reuse the outputs of the groups whose files did not change since the previous run (OUT/manifest.json)
+    reuse: bool = True
+    # a live display (pipeline/progress.py RunProgress): start / advance per batch / close
+    display: Any = None
+    # worker processes for the batches (pipeline/workers.py); None: one per core
+    jobs: int | None = 1
 
 
 @dataclass
 class RunResult:
     summary: dict[str, Any]
     calls: pl.DataFrame
-    blocks: pl.DataFrame
+    out_dir: Path  # blocks.parquet is read from there on demand (`blocks`)
     violations: list[Violation] = field(default_factory=list)
     # every decision this run applied (reused ones too), with `stage` and `is_provisional`
     # (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet
@@ -94,22 +94,14 @@ class RunResult:
     stage_failures: list[StageFailure] = field(default_factory=list)
 
     @property
+    def blocks(self) -> pl.DataFrame:
+        """The final block versions of the run (blocks.parquet of OUT)."""
+        return pl.read_parquet(self.out_dir / "blocks.parquet")
+
+    @property
     def found_problems(self) -> bool:
         s = self.summary
         return bool(s["quarantined_lines"] or s["violations"] or s["conflicts"] or s.get("stage_failures"))
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Loading and replay build many long-lived small objects; Python's cyclic GC would rescan them
-    over and over (a cost that grows faster than the input), and they hold no cycles worth it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _now() -> str:
@@ -226,35 +218,52 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
 
 def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_name: str, ledger_path: Path,
                 staging: Path, run_id: str, stale: list[str]) -> RunResult:
-    """The run proper, with OUT and the ledger locked: every output goes to `staging`."""
+    """The run proper, with OUT and the ledger locked: every output goes to `staging`, batch by
+    batch (pipeline/batchrun.py), reusing the unchanged groups of the previous run
+    (pipeline/manifest.py); the cache simulation and calls.parquet once at the end."""
     started = _now()
     t_start = time.perf_counter()
-    say = opts.progress or (lambda s: None)
-    loaded, blocks, skeleton, counts, calls = _load(paths, say)
-    t_load = time.perf_counter()
-    ledger = Ledger(ledger_path)
+    batches, skipped = plan(paths, opts.batch_bytes)
+    conf = manifest.config(spec.sha256, target_name, opts.token_counter, opts.all_calls, opts.validate, ledger_path)
+    plan_ = _Plan.make(batches, *(manifest.prior(opts.out_dir, conf) if opts.reuse else (None, "--full")))
+    ledger: Any = _LazyLedger(ledger_path)  # opened when first needed: a run with nothing to do leaves no ledger
+    writers = Writers(staging, run_id, opts.out_dir)
     closed = False
     try:
-        counter = TokenCounter(opts.token_counter, cache=ledger)
-        staged = _run_pipeline(blocks, spec, target_name, ledger, counter, calls, staging, say)
-        t_stages = time.perf_counter()
-        final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
-        calls_df, violations, replay_stats = _replay(final, skeleton, target_name, counter, opts, staging, counts, say)
-        t_replay = time.perf_counter()
-        say("simulating the prompt cache")
-        from pipeline.cachesim import after_replay
-
-        calls_df, cache_sim = after_replay(loaded.blocks, final, calls_df, replay_stats["store_tables"], staged.applied,
-                                           counter.series_counter())
-        _write_tables(staging, loaded, calls_df, final, staged.applied, replay_stats.pop("store_tables"), run_id,
-                      opts.out_dir)
-        if violations:
-            _stage_violations(violations, calls_df, spec, target_name, ledger)
-        summary = _summary(RunFacts(loaded, spec, target_name, calls_df, staged, violations, opts.out_dir,
-                                    ledger_path, {"load": t_load - t_start, "stages": t_stages - t_load,
-                                                  "replay": t_replay - t_stages}, counter))
-        summary.update(threads=replay_stats["threads"], request_store=replay_stats["request_store"], run_id=run_id,
-                       stale_outputs_removed=stale, cache_sim=cache_sim)
+        counter = BatchCounter(opts.token_counter, cache=ledger)
+        env = Env(spec, target_name, staging, opts.out_dir, opts.all_calls, opts.validate,
+                  lambda sessions: ledger.earlier_all(spec.sha256, sessions), counter, opts.progress)
+        totals = Totals(skipped=list(skipped))
+        shown = opts.display
+        if shown is not None:
+            shown.start(sum(len(b.files) for b in batches), len(plan_.files), sum(b.bytes for b in batches))
+        if plan_.all_reused:
+            calls_df, cache_sim, applied = _reuse_everything(plan_, totals, staging, run_id)
+        else:
+            jobs = [(b.index, [g for g in b.groups if g.key not in plan_.reused]) for b in batches]
+            results = batch_results([j for j in jobs if j[1]], env, opts.jobs or default_jobs(), ledger)
+            for batch, (_, fresh) in zip(batches, jobs, strict=True):
+                before = totals.n_calls
+                parts = _batch_parts(batch, fresh, next(results) if fresh else None, plan_, staging)
+                _take_batch(parts, ledger, writers, totals, env)
+                if shown is not None:
+                    shown.advance(len(batch.files), len(batch.groups), batch.bytes, totals.n_calls - before)
+            _check_something_to_do(paths, totals.load_result())
+            calls_df = totals.frame(totals.calls).sort("session_id", "thread_id", "call")
+            applied = totals.frame(totals.applied)
+            (opts.progress or (lambda s: None))("simulating the prompt cache")
+            calls_df, cache_sim = _simulate(totals, calls_df, applied)
+            writers.close()
+            _write_parquet(staging / "calls.parquet", to_arrow(calls_df, CALLS, where="on write (calls)"),
+                           run_id=run_id, out_dir=opts.out_dir)
+            crashpoints.point("write")
+        loaded = totals.load_result()
+        row_groups = plan_.prior.row_groups if plan_.all_reused and plan_.prior else writers.row_groups
+        manifest.write_manifest(staging, conf, plan_.records(totals.groups), len(totals.failures), row_groups)
+        summary = _summary(RunFacts(loaded, spec, target_name, calls_df, totals, opts.out_dir, ledger_path,
+                                    dict(totals.seconds), counter))
+        summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups=plan_.counts(),
+                       request_store=totals.request_store or writers.request_store(totals))
         crashpoints.phase("ledger")
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
@@ -269,92 +278,165 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         _write_json(staging / "summary.json", summary, out_dir=opts.out_dir)
         crashpoints.point("write")
-        return RunResult(summary, calls_df, pl.from_arrow(final), violations, staged.applied,  # type: ignore[arg-type]
-                         list(staged.failures))
+        return RunResult(summary, calls_df, opts.out_dir, totals.violations, applied, list(totals.failures))
     finally:
+        if opts.display is not None:
+            opts.display.close()
+        writers.abort()
         if not closed:
             ledger.close()
 
 
-def _load(paths: list[Path], say: Progress) -> tuple[LoadResult, pl.DataFrame, pl.DataFrame,
-                                                      dict[tuple[str, str], int], CallMap]:
-    """Load and check the inputs; the blocks every call sees, the call skeleton, the calls per
-    thread and their keys."""
-    say(f"loading {plural(len(paths), 'path')}")
-    crashpoints.phase("load")
+class _LazyLedger:
+    """A Ledger opened at its first use."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._ledger: Ledger | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._ledger is None:
+            self._ledger = Ledger(self.path)
+        return getattr(self._ledger, name)
+
+    def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+
+
+@dataclass
+class _Plan:
+    """Which groups of which batches run again and which are reused from the previous run."""
+
+    batches: list[Any]
+    prior: manifest.Prior | None
+    why: str
+    files: dict[str, list[dict[str, Any]]]  # group key -> its files' fingerprints
+    reused: dict[str, dict[str, Any]]  # group key -> its record in the previous manifest
+
+    @classmethod
+    def make(cls, batches: list[Any], prior: manifest.Prior | None, why: str) -> _Plan:
+        files = {g.key: manifest.group_files(g) for b in batches for g in b.groups}
+        reused = {}
+        if prior is not None:
+            for key, fs in files.items():
+                rec = prior.reusable(key, fs)
+                if rec is not None:
+                    reused[key] = rec
+        return cls(batches, prior, why, files, reused)
+
+    @property
+    def all_reused(self) -> bool:
+        return bool(self.files) and len(self.reused) == len(self.files)
+
+    def counts(self) -> dict[str, Any]:
+        old = self.prior.groups if self.prior else {}
+        rerun = sum(1 for k in self.files if k not in self.reused and k in old)
+        out: dict[str, Any] = {"total": len(self.files), "batches": len(self.batches), "reused": len(self.reused),
+                               "rerun": rerun, "new": len(self.files) - len(self.reused) - rerun}
+        if self.why:
+            out["not_reused_because"] = self.why
+        return out
+
+    def records(self, fresh: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The manifest's group records: the reused ones as they were, the others from this run;
+        each with the batch that holds its rows (when every group is reused, the previous one's)."""
+        by_key = {**self.reused, **{r["key"]: r for r in fresh}}
+        batch_of = {} if self.all_reused else {g.key: b.index for b in self.batches for g in b.groups}
+        return [{**by_key[k], "key": k, "files": self.files[k], "batch": batch_of.get(k, by_key[k].get("batch"))}
+                for k in sorted(self.files) if k in by_key]
+
+
+def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_: _Plan,
+                 staging: Path) -> list[BatchResult]:
+    """The batch's groups that ran again (`result` of run_batch over `fresh`) and those reused."""
+    from pipeline.reuse import link_spills, reuse_batch
+
+    parts = []
+    if result is not None:
+        for g, rec in zip(fresh, result.groups, strict=True):
+            rec["key"] = g.key
+        parts.append(result)
+    old = [plan_.reused[g.key] for g in batch.groups if g.key in plan_.reused]
+    if old:
+        assert plan_.prior is not None
+        parts.append(reuse_batch(batch.index, old, plan_.prior, staging))
+        link_spills(plan_.prior.run_dir, staging)
+    return parts
+
+
+def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
+                      ) -> tuple[pl.DataFrame, dict[str, Any], pl.DataFrame]:
+    """Nothing changed: the previous run's outputs copied, its accounting summed again."""
+    from pipeline.batchout import merge_stats
+    from pipeline.outdir import read_summary
+    from pipeline.reuse import reuse_all
+
+    assert plan_.prior is not None
+    run = plan_.prior.run_dir
+    records = [plan_.reused[k] for k in sorted(plan_.reused)]
+    loaded, _ = reuse_all(records, plan_.prior, staging, run_id)
+    totals.loads, totals.stats = loaded.loads, Counter(loaded.stats)
+    totals.skipped.extend(loaded.skipped)
+    totals.loaded_threads = loaded.threads
+    for r in records:
+        for name, st in r["stage_stats"].items():
+            totals.stage_stats[name] = merge_stats(totals.stage_stats.get(name), st)
+        totals.threads += r["threads"]
+        totals.violations.extend(Violation(**v) for v in r["violations"])
+    before = read_summary(run)
+    totals.request_store = before.get("request_store")
+    calls = pl.read_parquet(staging / "calls.parquet")
+    return calls, before.get("cache_sim", {}), pl.read_parquet(staging / "decisions.parquet")
+
+
+def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, totals: Totals, env: Env) -> None:
+    """A batch's new decisions and violations queued in the ledger (committed with the run), its
+    spills and tables written (its reused groups' rows with the others, in one order), its counts
+    added to the totals."""
+    outs = [p.out for p in parts if p.out is not None]
+    for p in parts:
+        if p.out is not None and not p.reused:
+            for rows, stage, version, digest in p.out.new_decisions:
+                ledger.stage(rows, spec_sha256=env.spec.sha256, stage=stage, stage_version=version,
+                             config_digest=digest)
+            _write_spills(p.out.spills, env.staging / "spill")
+            if p.out.violations:
+                _stage_violations(p.out.violations, p.out.calls, env.spec, env.target, ledger)
+        totals.add(p)
+    if outs:
+        tables = sorted_tables([o.tables for o in outs])
+        writers.write_batch(tables, parts[0].index)
+        facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
+        writers.append("call_facts", facts.to_arrow(), parts[0].index)
+        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"))
+
+
+def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """The prompt-cache simulation over every call of the run (cachesim.after_replay, from the
+    per-call facts and the request store the batches kept)."""
+    from pipeline import calibrate
+    from pipeline.cachesim import Prepared, simulate
+    from pipeline.errors import CtxReplayError
+    from pipeline.prices import PriceBook
+
+    t0 = time.perf_counter()
+    warnings: list[str] = []
     try:
-        with _gc_paused():
-            loaded: LoadResult = load_paths(paths)
-    except OSError as exc:
-        raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
-    for ld in loaded.loads:
-        ld.check()
-    _check_something_to_do(paths, loaded)
-    blocks = pl.from_arrow(loaded.blocks)
-    assert isinstance(blocks, pl.DataFrame)
-    check_frame(blocks, BLOCKS, where="on load")
-    skeleton = call_skeleton(blocks)
-    counts = call_counts(blocks)
-    calls = CallMap.from_blocks(blocks, counts)
-    # rows no call ever sees (compacted away before any call) leave the table now
-    blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
-    return loaded, blocks, skeleton, counts, calls
-
-
-def _run_pipeline(blocks: pl.DataFrame, spec: PipelineSpec, target_name: str, ledger: Ledger, counter: TokenCounter,
-                  calls: CallMap, staging: Path, say: Progress) -> StagesResult:
-    """Run the stages with the ledger's view of these sessions; queue their new decisions in the
-    ledger and write what they spilled."""
-    target = get_target(target_name)
-    # every target shipped today takes images; one that does not says so with `supports_images = False`
-    ctx = StageContext(target=target_name, window_tokens=spec.window_tokens,
-                       count_tokens=counter.series_counter(), token_counter_version=counter.name,
-                       supports_images=bool(getattr(target, "supports_images", True)))
-    sessions = sorted(blocks.get_column("session_id").unique().to_list())
-    view = LedgerView.translate(ledger.earlier_all(spec.sha256, sessions), calls)
-    crashpoints.phase("stages")
-    staged = run_stages(blocks, spec, view, ctx, say)
-    for o in staged.outcomes:
-        ledger.stage(o.new, spec_sha256=spec.sha256, stage=o.name, stage_version=o.stage.version,
-                     config_digest=o.config_digest)
-    _write_spills(staged.spills, staging / "spill")
-    return staged
-
-
-def _replay(final: pa.Table, skeleton: pl.DataFrame, target_name: str, counter: TokenCounter, opts: RunOptions,
-            staging: Path, counts: dict[tuple[str, str], int], say: Progress,
-            ) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
-    say("replaying calls")
-    crashpoints.phase("replay")
-    try:
-        with _gc_paused():
-            return replay_all(pl.from_arrow(final), skeleton, target_name, counter,  # type: ignore[arg-type]
-                              all_calls=opts.all_calls, validate=opts.validate, out_dir=staging, progress=say,
-                              counts=counts)
-    except OSError as exc:
-        raise _output_error(opts.out_dir, exc) from exc
-    except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
-        raise internal_error(exc, "while replaying") from exc
-
-
-def _write_tables(staging: Path, loaded: LoadResult, calls_df: pl.DataFrame, final: pa.Table,
-                  applied: pl.DataFrame, store: tuple[pa.Table, pa.Table], run_id: str, out_dir: Path) -> None:
-    """calls, blocks, quarantine, decisions and the request store (messages, call_messages)."""
-    calls_t = to_arrow(calls_df, CALLS, where="on write (calls)")
-    quarantine = pa.Table.from_pylist(
-        [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
-          "raw_base64": q.raw_base64} for q in loaded.quarantine],
-        schema=QUARANTINE)
-    crashpoints.phase("write")
-    messages_t, call_messages_t = store
-    for name, table in (("calls.parquet", calls_t), ("blocks.parquet", final),
-                        ("quarantine.parquet", quarantine), ("decisions.parquet", applied.to_arrow()),
-                        (MESSAGES_FILE, messages_t)):
-        _write_parquet(staging / name, table, run_id=run_id, out_dir=out_dir)
-        crashpoints.point("write")
-    # without the Arrow schema in the file, its dictionary-encoded columns read back as strings
-    _write_parquet(staging / CALL_MESSAGES_FILE, call_messages_t, run_id=run_id, out_dir=out_dir, store_schema=False)
-    crashpoints.point("write")
+        prices: Any = PriceBook.load()
+    except CtxReplayError as exc:
+        prices = None
+        warnings.append(f"no prices: {exc}")
+    facts = totals.frame(totals.facts)
+    prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp")), facts)
+    res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices, aliases=totals.aliases)
+    summary = res.summary
+    if prices is not None:
+        prices.save()
+        warnings.extend(prices.warnings)
+    summary["warnings"] = warnings
+    summary["seconds"] = round(time.perf_counter() - t0, 3)
+    return res.calls, summary
 
 
 def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
@@ -375,12 +457,6 @@ def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:
                       f"session transcripts (*.jsonl), e.g. ~/.claude/projects")
 
 
-def _output_error(out_dir: Path, exc: OSError) -> OutputError:
-    where = f" ({exc.filename})" if exc.filename else ""
-    return OutputError(f"cannot write the outputs in {out_dir}: {exc.strerror or exc}{where}. The previous "
-                       f"outputs are kept; free some space or pass an --out you can write to")
-
-
 def _write_spills(spills: pl.DataFrame, spill_dir: Path) -> None:
     """Write what the stages spilled to the content-addressed store OUT/spill/<sha256> (stages do no
     I/O: they name the texts through their `spilled_texts` hook)."""
@@ -393,7 +469,7 @@ def _write_spills(spills: pl.DataFrame, spill_dir: Path) -> None:
             if not path.exists():
                 path.write_text(text, encoding="utf-8", errors="surrogatepass")
     except OSError as exc:
-        raise _output_error(spill_dir.parent, exc) from exc
+        raise output_error(spill_dir.parent, exc) from exc
 
 
 def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
@@ -411,8 +487,6 @@ def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: Pi
     ledger.stage(new, spec_sha256=spec.sha256, stage=stage, stage_version=1, config_digest=spec.sha256)
 
 
-RUN_ID_KEY = b"ctxreplay_run_id"
-
 
 def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path, **options: Any) -> None:
     """Write into the staging directory (no temp file needed: nothing reads it before it is
@@ -421,14 +495,14 @@ def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path, *
     try:
         pq.write_table(table.replace_schema_metadata(meta), path, **options)
     except OSError as exc:
-        raise _output_error(out_dir, exc) from exc
+        raise output_error(out_dir, exc) from exc
 
 
 def _write_json(path: Path, obj: Any, *, out_dir: Path) -> None:
     try:
         path.write_bytes(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
     except OSError as exc:
-        raise _output_error(out_dir, exc) from exc
+        raise output_error(out_dir, exc) from exc
 
 
 @dataclass(frozen=True)
@@ -439,17 +513,28 @@ class RunFacts:
     spec: PipelineSpec
     target: str
     calls: pl.DataFrame
-    stages: StagesResult
-    violations: list[Violation]
+    totals: Totals
     out_dir: Path
     ledger_path: Path
     timings: dict[str, float]
     counter: TokenCounter
 
 
+def _stage_names(spec: PipelineSpec) -> list[str]:
+    """The stages' names in pipeline order, as run_stages names them (`pairing#2` for a second use)."""
+    seen: Counter[str] = Counter()
+    out = []
+    for rs in spec.stages:
+        seen[rs.stage.name] += 1
+        out.append(rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}")
+    return out
+
+
 def _summary(f: RunFacts) -> dict[str, Any]:
     """summary.json (README: "Outputs")."""
-    calls, stage_stats = f.calls, f.stages.stats()
+    calls, t = f.calls, f.totals
+    order = {n: i for i, n in enumerate(_stage_names(f.spec))}
+    t.stage_stats = dict(sorted(t.stage_stats.items(), key=lambda kv: order.get(kv[0], len(order))))
     pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
     return {
         "pipeline": f.spec.name,
@@ -457,16 +542,16 @@ def _summary(f: RunFacts) -> dict[str, Any]:
         "target": f.target,
         **_input_counts(f.loaded),
         "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
-        "threads": f.loaded.threads,
+        "threads": t.threads,
         "calls": calls.height,
         "recorded_calls": calls.height - pending,
         "pending_calls": pending,
-        "decisions": {k: v["decisions"] for k, v in stage_stats.items()},
-        "decisions_by_stage": stage_stats,
-        "conflicts": f.stages.conflicts,
-        "stage_failures": [x.as_dict() for x in f.stages.failures],
-        "violations": len(f.violations),
-        "violations_by_rule": dict(sorted(Counter(v.rule for v in f.violations).items())),
+        "decisions": {k: v["decisions"] for k, v in t.stage_stats.items()},
+        "decisions_by_stage": t.stage_stats,
+        "conflicts": sum(v["conflicts"] for v in t.stage_stats.values()),
+        "stage_failures": [x.as_dict() for x in t.failures],
+        "violations": len(t.violations),
+        "violations_by_rule": dict(sorted(Counter(v.rule for v in t.violations).items())),
         "loader_stats": dict(sorted(f.loaded.stats.items())),
         "tokens": {"counter": f.counter.name, "texts_counted": f.counter.counted, "cache_hits": f.counter.cache_hits},
         "timings_seconds": {k: round(v, 3) for k, v in f.timings.items()},

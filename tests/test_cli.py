@@ -356,6 +356,7 @@ def test_an_unexpected_exception_is_an_internal_error_with_a_traceback_file_8(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
+    import pipeline.batchrun as batchrun_mod
     import pipeline.runner as runner_mod
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -375,7 +376,7 @@ def test_an_unexpected_exception_is_an_internal_error_with_a_traceback_file_8(
     def crash(*a: object, **k: object) -> None:
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(runner_mod, "call_skeleton", crash)
+    monkeypatch.setattr(batchrun_mod, "call_skeleton", crash)
     r = _run("run", CC_SAMPLE, "--out", tmp_path / "o", "--fast-tokens")
     assert r.exit_code == 2
     assert _no_traceback(r).startswith("ctxreplay: internal error (ZeroDivisionError: division by zero): this is a "
@@ -384,7 +385,7 @@ def test_an_unexpected_exception_is_an_internal_error_with_a_traceback_file_8(
     def interrupted(*a: object, **k: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner_mod, "call_skeleton", interrupted)
+    monkeypatch.setattr(batchrun_mod, "call_skeleton", interrupted)
     r = _run("run", CC_SAMPLE, "--out", tmp_path / "o", "--fast-tokens")
     assert r.exit_code == 130
     assert _no_traceback(r).startswith("ctxreplay: interrupted; the output directory still holds the last complete run")

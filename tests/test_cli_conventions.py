@@ -271,8 +271,9 @@ def test_output_files_follow_the_umask(tmp_path: Path, umask: Any, mask: int) ->
         assert stat.S_IMODE(st.st_mode) == want, (p, oct(st.st_mode), oct(want))
         files += stat.S_ISREG(st.st_mode)
         dirs += stat.S_ISDIR(st.st_mode)
-    # 6 parquet files (the request store too), the summary, 8 + 8 requests, the ledger and both lock files
-    assert files == 6 + 1 + 16 + 1 + 2 and dirs == 4
+    # 6 parquet files (the request store too), the summary, 8 + 8 requests, the ledger and both lock files,
+    # the manifest and call_facts.parquet (what a re-run reuses)
+    assert files == 6 + 1 + 16 + 1 + 2 + 2 and dirs == 4
 
 
 @pytest.mark.parametrize("args", [

@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.errors import InputError
-from pipeline.loaders import claude_code, codex, openclaw, request
+from pipeline.loaders import cc_columnar, claude_code, codex, openclaw, request
 from pipeline.loaders.base import (
     FileLoad,
     QuarantineRow,
@@ -60,7 +60,7 @@ class LoadResult:
 
 def is_transcript_name(p: Path) -> bool:
     n = p.name
-    return n.endswith(".jsonl") or ".jsonl.deleted." in n or ".jsonl.reset." in n or n.endswith(".json")
+    return n.endswith((".jsonl", ".json")) or ".jsonl.deleted." in n or ".jsonl.reset." in n
 
 
 def discover(paths: list[Path]) -> tuple[list[Path], list[dict[str, str]]]:
@@ -124,11 +124,37 @@ def _unreadable(f: Path, exc: OSError) -> dict[str, str]:
                                            "permissions; the other files were loaded"}
 
 
-def load_paths(paths: list[Path | str]) -> LoadResult:
+# how Claude Code sessions are loaded: "columnar" (pipeline/loaders/cc_columnar.py, the default) or
+# "reference" (claude_code.load_session + threads_to_blocks, row by row in Python). Both give the same
+# blocks table and accounting; the reference is kept as the specification of the columnar path (the
+# tests compare them table for table) and as its fallback for values it does not take.
+ENGINES = ("columnar", "reference")
+
+
+def load_paths(paths: list[Path | str], *, engine: str = "columnar",
+               timings: dict[str, float] | None = None) -> LoadResult:
+    """Load every transcript under `paths` (files or directories) into one blocks table.
+
+    `engine`: "columnar" (default) or "reference" (see ENGINES). The columnar engine hands the whole
+    call to the reference one when a line it reads the careful way holds a value that does not fit its
+    column (the reference loader then coerces it, with a note), so both always agree.
+    `timings`: when given, seconds per phase of the columnar engine are added to it (benchmarks).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    if engine == "columnar":
+        try:
+            return _load_paths(paths, columnar=True, timings=timings)
+        except cc_columnar.NeedsReference:
+            pass
+    return _load_paths(paths, columnar=False)
+
+
+def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, float] | None = None) -> LoadResult:
     files, skipped = discover([Path(p) for p in paths])
     loads: list[FileLoad] = []
     per_file: list[tuple[FileLoad, list[Thread]]] = []  # files loaded one by one (not Claude Code)
-    cc_threads: list[Thread] = []
+    cc_threads: list[Any] = []  # Thread (reference) or cc_columnar.ThreadPlan
     stats: Counter[str] = Counter()
     cc_files: list[Path] = []
     cc_first: dict[Path, list[Any]] = {}
@@ -175,18 +201,36 @@ def load_paths(paths: list[Path | str]) -> LoadResult:
             loads.append(_unknown_format(f, f.read_bytes(), first))
         except OSError as exc:
             skipped.append(_unreadable(f, exc))
-    for group in claude_code.group_sessions(cc_files, cc_first):
-        t, lds, st = claude_code.load_session(group, skipped)
-        cc_threads.extend(t)
-        loads.extend(lds)
-        stats.update(st)
-    threads = _dedupe_sessions(per_file) + cc_threads
+    groups = claude_code.group_sessions(cc_files, cc_first)
+    columnar_load = None
+    if columnar and groups:
+        columnar_load = cc_columnar.load_sessions(groups, skipped, timings)
+        cc_threads.extend(columnar_load.threads)
+        loads.extend(columnar_load.loads)
+        for st in columnar_load.stats:
+            stats.update(st)
+    else:
+        for group in groups:
+            t, lds, st = claude_code.load_session(group, skipped)
+            cc_threads.extend(t)
+            loads.extend(lds)
+            stats.update(st)
+    other_threads = _dedupe_sessions(per_file)
+    threads = other_threads + cc_threads
     _unique_thread_ids(threads, loads)
     for ld in loads:
         stats.update(ld.stats)
     loads.sort(key=lambda ld: ld.path)
     notes: list[dict[str, Any]] = []
-    blocks = threads_to_blocks(threads, notes) if threads else BLOCKS.empty_table()
+    if columnar_load is None:
+        blocks = threads_to_blocks(threads, notes) if threads else BLOCKS.empty_table()
+    else:
+        # the other formats' rows first, as in the reference table; the columnar rows all fit their
+        # columns, so a coercion among the others changes none of them
+        parts = [threads_to_blocks(other_threads, notes)] if other_threads else []
+        if cc_threads:
+            parts.append(columnar_load.blocks(cc_threads))
+        blocks = pa.concat_tables(parts) if len(parts) > 1 else parts[0] if parts else BLOCKS.empty_table()
     if notes:
         by_path = {ld.path: ld for ld in loads}
         seen: set[tuple[Any, ...]] = set()

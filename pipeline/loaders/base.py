@@ -483,46 +483,57 @@ def iter_json_lines(path: Path, load: FileLoad, data: bytes | None = None) -> It
         data = read_file(path)
     load.bytes = len(data)
     load.sha256 = hashlib.sha256(data).hexdigest()
-    spath = load.path
     for i, raw_b in nonblank_lines(data):
         load.lines += 1
         load.digests[i] = line_digest(raw_b)
-        text, bad_bytes = decode_line(raw_b)
-        if i == 1 and text.startswith("\ufeff"):
-            text = text[1:]  # a byte order mark (some Windows editors write one)
-            load.stats["byte_order_marks"] += 1
-        raw = displayable(raw_b) if bad_bytes else text
-        parsed = parse_json_line(text)
-        if bad_bytes and (parsed.error or not parsed.objs):
-            load.quarantine.append(QuarantineRow(
-                spath, i, raw, "bytes that are not UTF-8 where JSON was expected; the exact bytes are kept in "
-                "raw_base64", "invalid_utf8",
-                base64.b64encode(raw_b).decode("ascii")))
-            continue
-        if bad_bytes:
-            load.stats["invalid_utf8_replaced"] += bad_bytes
-            load.recovered.append({"file": spath, "line": i,
-                                   "note": f"{bad_bytes} byte sequence(s) that are not UTF-8 inside JSON strings "
-                                           "replaced by U+FFFD"})
-        if parsed.replaced:
-            load.stats["lone_surrogates_replaced"] += parsed.replaced
-            load.recovered.append({"file": spath, "line": i,
-                                   "note": f"{parsed.replaced} lone surrogate escape(s) (\\ud800-\\udfff) "
-                                           "replaced by U+FFFD"})
+        got = read_line(load, i, raw_b)
+        if got is not None:
+            yield i, got[0], got[1]
+
+
+def read_line(load: FileLoad, i: int, raw_b: bytes) -> tuple[str, list[Any]] | None:
+    """One non-blank physical line (its bytes without the `\\n`) read as `iter_json_lines` reads it:
+    (raw line as displayable text, parsed objects), or None when the line is quarantined.
+
+    Quarantine rows, notes in `load.recovered` and counters in `load.stats` are recorded exactly as
+    `iter_json_lines` documents; the caller counts the line (`load.lines`) and its digest."""
+    spath = load.path
+    text, bad_bytes = decode_line(raw_b)
+    if i == 1 and text.startswith("\ufeff"):
+        text = text[1:]  # a byte order mark (some Windows editors write one)
+        load.stats["byte_order_marks"] += 1
+    raw = displayable(raw_b) if bad_bytes else text
+    parsed = parse_json_line(text)
+    if bad_bytes and (parsed.error or not parsed.objs):
+        load.quarantine.append(QuarantineRow(
+            spath, i, raw, "bytes that are not UTF-8 where JSON was expected; the exact bytes are kept in "
+            "raw_base64", "invalid_utf8",
+            base64.b64encode(raw_b).decode("ascii")))
+        return None
+    if bad_bytes:
+        load.stats["invalid_utf8_replaced"] += bad_bytes
+        load.recovered.append({"file": spath, "line": i,
+                               "note": f"{bad_bytes} byte sequence(s) that are not UTF-8 inside JSON strings "
+                                       "replaced by U+FFFD"})
+    if parsed.replaced:
+        load.stats["lone_surrogates_replaced"] += parsed.replaced
+        load.recovered.append({"file": spath, "line": i,
+                               "note": f"{parsed.replaced} lone surrogate escape(s) (\\ud800-\\udfff) "
+                                       "replaced by U+FFFD"})
+    if parsed.too_deep:
+        load.stats["values_too_deep"] += parsed.too_deep
+    if not parsed.objs:
+        code, reason = parsed.error or ("invalid_json", "invalid JSON")
+        load.quarantine.append(QuarantineRow(spath, i, raw, reason, code))
+        return None
+    if len(parsed.objs) > 1 or parsed.error or parsed.too_deep:
+        note: dict[str, Any] = {"file": spath, "line": i, "objects": len(parsed.objs)}
+        if parsed.error:
+            note["lost_tail"] = parsed.error[1]
         if parsed.too_deep:
-            load.stats["values_too_deep"] += parsed.too_deep
-        if not parsed.objs:
-            code, reason = parsed.error or ("invalid_json", "invalid JSON")
-            load.quarantine.append(QuarantineRow(spath, i, raw, reason, code))
-            continue
-        if len(parsed.objs) > 1 or parsed.error or parsed.too_deep:
-            note: dict[str, Any] = {"file": spath, "line": i, "objects": len(parsed.objs)}
-            if parsed.error:
-                note["lost_tail"] = parsed.error[1]
-            if parsed.too_deep:
-                note["too_deep"] = parsed.too_deep
-            load.recovered.append(note)
-        yield i, raw, parsed.objs
+            note["too_deep"] = parsed.too_deep
+        load.recovered.append(note)
+    return raw, parsed.objs
 
 
 # ---------------------------------------------------------------- helpers for loaders

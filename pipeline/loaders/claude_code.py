@@ -23,6 +23,7 @@ import hashlib
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -390,7 +391,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
 
     prev_in_file: dict[str, str] = {}
     for fn in per_file:
-        for a, b in zip(fn, fn[1:]):
+        for a, b in pairwise(fn):
             prev_in_file[b.uuid] = a.uuid
 
     threads: list[Thread] = []

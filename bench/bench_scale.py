@@ -1,0 +1,156 @@
+"""Scale figures of `ctxreplay run` on a generated tree (issue 10), printed as ratios measured in one run.
+
+    python bench/bench_scale.py [--size 190MB] [--tree DIR] [--preset default] [--jobs 2] [--skip-jobs]
+
+Generates (or reuses) an N× copy of the real `claude-projects` tree with fresh ids (bench/gen_tree.py),
+then runs, each as its own `ctxreplay run` process under `/usr/bin/time` (wall seconds, peak RSS):
+- cold: a new OUT and ledger;
+- warm: the same command again, nothing changed (every session group reused);
+- append: one call (a user line and an assistant line) appended to the largest session, run again;
+- `--jobs 1` and `--jobs N`, cold, in new OUTs;
+and the tokenizer-only bound: tiktoken over the distinct texts of the cold run's blocks, timed
+alone. Figures: cold MB/s, tokenizer MB/s and their ratio, warm/cold, append/cold, jobs 1/jobs N,
+peak RSS. On a shared machine the figures move with the load: say so when you quote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _bytes(size: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    for u, m in units.items():
+        if size.upper().endswith(u):
+            return int(float(size[: -len(u)]) * m)
+    return int(size)
+
+
+def tree_bytes(tree: Path) -> int:
+    return sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+
+
+def timed_run(args: list[str]) -> tuple[float, int, dict]:
+    """(wall seconds, peak RSS bytes, summary) of one `ctxreplay run ... --json -q`."""
+    exe = [sys.executable, "-m", "pipeline.cli"] if not shutil.which("ctxreplay") else ["ctxreplay"]
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        t0 = time.perf_counter()
+        r = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", tf.name, *exe, "run", *args, "--json", "-q"],
+                           capture_output=True, text=True, cwd=ROOT, check=False)
+        wall = time.perf_counter() - t0
+        if r.returncode not in (0, 1):
+            raise SystemExit(f"ctxreplay run failed ({r.returncode}): {r.stderr[-2000:]}")
+        rss_kb = int(tf.read().strip().splitlines()[-1])
+    return wall, rss_kb * 1024, json.loads(r.stdout)
+
+
+def append_one_call(tree: Path) -> Path:
+    """Append a user line and an assistant line (a new call) to the largest main session file."""
+    files = [p for p in tree.rglob("*.jsonl") if p.parent.name != "subagents"]
+    target = max(files, key=lambda p: p.stat().st_size)
+    last = None
+    with open(target, "rb") as fh:
+        for line in fh:
+            try:
+                o = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(o, dict) and o.get("type") == "assistant" and o.get("uuid"):
+                last = o
+    assert last is not None, f"no assistant line in {target}"
+    stamp = str(time.time_ns())
+    user = {**last, "type": "user", "uuid": f"bench-u-{stamp}", "parentUuid": last["uuid"],
+            "message": {"role": "user", "content": "one more question, appended by bench_scale"}}
+    user.pop("requestId", None)
+    msg = dict(last["message"])
+    msg.update(id=f"msg_bench{stamp}", content=[{"type": "text", "text": "one more answer"}])
+    answer = {**last, "uuid": f"bench-a-{stamp}", "parentUuid": user["uuid"], "message": msg}
+    with open(target, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(user) + "\n" + json.dumps(answer) + "\n")
+    return target
+
+
+def tokenizer_bound(out: Path) -> tuple[float, int, float, int]:
+    """tiktoken alone over the texts the run counts (each block's token text: text, or a tool
+    call's name and input): (seconds, n) over the distinct ones (what the run tokenizes: it counts
+    a text once) and over every block row."""
+    import polars as pl
+
+    from pipeline.tokens import tiktoken_counts, token_text_expr
+
+    rows = pl.read_parquet(out / "blocks.parquet").select(t=token_text_expr()).get_column("t").drop_nulls()
+    distinct, every = rows.unique().to_list(), rows.to_list()
+    t0 = time.perf_counter()
+    tiktoken_counts(distinct)
+    t1 = time.perf_counter()
+    tiktoken_counts(every)
+    return t1 - t0, len(distinct), time.perf_counter() - t1, len(every)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="190MB")
+    ap.add_argument("--tree", type=Path, help="an existing tree (default: generated under a temp dir)")
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--jobs", type=int, default=2, help="the N of `--jobs 1 / --jobs N` (cold, warm and append "
+                    "run with --jobs 1)")
+    ap.add_argument("--skip-jobs", action="store_true")
+    ap.add_argument("--keep", type=Path, help="work directory to keep (default: a temp dir, removed)")
+    a = ap.parse_args()
+    work = a.keep or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        tree = a.tree
+        if tree is None:
+            from bench.gen_tree import generate
+
+            tree = work / "tree"
+            if not tree.exists():
+                generate(tree, size=_bytes(a.size))
+        mb = tree_bytes(tree) / 1e6
+        common = ["--preset", a.preset]
+        out = work / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        cold, cold_rss, s = timed_run([str(tree), "--out", str(out), *common, "--jobs", "1"])
+        calls = s["calls"]
+        tok_s, n_texts, all_s, n_all = tokenizer_bound(out / "current")
+        warm, warm_rss, w = timed_run([str(tree), "--out", str(out), *common, "--jobs", "1"])
+        target = append_one_call(tree)
+        app, app_rss, ap_s = timed_run([str(tree), "--out", str(out), *common, "--jobs", "1"])
+        print(f"tree: {tree} ({mb:.1f} MB, {s['files']} files, {s['groups']['total']} session groups, {calls:,} calls, "
+              f"{s['groups']['batches']} batches); preset {a.preset}; {os.cpu_count()} CPUs, figures under load")
+        print(f"cold:     {cold:7.2f} s  {mb / cold:6.2f} MB/s  peak RSS {cold_rss / 2**20:7.0f} MiB "
+              f"(load {s['timings_seconds'].get('load', 0):.1f} s, stages {s['timings_seconds'].get('stages', 0):.1f} s, "
+              f"replay {s['timings_seconds'].get('replay', 0):.1f} s, cache sim {s['cache_sim'].get('seconds', 0):.1f} s)")
+        print(f"tokenizer only: {tok_s:7.2f} s over the {n_texts:,} distinct texts the run counts = "
+              f"{mb / tok_s:6.2f} MB/s; cold / tokenizer = {(mb / cold) / (mb / tok_s):.2f}  "
+              f"(every block row's text, {n_all:,}: {all_s:.2f} s = {mb / all_s:.2f} MB/s, ratio "
+              f"{(mb / cold) / (mb / all_s):.2f})")
+        print(f"warm:     {warm:7.2f} s  peak RSS {warm_rss / 2**20:7.0f} MiB  groups {w['groups']}  "
+              f"cold / warm = {cold / warm:.1f}x")
+        print(f"append:   {app:7.2f} s  peak RSS {app_rss / 2**20:7.0f} MiB  groups {ap_s['groups']}  "
+              f"append / cold = {100 * app / cold:.1f} %  ({target.name})")
+        if not a.skip_jobs:
+            j1, j1_rss, _ = timed_run([str(tree), "--out", str(work / "j1"), *common, "--jobs", "1"])
+            jn, jn_rss, _ = timed_run([str(tree), "--out", str(work / "jn"), *common, "--jobs", str(a.jobs)])
+            print(f"--jobs 1: {j1:7.2f} s  peak RSS {j1_rss / 2**20:7.0f} MiB;  --jobs {a.jobs}: {jn:7.2f} s  "
+                  f"peak RSS {jn_rss / 2**20:7.0f} MiB (parent; workers are separate processes);  "
+                  f"jobs 1 / jobs {a.jobs} = {j1 / jn:.2f}x")
+    finally:
+        if a.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Issue 10: session groups in batches give the outputs of one batch; groups tie a session's files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import orjson
+import polars as pl
+import pytest
+
+from pipeline.batches import Group, pack, session_groups
+from pipeline.runner import RunOptions, run
+from pipeline.spec import load_spec
+from pipeline.tokens import CHARS4_COUNTER
+from tests.crashkit import out_state
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "data" / "samples"
+FIXTURES = ROOT / "tests" / "fixtures" / "loaders"
+
+# summary keys that may differ between two runs of the same inputs
+VOLATILE = {"run_id", "seconds", "timings_seconds", "out_dir", "ledger", "stale_outputs_removed", "cache_sim",
+            "decisions_by_stage", "groups"}
+
+
+def _run(paths: list[Path], out: Path, preset: str = "default", **kw: Any) -> dict[str, Any]:
+    return run(paths, load_spec(preset=preset), RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, **kw)).summary
+
+
+def _outputs(out: Path) -> dict[str, pl.DataFrame]:
+    """Every table of a run, in its row order (requests/ as one table of name -> bytes)."""
+    names = ["calls", "blocks", "decisions", "quarantine", "messages", "call_messages"]
+    got = {n: pl.read_parquet(out / f"{n}.parquet") for n in names}
+    req = sorted((out / "requests").iterdir())
+    got["requests"] = pl.DataFrame({"name": [p.name for p in req], "data": [p.read_bytes() for p in req]})
+    return got
+
+
+def _sorted(df: pl.DataFrame) -> pl.DataFrame:
+    cols = [c for c, t in df.schema.items() if t.is_numeric() or t in (pl.String, pl.Boolean, pl.Binary)]
+    return df.sort(cols, nulls_last=True)
+
+
+def _summary_core(s: dict[str, Any], *also: str) -> dict[str, Any]:
+    return {k: v for k, v in s.items() if k not in VOLATILE and k not in also}
+
+
+def _stage_counts(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: {kk: vv for kk, vv in v.items() if kk != "seconds"} for k, v in s["decisions_by_stage"].items()}
+
+
+def test_small_batches_give_the_outputs_of_one_batch(tmp_path: Path) -> None:
+    """Every session group in a batch of its own: the same rows (batches keep their order, so only
+    the row order across groups may differ), the same summary counts, the same cache simulation."""
+    inputs = [SAMPLES, FIXTURES]
+    one = _run(inputs, tmp_path / "one")
+    many = _run(inputs, tmp_path / "many", batch_bytes=1)
+    assert many["groups"]["batches"] > 5 and one["groups"]["batches"] == 1
+    assert _summary_core(many) == _summary_core(one)
+    assert _stage_counts(many) == _stage_counts(one)
+    assert {k: v for k, v in many["cache_sim"].items() if k != "seconds"} == \
+        {k: v for k, v in one["cache_sim"].items() if k != "seconds"}
+    a, b = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    for name in a:
+        assert _sorted(a[name]).equals(_sorted(b[name])), name
+    # each distinct message once, even when several batches hold it
+    assert b["messages"].get_column("sha256").is_unique().all()
+
+
+def test_a_run_twice_writes_the_same_rows_in_the_same_order(tmp_path: Path) -> None:
+    for n in ("a", "b"):
+        _run([SAMPLES, FIXTURES], tmp_path / n, batch_bytes=20_000)
+    a, b = _outputs(tmp_path / "a"), _outputs(tmp_path / "b")
+    for name in a:
+        assert a[name].equals(b[name]), name
+
+
+def _cc_line(sid: str, uuid: str, parent: str | None, role: str, text: str, **kw: Any) -> bytes:
+    msg: dict[str, Any] = {"role": role, "content": [{"type": "text", "text": text}]}
+    if role == "assistant":
+        msg.update(id=f"msg_{uuid}", model="claude-sonnet-4-5", usage={"input_tokens": 10, "output_tokens": 2})
+    return orjson.dumps({"type": role, "sessionId": sid, "uuid": uuid, "parentUuid": parent,
+                         "timestamp": "2026-01-01T00:00:00Z", "message": msg, **kw}) + b"\n"
+
+
+def test_a_sessions_files_form_one_group(tmp_path: Path) -> None:
+    """Main file, subagent file and sidecar, and a backup copy of the session under another name,
+    land in one group; another session is a group of its own."""
+    sid = "11111111-2222-4333-8444-555555555555"
+    proj = tmp_path / "proj"
+    (proj / sid / "subagents").mkdir(parents=True)
+    main = proj / f"{sid}.jsonl"
+    main.write_bytes(_cc_line(sid, "u1", None, "user", "hi") + _cc_line(sid, "a1", "u1", "assistant", "yo"))
+    sub = proj / sid / "subagents" / "agent-abc.jsonl"
+    sub.write_bytes(_cc_line(sid, "s1", None, "user", "task", isSidechain=True, agentId="abc"))
+    meta = proj / sid / "subagents" / "agent-abc.meta.json"
+    meta.write_text('{"agentType": "general"}')
+    backup = tmp_path / "backup" / "old-copy.jsonl"  # no uuid in the name: tied by the sessionId inside
+    backup.parent.mkdir()
+    shutil.copy(main, backup)
+    other_sid = "99999999-2222-4333-8444-555555555555"
+    other = proj / f"{other_sid}.jsonl"
+    other.write_bytes(_cc_line(other_sid, "u1", None, "user", "hi"))
+    groups = session_groups([main, sub, meta, backup, other])
+    assert sorted(sorted(p.name for p in g.files) for g in groups) == sorted([
+        [f"{other_sid}.jsonl"], sorted([f"{sid}.jsonl", "agent-abc.jsonl", "agent-abc.meta.json", "old-copy.jsonl"])])
+
+
+def test_groups_pack_into_batches_by_bytes_in_order() -> None:
+    gs = [Group([Path(f"/g{i}")], b) for i, b in enumerate([40, 30, 50, 200, 10])]
+    assert [[g.key for g in b.groups] for b in pack(gs, 100)] == [["/g0", "/g1"], ["/g2"], ["/g3"], ["/g4"]]
+    assert [[g.key for g in b.groups] for b in pack(gs, 70)] == [["/g0", "/g1"], ["/g2"], ["/g3"], ["/g4"]]
+    assert [[g.key for g in b.groups] for b in pack(gs, 69)] == [["/g0"], ["/g1"], ["/g2"], ["/g3"], ["/g4"]]
+    assert len(pack(gs, 10**9)) == 1
+
+
+@pytest.mark.slow
+def test_the_corpus_in_small_batches_equals_one_batch(corpus: Path, tmp_path: Path) -> None:
+    one = _run([corpus], tmp_path / "one", preset="claude-code")
+    many = _run([corpus], tmp_path / "many", preset="claude-code", batch_bytes=2_000_000)
+    assert many["groups"]["batches"] > 3
+    assert _summary_core(many) == _summary_core(one)
+    a, b = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
+    for name in a:
+        assert _sorted(a[name]).equals(_sorted(b[name])), name
+
+
+# ------------------------------------------------------------------------------ incremental re-runs
+
+
+def _tree(tmp: Path) -> Path:
+    tree = tmp / "tree"
+    shutil.copytree(SAMPLES, tree / "samples")
+    shutil.copytree(FIXTURES, tree / "fixtures")
+    return tree
+
+
+def _same_outputs(a: Path, b: Path) -> None:
+    x, y = _outputs(a), _outputs(b)
+    for name in x:
+        assert x[name].equals(y[name]), name
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
+def test_an_unchanged_rerun_reuses_every_group_and_writes_the_same_outputs(tmp_path: Path, batch_bytes: int) -> None:
+    tree = _tree(tmp_path)
+    out = tmp_path / "o"
+    first = _run([tree], out, batch_bytes=batch_bytes)
+    snap = tmp_path / "first"
+    shutil.copytree(out / "current", snap)
+    again = _run([tree], out, batch_bytes=batch_bytes)
+    g = again["groups"]
+    assert g["reused"] == g["total"] == first["groups"]["total"] > 5 and g["rerun"] == g["new"] == 0
+    assert first["groups"]["new"] == first["groups"]["total"]
+    assert _summary_core(again, "tokens") == _summary_core(first, "tokens")  # nothing counted again
+    assert _stage_counts(again) == {k: {**v, "new_decisions": 0, "reused_decisions": v["decisions"]
+                                        - v["provisional_decisions"] - v["conflicts"]}
+                                    for k, v in _stage_counts(first).items()}
+    _same_outputs(snap, out)
+    out_state(out)  # every output file names the new run (relabelled, not the previous run's id)
+
+
+@pytest.mark.parametrize("batch_bytes", [1, 64 << 20])
+def test_a_grown_file_reruns_its_group_only_and_equals_a_fresh_run(tmp_path: Path, batch_bytes: int) -> None:
+    tree = _tree(tmp_path)
+    main = next((tree / "samples" / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
+    full = main.read_bytes()
+    lines = full.splitlines(keepends=True)
+    main.write_bytes(b"".join(lines[:-4]))  # the session before its last lines were written
+    out = tmp_path / "o"
+    _run([tree], out, batch_bytes=batch_bytes)
+    main.write_bytes(full)  # the session grew
+    grown = _run([tree], out, batch_bytes=batch_bytes)
+    g = grown["groups"]
+    assert (g["rerun"], g["new"], g["reused"]) == (1, 0, g["total"] - 1)
+    fresh = _run([tree], tmp_path / "fresh", batch_bytes=batch_bytes)
+    assert _summary_core(grown, "tokens") == _summary_core(fresh, "tokens")
+    _same_outputs(tmp_path / "fresh", out)
+    # a new file is a new group; a removed one is gone from the outputs
+    (tree / "samples" / "codex-sample.jsonl").unlink()
+    shutil.copy(tree / "samples" / "openclaw-sample.jsonl", tree / "samples" / "copy-9f1e.jsonl")
+    after = _run([tree], out, batch_bytes=batch_bytes)
+    assert after["groups"]["new"] + after["groups"]["rerun"] >= 1
+    _run([tree], tmp_path / "fresh2", batch_bytes=batch_bytes)
+    _same_outputs(tmp_path / "fresh2", out)
+
+
+def test_a_changed_pipeline_reruns_every_group(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    out = tmp_path / "o"
+    _run([tree], out)
+    other = _run([tree], out, preset="minimal")
+    assert other["groups"]["reused"] == 0 and other["groups"]["new"] == other["groups"]["total"]
+    assert "pipeline_sha256" in other["groups"]["not_reused_because"]
+    _run([tree], tmp_path / "fresh", preset="minimal")
+    _same_outputs(tmp_path / "fresh", out)
+    full = _run([tree], out, preset="minimal", reuse=False)  # --full
+    assert full["groups"]["reused"] == 0 and full["groups"]["not_reused_because"] == "--full"
+    _same_outputs(tmp_path / "fresh", out)
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+def test_the_progress_display_counts_files_groups_and_calls(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from pipeline.progress import RunProgress
+
+    buf = io.StringIO()
+    shown = RunProgress(Console(file=buf, force_terminal=True, width=200))
+    s = _run([SAMPLES], tmp_path / "o", batch_bytes=1, display=shown)
+    text = buf.getvalue()
+    g = s["groups"]["total"]
+    assert f"files {s['files']}/{s['files']}" in text and f"groups {g}/{g}" in text
+    assert f"calls {s['calls']}" in text and "ETA" in text
+    assert f"groups 1/{g}" in text  # it moved batch by batch
+
+
+def test_no_progress_without_a_terminal_or_with_q(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    for flags in ([], ["-q"]):
+        r = CliRunner().invoke(main, ["run", str(SAMPLES), "--out", str(tmp_path / "o"), "--fast-tokens", *flags])
+        assert r.exit_code == 0, r.output
+        assert "ETA" not in r.stderr and "groups" not in r.stderr
+
+
+# ------------------------------------------------------------------------------ --jobs
+
+
+def _ledger_rows(path: Path) -> tuple[list[tuple], int]:
+    import duckdb
+
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        rows = con.execute("SELECT * EXCLUDE (spec_sha256) FROM decisions ORDER BY seq").fetchall()
+        tokens = con.execute("SELECT count(*) FROM token_cache").fetchall()[0][0]
+    finally:
+        con.close()
+    return rows, tokens
+
+
+def test_jobs_1_and_2_write_the_same_outputs_and_ledger(tmp_path: Path) -> None:
+    one = _run([SAMPLES, FIXTURES], tmp_path / "one", batch_bytes=20_000, jobs=1)
+    two = _run([SAMPLES, FIXTURES], tmp_path / "two", batch_bytes=20_000, jobs=2)
+    assert two["groups"]["batches"] > 3
+    assert _summary_core(one, "tokens") == _summary_core(two, "tokens")
+    assert _stage_counts(one) == _stage_counts(two)
+    _same_outputs(tmp_path / "one", tmp_path / "two")
+    assert _ledger_rows(tmp_path / "one" / "ledger.duckdb") == _ledger_rows(tmp_path / "two" / "ledger.duckdb")
+    # a re-run with workers after a grown file: the same as with none
+    for out in ("one", "two"):
+        f = next((SAMPLES / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
+        tree = tmp_path / f"tree-{out}"
+        shutil.copytree(SAMPLES, tree)
+        (tree / f.relative_to(SAMPLES)).write_bytes(f.read_bytes() + f.read_bytes().splitlines(keepends=True)[-1])
+    a = _run([tmp_path / "tree-one"], tmp_path / "one", jobs=1, batch_bytes=20_000)
+    b = _run([tmp_path / "tree-two"], tmp_path / "two", jobs=2, batch_bytes=20_000)
+    assert a["groups"]["new"] == b["groups"]["new"] > 0
