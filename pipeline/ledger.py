@@ -155,8 +155,11 @@ class Ledger:
                     [("spec_sha256", pa.string()), ("seq", pa.int64()), ("call_key", pa.string())])))
         return rows.height
 
-    def commit_run(self, run: dict[str, Any], spec_resolved: dict[str, Any]) -> None:
-        """Write the queued decisions, the spec and the run row in one transaction."""
+    def commit_run(self, run: dict[str, Any] | None, spec_resolved: dict[str, Any],
+                   spec_sha256: str | None = None) -> None:
+        """Write the queued decisions, the spec and the run row in one transaction. Without a run
+        row (`run=None`, the live engine: pipeline/engine.py) it writes the decisions, the token
+        counts and the spec, under `spec_sha256`."""
         con = self.con
         crashpoints.point("ledger")
         try:
@@ -176,7 +179,11 @@ class Ledger:
                 con.unregister(f"_tok{i}")
                 crashpoints.point("ledger")
             con.execute("INSERT OR IGNORE INTO specs VALUES (?, ?)",
-                        [run["spec_sha256"], orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
+                        [run["spec_sha256"] if run is not None else spec_sha256,
+                         orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
+            if run is None:
+                con.execute("COMMIT")
+                return
             seq = con.execute("SELECT coalesce(max(run_seq), -1) + 1 FROM runs").fetchall()[0][0]
             con.execute(f"INSERT INTO runs ({', '.join(RUN_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
                 seq, run["spec_sha256"], run.get("spec_name"), run.get("started_at"), run.get("finished_at"),
