@@ -104,6 +104,7 @@ def test_corpus_is_identical(corpus: Path) -> None:
         both([sub], sub.name)
 
 
+@pytest.mark.slow
 @pytest.mark.corpus
 def test_hostile_directory_is_identical(corpus: Path, tmp_path: Path) -> None:
     write_hostile_inputs(tmp_path / "h", huge_mb=0, corpus=corpus)
