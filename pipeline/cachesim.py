@@ -1099,6 +1099,14 @@ def after_replay(loaded_blocks: Any, final_blocks: Any, calls: pl.DataFrame, sto
     store = SimStore.from_tables(*store_tables)
     aliases = cache_edit_aliases(decisions, store_tables[1], store_tables[0])
     res = simulate(calls, store, prep, decisions=decisions, prices=prices, policy=policy, aliases=aliases)
+    return sim_outcome(res, prices, warnings, t0)
+
+
+def sim_outcome(res: Any, prices: Any, warnings: list[str], t0: float) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """(calls with the simulation's columns, the summary's `cache_sim` section) of a simulation:
+    the price book's cache saved, its warnings and the seconds since t0 added."""
+    import time
+
     summary = res.summary
     if prices is not None:
         prices.save()

@@ -416,7 +416,7 @@ def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tup
     """The prompt-cache simulation over every call of the run (cachesim.after_replay, from the
     per-call facts and the request store the batches kept)."""
     from pipeline import calibrate
-    from pipeline.cachesim import Prepared, simulate
+    from pipeline.cachesim import Prepared, sim_outcome, simulate
     from pipeline.errors import CtxReplayError
     from pipeline.prices import PriceBook
 
@@ -430,13 +430,7 @@ def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tup
     facts = totals.frame(totals.facts)
     prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp")), facts)
     res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices, aliases=totals.aliases)
-    summary = res.summary
-    if prices is not None:
-        prices.save()
-        warnings.extend(prices.warnings)
-    summary["warnings"] = warnings
-    summary["seconds"] = round(time.perf_counter() - t0, 3)
-    return res.calls, summary
+    return sim_outcome(res, prices, warnings, t0)
 
 
 def _check_something_to_do(paths: list[Path], loaded: LoadResult) -> None:

@@ -44,6 +44,7 @@ from pipeline.constants import (
     NO_CALL,
     THREAD,
 )
+from pipeline.fenwick import Fenwick
 from pipeline.marks import Insert, finish, mark_drop, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 from schemas.blocks import CONTENT_COLUMNS
@@ -86,25 +87,6 @@ def parse_summary(text: str | None) -> tuple[int, int, int] | None:
 # the walk
 
 
-class _Fenwick:
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.tree = [0] * (n + 1)
-
-    def add(self, i: int, v: int) -> None:
-        i += 1
-        while i <= self.n:
-            self.tree[i] += v
-            i += i & -i
-
-    def prefix(self, i: int) -> int:
-        total = 0
-        while i > 0:
-            total += self.tree[i]
-            i -= i & -i
-        return total
-
-
 _FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
                   "dropped": pl.Int64, "request": pl.Int64, "epoch": pl.Int32}
 
@@ -123,7 +105,7 @@ def _scan(df: pl.DataFrame, p: AutoCompact, summary_cost: int) -> pl.DataFrame:
         first = rows["first"].to_list()
         last = rows["last"].fill_null(NO_CALL).to_list()
         tok = rows["tok"].to_list()
-        fen = _Fenwick(len(order))
+        fen = Fenwick(len(order))
         appear = sorted((first[i], i) for i in range(len(order)))
         leave = sorted((last[i], i) for i in range(len(order)) if last[i] < NO_CALL)
         ai = li = 0

@@ -41,6 +41,7 @@ from pipeline.constants import (
 )
 from pipeline.constants import CLEARED_TEXT as CLEARED
 from pipeline.constants import REASONING_OMITTED_TEXT as REASONING_OMITTED
+from pipeline.fenwick import Fenwick
 from pipeline.marks import finish, mark_drop, mark_replace_from, start_marks
 from pipeline.registry import StageContext, StageResult, stage
 from pipeline.tokens import is_image_expr, tokens_expr
@@ -124,40 +125,6 @@ def tool_filter_expr(params: Tombstone) -> pl.Expr:
 
 _ASSIGN_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "kind": pl.String, "entry_id": pl.String,
                   "block_pos": pl.Int32, "clear_call": pl.Int32, "epoch": pl.Int32, "reason": pl.String}
-
-
-class _Fenwick:
-    """Prefix sums with point updates (non-negative values), O(log n) each."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.tree = [0] * (n + 1)
-
-    def add(self, i: int, v: int) -> None:
-        i += 1
-        while i <= self.n:
-            self.tree[i] += v
-            i += i & -i
-
-    def prefix(self, i: int) -> int:
-        """Sum of items 0..i-1."""
-        total = 0
-        while i > 0:
-            total += self.tree[i]
-            i -= i & -i
-        return total
-
-    def lower_bound(self, target: int) -> int:
-        """The smallest i with prefix(i) >= target (n + 1 when there is none)."""
-        if target <= 0:
-            return 0
-        pos, rem, step = 0, target, 1 << self.n.bit_length()
-        while step:
-            nxt = pos + step
-            if nxt <= self.n and self.tree[nxt] < rem:
-                pos, rem = nxt, rem - self.tree[nxt]
-            step >>= 1
-        return pos + 1
 
 
 def _free_from(delta: list[int], k: int, v: int, end: int) -> int:
@@ -249,7 +216,7 @@ class _Walk:
         if any(t.done):
             self.hf = max(i for i, dn in enumerate(t.done) if dn) + 1
         m = len(r.order)
-        self.fen = _Fenwick(m)
+        self.fen = Fenwick(m)
         self.appear = sorted((r.a[i], i) for i in range(m) if not r.done[i])
         self.leave = sorted((r.z[i], i) for i in range(m) if not r.done[i] and r.z[i] < NO_CALL)
         self.in_fen, self.cleared = [False] * m, [False] * m
