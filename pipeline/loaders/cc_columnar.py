@@ -1242,16 +1242,7 @@ def _careful_object(b: _Batch, obj_of: Any, load: FileLoad, fi: int, line_no: in
             f"entry uuid {uid!r} was read before ({path_str(paths[nodes.fi[first]])} line {nodes.line[first]}) "
             f"with other content; kept apart as {uid + conflict!r}")})
         uid += conflict
-    msg = o.get("message") if isinstance(o.get("message"), dict) else {}
-    content = msg.get("content") if isinstance(msg, dict) else None
-    tr_ids: tuple[str, ...] = ()
-    tu_ids: tuple[str, ...] = ()
-    if isinstance(content, list):
-        tr_ids = tuple(x["tool_use_id"] for x in content
-                       if isinstance(x, dict) and x.get("type") == "tool_result"
-                       and isinstance(x.get("tool_use_id"), str) and x["tool_use_id"])
-        tu_ids = tuple(x["id"] for x in content
-                       if isinstance(x, dict) and x.get("type") == "tool_use" and isinstance(x.get("id"), str) and x["id"])
+    tr_ids, tu_ids = cc.entry_tool_ids(o)
     node_obj = cc.Node(
         uuid=uid,
         parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,

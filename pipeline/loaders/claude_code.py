@@ -220,6 +220,20 @@ def _message(node: Node, path: str) -> Message:
     )
 
 
+def entry_tool_ids(o: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An entry's tool-result ids and tool-call ids (non-empty strings), in content order."""
+    msg = o.get("message") if isinstance(o.get("message"), dict) else {}
+    content = msg.get("content") if isinstance(msg, dict) else None
+    if not isinstance(content, list):
+        return (), ()
+    tr_ids = tuple(b["tool_use_id"] for b in content
+                   if isinstance(b, dict) and b.get("type") == "tool_result"
+                   and isinstance(b.get("tool_use_id"), str) and b["tool_use_id"])
+    tu_ids = tuple(b["id"] for b in content
+                   if isinstance(b, dict) and b.get("type") == "tool_use" and isinstance(b.get("id"), str) and b["id"])
+    return tr_ids, tu_ids
+
+
 def group_sessions(paths: list[Path], first_objects: dict[Path, list[Any]]) -> list[SessionFiles]:
     """Group Claude Code files by the session they belong to (the `sessionId` inside them)."""
     groups: dict[str, SessionFiles] = {}
@@ -343,17 +357,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                         f"entry uuid {uid!r} was read before ({path_str(files[first.file_idx])} line {first.line}) "
                         f"with other content; kept apart as {uid + conflict!r}")})
                     uid += conflict
-                msg = o.get("message") if isinstance(o.get("message"), dict) else {}
-                content = msg.get("content") if isinstance(msg, dict) else None
-                tr_ids: tuple[str, ...] = ()
-                tu_ids: tuple[str, ...] = ()
-                if isinstance(content, list):
-                    tr_ids = tuple(b["tool_use_id"] for b in content
-                                   if isinstance(b, dict) and b.get("type") == "tool_result"
-                                   and isinstance(b.get("tool_use_id"), str) and b["tool_use_id"])
-                    tu_ids = tuple(b["id"] for b in content
-                                   if isinstance(b, dict) and b.get("type") == "tool_use"
-                                   and isinstance(b.get("id"), str) and b["id"])
+                tr_ids, tu_ids = entry_tool_ids(o)
                 node = Node(
                     uuid=uid,
                     parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,
