@@ -429,12 +429,14 @@ def _hostile_run(tmp_path: Path, extra: list[Path], huge_mb: float) -> dict[str,
     return s
 
 
+@pytest.mark.slow
 def test_cli_over_the_hostile_directory(tmp_path: Path) -> None:
     s = _hostile_run(tmp_path, [], huge_mb=1)
     assert s["loader_stats"]["duplicate_session_files"] >= 5
     assert s["loader_stats"]["conflicting_duplicate_entries"] >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.corpus
 def test_cli_over_the_corpus_and_the_hostile_directory(corpus: Path, tmp_path: Path) -> None:
     s = _hostile_run(tmp_path, [corpus], huge_mb=1)
