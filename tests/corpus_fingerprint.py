@@ -93,9 +93,10 @@ def fingerprint(preset: str, corpus: Path = CORPUS) -> dict[str, Any]:
         doc["ledger"] = _digest([list(r) for r in rows])
         if preset == "identity":
             # file paths relative to the corpus: the digest must not depend on where the checkout is
-            root = str(corpus.resolve()) + "/"
+            # (as given to the run, or resolved: ../shared may be a link)
             blocks = pl.read_parquet(out / "blocks.parquet").with_columns(
-                pl.col("source_file").str.strip_prefix(root))
+                pl.col("source_file").str.strip_prefix(str(corpus) + "/")
+                .str.strip_prefix(str(corpus.resolve()) + "/"))
             doc["blocks"] = _per_thread(blocks, blocks.columns,
                                         ["entry_id", "block_pos", "part_pos", "first_call"])
     return doc
