@@ -23,7 +23,6 @@ it while the replay's Python goes on, so it shows in the ratio only as far as th
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import polars as pl
 
+from bench.sessiongen import SessionLines
 from pipeline.runner import RunOptions, run
 from pipeline.spec import load_spec
 from pipeline.tokens import CHARS4_COUNTER
@@ -45,24 +45,8 @@ SID = "9b1f0000-0000-4000-8000-0000000b4eac"
 def generate(path: Path, calls: int, result_chars: int = 360) -> None:
     """A Claude Code session with `calls` requests: user turns of 4 Bash tool call / result loops
     whose results hold about `result_chars` characters; the last answer is text."""
-    lines = []
-    parent = None
-    n = 0
-
-    def uid() -> str:
-        nonlocal n
-        n += 1
-        return f"00000000-0000-4000-8000-{n:012d}"
-
-    def ts(i: int) -> str:
-        return f"2026-01-{1 + i // 86_400:02d}T{(i // 3600) % 24:02d}:{(i // 60) % 60:02d}:{i % 60:02d}.000Z"
-
-    def entry(typ: str, message: dict, i: int, **kw) -> None:
-        nonlocal parent
-        u = uid()
-        lines.append(json.dumps({"type": typ, "uuid": u, "parentUuid": parent, "sessionId": SID, "timestamp": ts(i),
-                                 "isSidechain": False, "message": message, **kw}))
-        parent = u
+    gen = SessionLines(SID)
+    lines, entry = gen.lines, gen.entry
 
     entry("user", {"role": "user", "content": "Please go through the build log step by step."}, 0)
     line = "log line with some detail about the step\n"

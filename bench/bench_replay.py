@@ -14,7 +14,6 @@ request_sha256).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.sessiongen import SessionLines
 from pipeline.runner import RunOptions, run
 from pipeline.spec import load_spec
 from pipeline.store import iter_request_json
@@ -34,24 +34,8 @@ SID = "9b1f0000-0000-4000-8000-00000000beef"
 
 def generate(path: Path, calls: int) -> None:
     """A Claude Code session with `calls` requests: prompt, then tool call / result turns."""
-    lines = []
-    parent = None
-    n = 0
-
-    def uid() -> str:
-        nonlocal n
-        n += 1
-        return f"00000000-0000-4000-8000-{n:012d}"
-
-    def ts(i: int) -> str:
-        return f"2026-01-01T{(i // 3600) % 24:02d}:{(i // 60) % 60:02d}:{i % 60:02d}.000Z"
-
-    def entry(typ: str, message: dict, i: int, **kw) -> None:
-        nonlocal parent
-        u = uid()
-        lines.append(json.dumps({"type": typ, "uuid": u, "parentUuid": parent, "sessionId": SID, "timestamp": ts(i),
-                                 "isSidechain": False, "message": message, **kw}))
-        parent = u
+    gen = SessionLines(SID)
+    lines, entry = gen.lines, gen.entry
 
     entry("user", {"role": "user", "content": "Please refactor the module step by step."}, 0)
     for k in range(calls):
