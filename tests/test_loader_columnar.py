@@ -220,6 +220,12 @@ EDGE_LINES: dict[str, list[bytes | str]] = {
                                                 {"type": "tool_result", "tool_use_id": "t3", "is_error": True},
                                                 {"type": "tool_result", "tool_use_id": "", "content": {"a": 1}},
                                                 {"type": "tool_result", "tool_use_id": 5, "content": 7}]))],
+    # no `content` key at all, on a line the fast path takes (the case above goes the careful way)
+    "tool result without content": [
+        json.dumps(_a("c1", "a1", [{"type": "tool_use", "id": "t3", "name": "B", "input": {}},
+                                   {"type": "tool_use", "id": "t4", "name": "B", "input": {}}])),
+        json.dumps(_u("x1", "c1", [{"type": "tool_result", "tool_use_id": "t3", "is_error": False}])),
+        json.dumps(_u("x2", "x1", [{"type": "tool_result", "tool_use_id": "t4"}, {"type": "text", "text": "and"}]))],
     "extra keys": [json.dumps(_a("x1", "a1", [{"type": "text", "text": "a", "citations": None, "cache_control": {
         "type": "ephemeral"}}, {"type": "tool_use", "id": "t1", "name": "B", "input": None, "caller": {
             "type": "direct"}}, {"type": "tool_use", "id": "t2", "name": "B"}]))],

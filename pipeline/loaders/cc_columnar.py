@@ -263,11 +263,12 @@ WITH blk AS (
               AND (bt <> 'image' OR r IS NULL OR (jok(r.media_type) AND jok(r.data))))
   FROM blk WHERE obj AND (bt IS NULL OR bt <> 'tool_result')
   UNION ALL
-  -- tool_result content given as a string, or nothing usable: one part
+  -- tool_result content given as a string, or nothing usable (a missing `content` key too): one part
   SELECT lid, bi, pi, 'tool_result', CASE WHEN starts_with(b.content, '"') THEN 'string' ELSE 'empty' END,
          jstr(b.content), NULL, jstr(b.tool_use_id), NULL, jbool(b.is_error), NULL, NULL, NULL, NULL, NULL,
          NOT (nodupk(bk) AND jok(b.tool_use_id) AND jbool_ok(b.is_error))
-  FROM blk WHERE obj AND bt = 'tool_result' AND NOT (starts_with(b.content, '[') AND b.content <> '[]')
+  FROM blk WHERE obj AND bt = 'tool_result'
+    AND NOT coalesce(starts_with(b.content, '[') AND b.content <> '[]', false)
   UNION ALL
   -- tool_result content given as a list: one row per part
   SELECT pt.lid, pt.bi, pt.pi, 'tool_result',
