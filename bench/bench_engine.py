@@ -5,9 +5,13 @@ replays it whole with the batch runner (best of --repeat), then feeds the engine
 calls, assembles once (the warm-up: the whole session goes through load + stages once), and times
 --steps times "ingest the entries of one more call, assemble its request" at call N, N+1, ...
 Prints the per-call latency of `assemble` in ms (median), where it goes (load / stages / commit /
-shaping the request), and its share of the whole replay (the issue's target: at most 5 %).
+shaping the request, and each stage), and its share of the whole replay (the issue's target: at most
+5 %). Then the same on a session of --floor calls (default 10): what a pass costs whatever the
+session's length (the loader's and each stage's fixed cost), and that cost as a share of the whole
+replay, the least a pass over a few rows could cost as long as it runs the same loader and stages.
 
-    python bench/bench_engine.py [--calls 2000] [--preset default] [--steps 5] [--repeat 2] [--tiktoken]
+    python bench/bench_engine.py [--calls 2000] [--preset default] [--steps 5] [--repeat 2] [--floor 10]
+                                 [--tiktoken]
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from bench_replay import SID, generate
 
 from pipeline.engine import Engine, iter_lines
 from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
+from pipeline.spec import PipelineSpec, load_spec
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
 
 
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="calls appended and timed one by one")
     ap.add_argument("--repeat", type=int, default=2, help="whole replays timed (best of)")
     ap.add_argument("--tiktoken", action="store_true", help="count tokens with tiktoken (default: chars/4)")
+    ap.add_argument("--floor", type=int, default=10, help="calls of the small session timed the same way (0: none)")
     a = ap.parse_args()
     counter = TIKTOKEN_COUNTER if a.tiktoken else CHARS4_COUNTER
     spec = load_spec(preset=a.preset)
@@ -58,34 +63,47 @@ def main() -> None:
             best = min(best, time.perf_counter() - t)
         print(f"whole replay of a {a.calls}-call session (ctxreplay run, {a.preset}): {best:.2f} s (best of {a.repeat})")
 
-        with Engine.open(spec, work / "engine.duckdb", token_counter=counter) as eng:
-            t = time.perf_counter()
-            eng.ingest(SID, lines[:upto])
-            first = eng.assemble(SID)
-            print(f"engine, first assemble (whole session at once, call {first.call}): "
-                  f"{time.perf_counter() - t:.2f} s")
-            lat, parts = [], []
-            pos = upto
-            for _ in range(a.steps):
-                t = time.perf_counter()
-                eng.ingest(SID, lines[pos:pos + 2])  # the answer to the last call and its tool result
-                res = eng.assemble(SID)
-                lat.append(time.perf_counter() - t)
-                parts.append(eng.timings(SID))
-                pos += 2
-            med = statistics.median(lat)
-            print(f"engine, one call appended then assembled, calls {first.call + 1}..{res.call}: "
-                  f"median {med * 1000:.0f} ms (min {min(lat) * 1000:.0f}, max {max(lat) * 1000:.0f})")
-            keys = parts[0].keys()
-            split = ", ".join(f"{k} {statistics.median(p[k] for p in parts) * 1000:.0f} ms" for k in keys)
-            rest = med - sum(statistics.median(p[k] for p in parts) for k in keys)
-            print(f"  of which (medians): {split}, the rest {rest * 1000:.0f} ms")
-            print("  (load: the loaders read the session's spool again; stages: every stage over the whole "
-                  "session, frozen decisions re-applied; shape: the pending request from the kept replay state)")
-            share = 100 * med / best
-            print(f"one appended call costs {share:.1f} % of the whole replay (target: <= 5 %): "
-                  f"{'met' if share <= 5 else 'NOT met'}")
+        med = appended(spec, counter, lines, a.calls, a.steps, work / "engine.duckdb")
+        share = 100 * med / best
+        print(f"one appended call costs {share:.1f} % of the whole replay (target: <= 5 %): "
+              f"{'met' if share <= 5 else 'NOT met'}")
+        if a.floor:
+            small = work / "small.jsonl"
+            generate(small, a.floor + a.steps)
+            floor = appended(spec, counter, list(iter_lines(small)), a.floor, a.steps, work / "small.duckdb")
+            print(f"fixed cost of a pass (the same on a {a.floor}-call session): {floor * 1000:.0f} ms = "
+                  f"{100 * floor / best:.1f} % of the whole {a.calls}-call replay")
 
+
+def appended(spec: PipelineSpec, counter: str, lines: list[bytes], calls: int, steps: int, ledger: Path) -> float:
+    """Feed the engine the first calls-1 calls, assemble, then time `steps` calls appended one by one;
+    prints the figures and returns the median seconds of one appended call."""
+    upto = 1 + 2 * (calls - 1)
+    with Engine.open(spec, ledger, token_counter=counter) as eng:
+        t = time.perf_counter()
+        eng.ingest(SID, lines[:upto])
+        first = eng.assemble(SID)
+        print(f"engine, first assemble (whole session at once, call {first.call}): {time.perf_counter() - t:.2f} s")
+        lat, parts, stages = [], [], []
+        pos = upto
+        for _ in range(steps):
+            t = time.perf_counter()
+            eng.ingest(SID, lines[pos:pos + 2])  # the answer to the last call and its tool result
+            res = eng.assemble(SID)
+            lat.append(time.perf_counter() - t)
+            parts.append(eng.timings(SID))
+            stages.append(eng.stage_timings(SID))
+            pos += 2
+    med = statistics.median(lat)
+    print(f"engine, one call appended then assembled, calls {first.call + 1}..{res.call}: "
+          f"median {med * 1000:.0f} ms (min {min(lat) * 1000:.0f}, max {max(lat) * 1000:.0f})")
+    keys = parts[0].keys()
+    split = ", ".join(f"{k} {statistics.median(p[k] for p in parts) * 1000:.0f} ms" for k in keys)
+    rest = med - sum(statistics.median(p[k] for p in parts) for k in keys)
+    print(f"  of which (medians): {split}, the rest {rest * 1000:.0f} ms")
+    print("  stages (medians): " + ", ".join(f"{k} {statistics.median(p[k] for p in stages) * 1000:.0f} ms"
+                                            for k in stages[0]))
+    return med
 
 if __name__ == "__main__":
     main()
