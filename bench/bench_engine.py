@@ -68,6 +68,7 @@ def main() -> None:
         print(f"one appended call costs {share:.1f} % of the whole replay (target: <= 5 %): "
               f"{'met' if share <= 5 else 'NOT met'}")
         if a.floor:
+            print(f"the same on a {a.floor}-call session:")
             small = work / "small.jsonl"
             generate(small, a.floor + a.steps)
             floor = appended(spec, counter, list(iter_lines(small)), a.floor, a.steps, work / "small.duckdb")
@@ -99,7 +100,7 @@ def appended(spec: PipelineSpec, counter: str, lines: list[bytes], calls: int, s
           f"median {med * 1000:.0f} ms (min {min(lat) * 1000:.0f}, max {max(lat) * 1000:.0f})")
     keys = parts[0].keys()
     split = ", ".join(f"{k} {statistics.median(p[k] for p in parts) * 1000:.0f} ms" for k in keys)
-    rest = med - sum(statistics.median(p[k] for p in parts) for k in keys)
+    rest = statistics.median(t - sum(p.values()) for t, p in zip(lat, parts, strict=True))
     print(f"  of which (medians): {split}, the rest {rest * 1000:.0f} ms")
     print("  stages (medians): " + ", ".join(f"{k} {statistics.median(p[k] for p in stages) * 1000:.0f} ms"
                                             for k in stages[0]))
