@@ -8,10 +8,13 @@ after imports), the speed-up of the columnar engine (goal: at least 5x) and whet
 same blocks table (every column, every row: `Table.equals`). `--phases` adds the columnar engine's
 seconds per phase (best of the runs). `--readers` times the first step alone, parsing every line
 of the tree into the fields the loader reads, with the two native readers the issue names: DuckDB's
-JSON functions (what cc_columnar uses) and polars over orjson-decoded batches.
+JSON functions (what cc_columnar uses) and polars over orjson-decoded batches. `--before DIR` also
+times the columnar engine of another checkout (e.g. `git archive main | tar -x -C DIR`), in the same
+turns, and prints this checkout's speed-up over it.
 
     python bench/bench_load.py [--size 190MB] [--keep DIR] [--repeat 3] [--phases] [--readers]
     python bench/bench_load.py --tree DIR          # an existing tree
+    python bench/bench_load.py --tree DIR --before /tmp/main-copy   # before / after a change
 """
 
 from __future__ import annotations
@@ -59,11 +62,12 @@ def child(engine: str, tree: Path, table_out: Path | None) -> None:
                       "rows": res.blocks.num_rows, "timings": timings or {}}))
 
 
-def _run_child(engine: str, tree: Path, table_out: Path | None) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine, "--tree", str(tree)]
+def _run_child(engine: str, tree: Path, table_out: Path | None, root: Path = ROOT) -> dict[str, Any]:
+    """One load in a fresh process, with the code of `root` (this checkout, or `--before`'s)."""
+    cmd = [sys.executable, str(root / "bench" / "bench_load.py"), "--child", engine, "--tree", str(tree.resolve())]
     if table_out is not None:
         cmd += ["--table-out", str(table_out)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine (best is printed)")
     ap.add_argument("--phases", action="store_true", help="the columnar engine's seconds per phase")
     ap.add_argument("--readers", action="store_true", help="also time the two native JSON readers alone")
+    ap.add_argument("--before", type=Path, help="another checkout whose columnar engine is timed too (before)")
     ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--table-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -202,12 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tree {tree}: {mb:.1f} MB in {len(files)} files; {os.cpu_count()} CPU(s), load average "
           f"{os.getloadavg()[0]:.2f} (runs are disturbed by other work on the machine)")
     results: dict[str, dict[str, Any]] = {}
-    all_runs: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
+    names = (*ENGINES, "before") if args.before else ENGINES
+    all_runs: dict[str, list[dict[str, Any]]] = {e: [] for e in names}
     with tempfile.TemporaryDirectory(prefix="bench-load-tables-") as tmp:
-        for k in range(max(args.repeat, 1)):  # engines take turns: a change in the load hits both
-            for engine in ENGINES:
-                all_runs[engine].append(_run_child(engine, tree, Path(tmp) / f"{engine}.arrow" if k == 0 else None))
-        for engine in ENGINES:
+        for k in range(max(args.repeat, 1)):  # engines take turns: a change in the load hits each
+            for engine in names:
+                out = Path(tmp) / f"{engine}.arrow" if k == 0 else None
+                if engine == "before":
+                    all_runs[engine].append(_run_child("columnar", tree, out, args.before.resolve()))
+                else:
+                    all_runs[engine].append(_run_child(engine, tree, out))
+        for engine in names:
             runs = all_runs[engine]
             best = min(runs, key=lambda r: r["wall"])
             results[engine] = {"wall": best["wall"], "cpu": min(r["cpu"] for r in runs),
@@ -219,10 +229,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"({mb / r['cpu']:6.1f} MB/s)  peak RSS {r['peak']:7.0f} MB (+{r['peak'] - r['base']:.0f} MB over "
                   f"imports)  {r['rows']:,} block rows  [walls: {walls}]")
         same = _same_tables(Path(tmp) / "reference.arrow", Path(tmp) / "columnar.arrow")
+        if args.before:
+            same = same and _same_tables(Path(tmp) / "before.arrow", Path(tmp) / "columnar.arrow")
     ref, col = results["reference"], results["columnar"]
     print(f"speed-up columnar / reference: wall {ref['wall'] / col['wall']:.2f}x, cpu {ref['cpu'] / col['cpu']:.2f}x "
           f"(goal >= 5x); peak RSS {col['peak'] / ref['peak']:.2f}x")
-    print(f"same blocks table (every column, every row): {'yes' if same else 'NO'}")
+    if args.before:
+        bef = results["before"]
+        print(f"speed-up columnar / before ({args.before}): wall {bef['wall'] / col['wall']:.2f}x, "
+              f"cpu {bef['cpu'] / col['cpu']:.2f}x; before / reference: cpu {ref['cpu'] / bef['cpu']:.2f}x")
+    print(f"same blocks table (every column, every row{', all three' if args.before else ''}): "
+          f"{'yes' if same else 'NO'}")
     if args.phases:
         phases: dict[str, float] = {}
         for r in col["runs"]:

@@ -291,7 +291,7 @@ WITH blk AS (
                    OR (jok(src2.r.media_type) AND jok(src2.r.data))))
   FROM pt LEFT JOIN src2 ON pt.lid = src2.lid AND pt.bi = src2.bi AND pt.pi = src2.pi
 )
-SELECT * FROM rows ORDER BY lid, bi, pi
+SELECT * FROM rows
 """
 
 # one row per fast line: what the node loop and the blocks table need
@@ -703,7 +703,9 @@ class _Batch:
             cols["image_bytes"] = [b64_decoded_len(d) if d is not None else None for d in cols["image_data"]]
         except (TypeError, ValueError, OverflowError) as exc:
             raise NeedsReference(str(exc)) from exc
-        return pa.concat_tables([self.fast_eb, _strict_table(cols, _EB_SCHEMA)]).combine_chunks()
+        # left in two chunks: `_gather` copies it into polars once (combining the chunks here copied the
+        # fast rows' texts one more time)
+        return pa.concat_tables([self.fast_eb, _strict_table(cols, _EB_SCHEMA)])
 
 
 _USAGE_COLS = ["usage_input", "usage_output", "usage_cache_read", "usage_cache_write", "usage_cache_write_5m",
