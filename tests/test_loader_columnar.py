@@ -407,6 +407,18 @@ def test_reused_connection_keeps_nothing_between_loads(tmp_path: Path) -> None:
     assert load_paths([SAMPLES]).blocks.equals(first.blocks)
 
 
+def test_connection_closed_after_a_big_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a batch of more than REUSE_MAX_BYTES of files closes the connection (the memory DuckDB holds
+    # after it goes back); one of exactly that size keeps it
+    size = sum(p.stat().st_size for p in (SAMPLES / "claude-projects").rglob("*.jsonl"))
+    monkeypatch.setattr(cc_columnar, "REUSE_MAX_BYTES", size - 1)
+    both([SAMPLES], "big batch")
+    assert cc_columnar._LOCAL.con is None
+    monkeypatch.setattr(cc_columnar, "REUSE_MAX_BYTES", size)
+    both([SAMPLES], "batch at the limit")
+    assert cc_columnar._LOCAL.con is not None
+
+
 def test_failed_load_drops_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     # a statement that fails leaves no half-made tables for the next call: the connection is dropped
     load_paths([SAMPLES])
