@@ -40,6 +40,13 @@ ACCOUNTING = ("path", "format", "sha256", "bytes", "lines", "message_lines", "ot
               "recovered", "stats")
 
 
+@pytest.fixture(autouse=True)
+def _columnar_for_small_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inputs here are small: without this, `load_paths` would load them with the reference
+    loader (cc_columnar.SMALL_BATCH_BYTES) and these tests would compare it with itself."""
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
+
+
 def assert_same_load(ref: LoadResult, new: LoadResult, where: str = "") -> None:
     """Both engines' results are the same, table for table and line for line."""
     a, b = ref.blocks, new.blocks
@@ -439,6 +446,20 @@ def test_threads_load_at_once() -> None:
     with ThreadPoolExecutor(3) as ex:
         got = list(ex.map(lambda _: load_paths([SAMPLES]).blocks, range(6)))
     assert all(g.equals(want) for g in got)
+
+
+def test_small_batches_take_the_reference_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    # below SMALL_BATCH_BYTES of Claude Code files no columnar parse runs (and the result is the same)
+    size = sum(p.stat().st_size for p in (SAMPLES / "claude-projects").rglob("*.jsonl"))
+    ran: list[int] = []
+    real = cc_columnar.load_sessions
+    monkeypatch.setattr(cc_columnar, "load_sessions", lambda *a, **k: ran.append(1) or real(*a, **k))
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", size + 1)
+    small = load_paths([SAMPLES])
+    assert ran == []
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", size)
+    assert_same_load(small, load_paths([SAMPLES]), "at the limit")
+    assert ran == [1]
 
 
 def test_engine_names() -> None:

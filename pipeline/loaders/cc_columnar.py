@@ -931,7 +931,12 @@ def _parse(b: _Batch) -> None:
 # A connection that has parsed a big batch keeps part of that memory after its tables are dropped
 # (about 40 MB after the 16.5 MB corpus, against a close), so it is closed after a batch of more than
 # REUSE_MAX_BYTES of files: the fixed cost matters for small calls, the memory for big ones.
-REUSE_MAX_BYTES = 4 << 20
+REUSE_MAX_BYTES = 16 << 20
+# `load_paths` loads a batch of Claude Code files smaller than this with the reference loader: the
+# columnar engine's fixed cost (DuckDB planning ~60-100 ms CPU a call) is more than the reference
+# loader spends on a few MB (about 35 ms CPU per MB; the two are even near 10-16 MB under load:
+# bench/bench_load.py --tree ../shared/corpus/claude-projects). Both give the same results.
+SMALL_BATCH_BYTES = 8 << 20
 _LOCAL = threading.local()
 _TEMP_TABLES = ("p", "c", "bi", "pt", "src", "src2", "dup_keys", "eb")
 
