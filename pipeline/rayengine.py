@@ -27,8 +27,9 @@ just works. On a cluster (`--address`), the inputs and --out must be on a shared
 mounted at the same path on every node; a worker that cannot see them stops the run with an error
 that says so (nothing is shipped as bytes: request files can be far larger than the inputs).
 
-A local Ray (no --address) starts with num_cpus = --jobs (default: the cores), bound to
-127.0.0.1, without the dashboard and without usage reporting, and is shut down when the run ends.
+A local Ray (no --address) starts with num_cpus = --jobs (default: the cores), listening on
+127.0.0.1 only (see `_local_only`), without the dashboard and without usage reporting, and is
+shut down when the run ends.
 With --address the driver joins that cluster and only disconnects at the end. When Ray is
 already initialised in this process (a caller's own `ray.init`), it is used as it is and left up.
 """
@@ -52,8 +53,10 @@ from pipeline.batchrun import BatchResult, Env
 from pipeline.errors import CtxReplayError, InputError, OutputError, internal_error
 
 INSTALL_HINT = "pip install 'ctxreplay[ray]'"
-# the object store of a local Ray: the batches' results pass through it (larger ones spill to disk)
-LOCAL_OBJECT_STORE_BYTES = 512 * 1024 * 1024
+# the object store of a local Ray, in MiB: the batches' results pass through it (what does not fit
+# spills to Ray's temp directory); CTXREPLAY_RAY_OBJECT_STORE_MB sets another size
+OBJECT_STORE_ENV = "CTXREPLAY_RAY_OBJECT_STORE_MB"
+LOCAL_OBJECT_STORE_MB = 512
 PROBE_SECONDS = 5.0
 
 Job = tuple[int, list[Any]]
@@ -61,6 +64,16 @@ Job = tuple[int, list[Any]]
 
 class RayEngineError(CtxReplayError):
     """Ray is not installed, the cluster cannot be reached, or it failed during the run."""
+
+
+def _local_only() -> None:
+    """Before Ray is imported, for a local Ray: its node address is the loopback one, so that every
+    server it starts (GCS, raylet, workers, object manager) listens on 127.0.0.1 only. Ray 2.60
+    turns `_node_ip_address="127.0.0.1"` into the machine's reachable address and listens on all
+    interfaces; the loopback address is what it takes when clusters are off
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when `ray` is imported). No usage report either."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def check_available() -> None:
@@ -76,6 +89,8 @@ def check_available() -> None:
 
 def preflight(address: str | None) -> None:
     """Before a run writes anything: Ray installed, and the cluster of --address reachable."""
+    if not address:
+        _local_only()
     check_available()
     if address:
         _probe(address)
@@ -102,17 +117,28 @@ def _probe(address: str) -> None:
                              f"leave --address out to start a local Ray on this machine") from exc
 
 
+def _object_store_bytes() -> int:
+    raw = os.environ.get(OBJECT_STORE_ENV, "").strip()
+    if not raw:
+        return LOCAL_OBJECT_STORE_MB << 20
+    if not raw.isdigit() or int(raw) < 80:
+        raise RayEngineError(f"{OBJECT_STORE_ENV}={raw}: give the local Ray's object store size in MiB, a whole "
+                             f"number of at least 80 (Ray's minimum), e.g. {OBJECT_STORE_ENV}=512")
+    return int(raw) << 20
+
+
 @contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int, object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES,
-                ) -> Iterator[None]:
+def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
     """Ray up for the run: joined (address), started locally (127.0.0.1 only, num_cpus, no
     dashboard), or the caller's own when already initialised; shut down / left as it was after."""
+    if not address:
+        _local_only()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network at run time
     import ray
 
     if ray.is_initialized():
         yield
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network at run time
     # stderr is ctxreplay's (progress, errors): Ray's notes stay in its session logs; failures still raise
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.ERROR}
     try:
@@ -121,7 +147,7 @@ def ray_session(address: str | None, num_cpus: int, object_store_bytes: int = LO
             ray.init(address=address, **quiet)
         else:
             ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     object_store_memory=object_store_bytes, **quiet)
+                     object_store_memory=_object_store_bytes(), **quiet)
     except RayEngineError:
         raise
     except Exception as exc:  # ray.init raises ConnectionError, RuntimeError, ValueError...
@@ -246,7 +272,9 @@ def _stream(jobs: list[Job], state: Any, env: Env, ledger: Any, n_jobs: int | No
         return
     workers = n_jobs or max(1, int(ray.cluster_resources().get("CPU", 1)))
     workers = max(1, min(workers, len(jobs)))
-    ctx = ray.data.DataContext.get_current()
+    with warnings.catch_warnings():  # Ray 2.60's DataContext warns about its own defaults
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # results in batch order, as the local engine takes them
     ctx.enable_progress_bars = False  # stderr is ctxreplay's own (progress display, errors)
     logging.getLogger("ray.data").setLevel(logging.ERROR)
