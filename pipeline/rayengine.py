@@ -211,11 +211,15 @@ def _check_visible(groups: list[Any], env: Env) -> None:
 class _BatchWorker:
     """A Ray Data actor: the Env of a `--jobs` worker, then one batch per call."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, cwd: str) -> None:
         import ray
 
         from pipeline import workers
 
+        # the paths of the plan (inputs, OUT) are as the user gave them, maybe relative to the
+        # driver's directory; outputs name them so (source_file), hence no rewriting to absolute
+        with contextlib.suppress(OSError):  # not there: _check_visible names the missing path
+            os.chdir(cwd)
         workers._init(ray.get(state[0]))
 
     def __call__(self, batch: Any) -> Any:
@@ -288,7 +292,7 @@ def _stream(jobs: list[Job], state: Any, env: Env, ledger: Any, n_jobs: int | No
         warnings.simplefilter("ignore", DeprecationWarning)
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
             # the reference inside a list: each actor fetches it (a top-level one would be resolved by Ray)
-            _BatchWorker, fn_constructor_args=([state_ref],), batch_size=1, batch_format="pyarrow",
+            _BatchWorker, fn_constructor_args=([state_ref], os.getcwd()), batch_size=1, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1, max_restarts=0)
     expected = [index for index, _ in jobs]
     got = 0

@@ -134,7 +134,8 @@ def test_the_cli_starts_a_local_ray_and_shuts_it_down(tmp_path: Path) -> None:
     _need_ray()
     before = _ray_processes()
     env = {**os.environ, "CTXREPLAY_RAY_OBJECT_STORE_MB": str(OBJECT_STORE_MB)}
-    args = [sys.executable, "-m", "pipeline.cli", "run", str(SAMPLES), "--fast-tokens", "--batch-bytes", "20000",
+    # a relative input path: the workers resolve it from the driver's directory, as the outputs name it
+    args = [sys.executable, "-m", "pipeline.cli", "run", "data/samples", "--fast-tokens", "--batch-bytes", "20000",
             "--json", "-q"]
     ray = subprocess.run([*args, "--out", str(tmp_path / "ray"), "--engine", "ray", "--jobs", "2"],
                          capture_output=True, text=True, cwd=ROOT, env=env, check=False, timeout=300)
@@ -148,6 +149,8 @@ def test_the_cli_starts_a_local_ray_and_shuts_it_down(tmp_path: Path) -> None:
     assert _hashes(tmp_path / "ray" / "current") == _hashes(tmp_path / "local" / "current")
     assert _outputs(tmp_path / "ray" / "current")["requests"].equals(
         _outputs(tmp_path / "local" / "current")["requests"])
+    files = pl.read_parquet(tmp_path / "ray" / "current" / "blocks.parquet").get_column("source_file")
+    assert files.str.starts_with("data/samples/").all()
     assert _ray_processes() <= before  # nothing of this run's Ray is left
 
 
