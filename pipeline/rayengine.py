@@ -87,9 +87,24 @@ def check_available() -> None:
                              f"(--jobs N for several processes)") from exc
 
 
+def _host(address: str) -> str:
+    rest = address.split("://", 1)[1] if "://" in address else address
+    return rest.rpartition(":")[0].strip("[]") if ":" in rest else rest
+
+
+def _loopback(address: str | None) -> bool:
+    """No address (a local Ray), or one on this machine's loopback interface."""
+    if not address:
+        return True
+    host = _host(address)
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def preflight(address: str | None) -> None:
     """Before a run writes anything: Ray installed, and the cluster of --address reachable."""
-    if not address:
+    if _loopback(address):
+        # also for a cluster on 127.0.0.1: Ray would otherwise turn that address into the machine's
+        # reachable one, where a loopback-only cluster does not answer (and ray.init waits forever)
         _local_only()
     check_available()
     if address:
@@ -102,7 +117,7 @@ def _probe(address: str) -> None:
     rest = address.split("://", 1)[1] if "://" in address else address
     if address == "auto" or ":" not in rest:
         return
-    host, _, port = rest.rpartition(":")
+    host, port = _host(address), rest.rpartition(":")[2]
     try:
         port_n = int(port)
     except ValueError:
@@ -110,7 +125,7 @@ def _probe(address: str) -> None:
                              f"address as HOST:PORT (e.g. 10.0.0.5:6379), or leave --address out for a "
                              f"local Ray") from None
     try:
-        socket.create_connection((host.strip("[]"), port_n), timeout=PROBE_SECONDS).close()
+        socket.create_connection((host, port_n), timeout=PROBE_SECONDS).close()
     except OSError as exc:
         raise RayEngineError(f"--address {address}: no Ray cluster answers there ({exc.strerror or exc}). Start "
                              f"one with `ray start --head` and pass the address it prints (HOST:PORT), or "
@@ -131,7 +146,7 @@ def _object_store_bytes() -> int:
 def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
     """Ray up for the run: joined (address), started locally (127.0.0.1 only, num_cpus, no
     dashboard), or the caller's own when already initialised; shut down / left as it was after."""
-    if not address:
+    if _loopback(address):
         _local_only()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network at run time
     import ray
@@ -153,8 +168,11 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
     except Exception as exc:  # ray.init raises ConnectionError, RuntimeError, ValueError...
         ray.shutdown()
         where = f"join the Ray cluster at {address}" if address else "start a local Ray"
-        raise RayEngineError(f"cannot {where}: {type(exc).__name__}: {str(exc).strip()[:400]}. Check that the "
-                             f"cluster runs the same Ray and Python versions as here, or leave --engine ray "
+        auth = (" If the cluster uses token authentication (`ray start` turns it on by default), set "
+                "RAY_AUTH_MODE=token and give its token (RAY_AUTH_TOKEN, or the file ~/.ray/auth_token)."
+                if address else "")
+        raise RayEngineError(f"cannot {where}: {type(exc).__name__}: {str(exc).strip()[:400]}.{auth} Check that "
+                             f"the cluster runs the same Ray and Python versions as here, or leave --engine ray "
                              f"out to run on this machine") from exc
     try:
         yield

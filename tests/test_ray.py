@@ -170,3 +170,52 @@ def test_a_bad_address_fails_cleanly_before_anything_is_written(tmp_path: Path) 
                                   "--address", "127.0.0.1:port"])
     assert r.exit_code == 2 and "the port 'port' is not a number" in r.output
     assert not out.exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_address_joins_a_running_cluster_and_leaves_it_up(tmp_path: Path) -> None:
+    """A cluster started apart (`ray start --head`, on 127.0.0.1 only, token authentication as Ray
+    sets it by default): `--address` joins it, gives the local engine's calls, and only
+    disconnects. The head is stopped by its pid at the end (SIGTERM: it drains, then stops what
+    it started)."""
+    _need_ray()
+    port = _free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_exe = Path(sys.executable).parent / "ray"
+    head = subprocess.Popen([str(ray_exe), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", f"--object-store-memory={OBJECT_STORE_MB * 10**6}",
+                             "--node-ip-address=127.0.0.1", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for _ in range(240):  # up to 2 minutes on a loaded machine
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert head.poll() is None, head.stderr.read() if head.stderr else ""
+            subprocess.run(["sleep", "0.5"], check=True)
+        args = [sys.executable, "-m", "pipeline.cli", "run", str(SAMPLES), "--fast-tokens", "--batch-bytes", "20000",
+                "--json", "-q"]
+        joined = subprocess.run([*args, "--out", str(tmp_path / "ray"), "--engine", "ray", "--address",
+                                 f"127.0.0.1:{port}"], capture_output=True, text=True, cwd=ROOT,
+                                env={**os.environ, "RAY_AUTH_MODE": "token"}, check=False, timeout=300)
+        assert joined.returncode == 0, joined.stderr
+        local = subprocess.run([*args, "--out", str(tmp_path / "local")], capture_output=True, text=True, cwd=ROOT,
+                               check=False, timeout=300)
+        assert local.returncode == 0, local.stderr
+        assert _hashes(tmp_path / "ray" / "current") == _hashes(tmp_path / "local" / "current")
+        _same_outputs(tmp_path / "local" / "current", tmp_path / "ray" / "current")
+        assert head.poll() is None  # the cluster is still up: the run only disconnected
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        if head.stderr:
+            head.stderr.close()
