@@ -94,11 +94,11 @@ def main() -> None:
               "core); the outputs are the same for any number.")
 @click.option("--full", is_flag=True, help="Run every session group again, even those whose files did not change "
               "since the previous run in OUT (by default their outputs are reused).")
-@click.option("--engine", type=RegistryChoice(lambda: ["local", "ray"], "engine"), default="local", show_default=True,
-              help="Where the batches run: this machine, or Ray Data (the `ray` extra; a local Ray with --jobs "
-              "CPUs, or the cluster of --address); the outputs are the same.")
-@click.option("--address", metavar="HOST:PORT", help="With --engine ray: join this Ray cluster (HOST:PORT of its head node); inputs "
-              "and --out must then be on a shared path.")
+@click.option("--engine", type=RegistryChoice(lambda: ["local", "ray"], "engine"), default="local",
+              show_default=True, help="Where the batches run: this machine, or Ray Data (the `ray` extra; a local "
+              "Ray with --jobs CPUs, or the cluster of --address); the outputs are the same.")
+@click.option("--address", metavar="HOST:PORT", help="With --engine ray: join this Ray cluster (HOST:PORT of its "
+              "head node); inputs and --out must then be on a shared path.")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
         quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool, engine: str,

@@ -288,7 +288,6 @@ def ray_batch_results(jobs: list[Job], env: Env, n_jobs: int | None, ledger: Any
 def _stream(jobs: list[Job], state: Any, env: Env, ledger: Any, n_jobs: int | None) -> Iterator[BatchResult]:
     import ray
     import ray.data
-    from ray.exceptions import RayError
 
     if not jobs:
         return
@@ -297,9 +296,21 @@ def _stream(jobs: list[Job], state: Any, env: Env, ledger: Any, n_jobs: int | No
     with warnings.catch_warnings():  # Ray 2.60's DataContext warns about its own defaults
         warnings.simplefilter("ignore", DeprecationWarning)
         ctx = ray.data.DataContext.get_current()
+    before = (ctx.execution_options.preserve_order, ctx.enable_progress_bars)
     ctx.execution_options.preserve_order = True  # results in batch order, as the local engine takes them
     ctx.enable_progress_bars = False  # stderr is ctxreplay's own (progress display, errors)
     logging.getLogger("ray.data").setLevel(logging.ERROR)
+    try:
+        yield from _map(jobs, state, env, ledger, workers)
+    finally:  # the process's Ray Data context as it was (a caller's own Ray may go on using it)
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = before
+
+
+def _map(jobs: list[Job], state: Any, env: Env, ledger: Any, workers: int) -> Iterator[BatchResult]:
+    import ray
+    import ray.data
+    from ray.exceptions import RayError
+
     rows = [{"index": index, "job": pickle.dumps(groups, protocol=pickle.HIGHEST_PROTOCOL)}
             for index, groups in jobs]
     state_ref = ray.put(state)
