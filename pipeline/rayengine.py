@@ -161,7 +161,9 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
             _probe(address)
             ray.init(address=address, **quiet)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+            # address="local": a Ray of our own, even where a cluster was started on this machine
+            # (ray.init() would join that one, from /tmp/ray/ray_current_cluster or RAY_ADDRESS)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                      object_store_memory=_object_store_bytes(), **quiet)
     except RayEngineError:
         raise

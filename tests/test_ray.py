@@ -56,7 +56,7 @@ def local_ray() -> Iterator[Any]:
     """One local Ray for the module; the runs below find it initialised and use it as it is."""
     ray = _need_ray()
     assert not ray.is_initialized()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=OBJECT_STORE_MB << 20, log_to_driver=False, logging_level="ERROR")
     try:
         assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
