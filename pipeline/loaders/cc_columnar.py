@@ -39,8 +39,11 @@ A value the careful path reads that does not fit its column (a number where a te
 ...) makes the reference loader coerce the whole batch and note it; rather than reproduce that
 here, `NeedsReference` is raised and `load_paths` runs the reference path for the whole call.
 
-No state is kept between calls: `load_sessions` takes a list of session groups (one, or a batch
-sized by the caller) and returns their threads, accounting and blocks.
+No data is kept between calls: `load_sessions` takes a list of session groups (one, or a batch
+sized by the caller) and returns their threads, accounting and blocks. What is kept is one DuckDB
+connection per process and thread with its macros (batches up to REUSE_MAX_BYTES; its tables are
+dropped after each call). `load_paths` sends batches under SMALL_BATCH_BYTES to the reference
+loader, whose cost there is below this engine's fixed cost.
 """
 
 from __future__ import annotations
@@ -785,7 +788,7 @@ def _call_ranges(t: ThreadPlan) -> tuple[list[bool], list[int], list[int | None]
 def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] | None = None,
                   timings: dict[str, float] | None = None) -> SessionsLoad:
     """Load Claude Code session groups (each: the files of one session) as `claude_code.load_session`
-    loads each group in turn, with one columnar parse of all their lines. No state survives the call.
+    loads each group in turn, with one columnar parse of all their lines. No data survives the call.
 
     `timings`: when given, wall-clock seconds per phase are added to it (bench/bench_load.py)."""
     b = _Batch(timings)
