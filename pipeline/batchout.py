@@ -185,14 +185,19 @@ class Totals:
         self.token_conflicts += rs["request_store"]["token_conflicts"]
         self.seconds.update(r.seconds)
 
-    def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame) -> None:
-        """A batch's request store into the cache simulation's (each batch once), and the aliases
-        of its cache edits (cachesim.cache_edit_aliases: per thread, so per batch)."""
+    def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame, calls: pl.DataFrame) -> None:
+        """A batch's request store into the cache simulation's (each batch once), without the
+        messages' bytes (SimStore.absorb: what the simulation needs of them is taken now, from the
+        batch's `calls`), and the aliases of its cache edits (cachesim.cache_edit_aliases: per
+        thread, so per batch)."""
         from pipeline.cachesim import SimStore, cache_edit_aliases
 
         if self.sim_store is None:
             self.sim_store = SimStore()
-        _add_to_sim(self.sim_store, tables["messages"], tables["call_messages"])
+        part = SimStore()
+        _add_to_sim(part, tables["messages"], tables["call_messages"])
+        self.sim_store.absorb(part, calls)
+        del part
         for new, old in cache_edit_aliases(applied, tables["call_messages"], tables["messages"]).items():
             self.aliases.setdefault(new, old)
 

@@ -409,7 +409,8 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
         writers.write_batch(tables, parts[0].index)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
         writers.append("call_facts", facts.to_arrow(), parts[0].index)
-        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"))
+        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"),
+                         pl.concat([o.calls.select("thread_key", "call", "is_pending") for o in outs]))
 
 
 def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
