@@ -125,13 +125,18 @@ SORT_KEYS = {
 }
 
 
-def sorted_tables(parts: list[dict[str, pa.Table]]) -> dict[str, pa.Table]:
+def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False) -> dict[str, pa.Table]:
     """Each output of a batch (from one or more sources) in one order fixed by its keys and then
-    every other plain column, so that the rows come out the same whatever the run."""
+    every other plain column, so that the rows come out the same whatever the run. `presorted`:
+    one source whose rows (but its messages) are in that order already (rows of one row group of
+    the previous run, pipeline/reuse.py)."""
     out: dict[str, pa.Table] = {}
     for name, first in SORT_KEYS.items():
         tables = [_decoded(p[name]) for p in parts if p[name].num_rows] or [_decoded(parts[0][name])]
         t = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        if presorted and len(parts) == 1 and name != "messages":
+            out[name] = t
+            continue
         # blocks, messages and call_messages: their keys are unique; decisions and quarantine: every column
         keys = _scalar_columns(t, first) if name in ("decisions", "quarantine") else first
         out[name] = t.take(pc.sort_indices(t, sort_keys=[(k, "ascending", "at_end") for k in keys])) \

@@ -405,7 +405,7 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
                 _stage_violations(p.out.violations, p.out.calls, env.spec, env.target, ledger)
         totals.add(p)
     if outs:
-        tables = sorted_tables([o.tables for o in outs])
+        tables = sorted_tables([o.tables for o in outs], presorted=len(parts) == 1 and parts[0].presorted)
         writers.write_batch(tables, parts[0].index)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
         writers.append("call_facts", facts.to_arrow(), parts[0].index)
