@@ -276,7 +276,7 @@ def test_a_message_extended_by_blocks_keeps_its_old_end_as_a_boundary(absorbed: 
 
 
 def test_a_store_takes_each_thread_once() -> None:
-    s, key = two_calls(10)
+    s, _ = two_calls(10)
     part = SimStore.from_lists(s.lists, s.msgs)
     store = SimStore()
     store.absorb(part, s.calls())
