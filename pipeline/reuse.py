@@ -35,7 +35,15 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
         f = pq.ParquetFile(path)
         if not values:
             return f.schema_arrow.empty_table()
+        if not f.num_row_groups:
+            return f.schema_arrow.empty_table()
         where = prior.row_groups.get(path.name)
+        if path.name == "calls.parquet" and where is None:
+            # written once at the end of the run (not per batch): read once, kept for the re-run's batches
+            whole = prior.cache.get("calls")
+            if whole is None:
+                whole = prior.cache["calls"] = f.read()
+            return whole.filter(pc.is_in(pc.cast(whole.column(column), pa.string()), pa.array(values, pa.string())))
         if where is None or len(where) != f.num_row_groups or None in batches:
             read.scanned = True  # type: ignore[attr-defined]
             return pq.read_table(path, filters=[(column, "in", values)])
