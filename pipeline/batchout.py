@@ -166,6 +166,8 @@ class Totals:
     sim_store: Any = None
     request_store: dict[str, Any] | None = None  # the summary's, when taken from the previous run
     aliases: dict[str, str] = field(default_factory=dict)  # cache edits: message sha256 -> the one it replaces
+    # the batches' new ledger rows (rows, stage, stage_version, config_digest), queued at the end
+    new_decisions: list[tuple[pl.DataFrame, str, int, str]] = field(default_factory=list)
 
     def add(self, b: BatchResult) -> None:
         ld = b.loaded
