@@ -476,7 +476,7 @@ def _queue_decisions(totals: Totals, ledger: Ledger, spec: PipelineSpec) -> None
         by_stage.setdefault((stage, version, digest), []).append(rows)
     totals.new_decisions = []
     for (stage, version, digest), parts in by_stage.items():
-        rows = pl.concat([p for p in parts if p.height], how="vertical_relaxed") if any(p.height for p in parts) \
+        rows = pl.concat([p for p in parts if p.height], how="diagonal_relaxed") if any(p.height for p in parts) \
             else parts[0]
         if len(parts) > 1 and rows.height:
             rows = rows.sort(DECISION_KEY, nulls_last=False, maintain_order=True)
