@@ -657,6 +657,13 @@ class Engine:
         s = self._known(session_id)
         return {**(s.last.seconds if s.last else {}), "shape": s.shaped}
 
+    def stage_timings(self, session_id: str) -> dict[str, float]:
+        """Seconds each stage position took in the last pass over the session (its frozen
+        decisions re-applied, the stage run, its decisions reconciled with the ledger), by the
+        stage's name in the run (`pairing#2` for a second use); together about `timings()["stages"]`."""
+        s = self._known(session_id)
+        return {o.name: o.stats.seconds for o in s.last.staged.outcomes} if s.last else {}
+
 
 def iter_lines(path: str | Path) -> Iterator[bytes]:
     """The physical lines of a transcript file, as `ingest` takes them (line breaks removed)."""

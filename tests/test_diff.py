@@ -22,6 +22,7 @@ from pipeline.diff import block_diff, compare, render_markdown, spec_changes
 from pipeline.snapshot import SIM_COST, Golden, replay, write_golden
 from pipeline.spec import load_spec, parse_spec
 from pipeline.tokens import CHARS4_COUNTER
+from tests.goldenkit import POLICY, write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -30,23 +31,6 @@ CODEX = "019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d"
 PI = "3b8e2f41-6c0d-4d7a-a1e5-8f2b9c4d6e10"
 OPENCLAW = "7d3f9a2e-1b4c-4e8a-9f60-2c5d8e1a4b37"
 
-POLICY = """\
-[pipeline]
-name = "policy"
-
-[[stage]]
-use = "sanitize"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "tombstone"
-trigger_tokens = 50
-min_result_chars = 0
-clear_at_least_tokens = 0
-keep_recent = {keep_recent}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +42,6 @@ def _cli(*args: object) -> object:
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-def _policy(d: Path, keep_recent: int) -> Path:
-    p = d / f"policy-{keep_recent}.toml"
-    p.write_text(POLICY.format(keep_recent=keep_recent))
-    return p
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +49,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Goldens of the samples under keep_recent = 2, and the two policies, in one directory."""
     d = tmp_path_factory.mktemp("diff")
     for k in (1, 2, 3):
-        _policy(d, k)
+        write_policy(d, k)
     r = _cli("snapshot", SAMPLES, "--pipeline", d / "policy-2.toml", "--golden", d / "golden", "--fast-tokens", "-q")
     assert r.exit_code == 0, r.stderr
     return d
@@ -499,7 +479,7 @@ def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copytree(SAMPLES, repo / "sessions")
-    _policy(repo, 2).rename(repo / "policy.toml")
+    write_policy(repo, 2).rename(repo / "policy.toml")
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "gh").write_text('#!/bin/sh\necho "$@" >> "$GH_LOG"\n'

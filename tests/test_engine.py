@@ -322,6 +322,24 @@ def test_token_budget_says_when_the_request_does_not_fit(tmp_path: Path) -> None
             eng.assemble(SID, token_budget=0)
 
 
+def test_timings_split_the_last_pass_by_phase_and_by_stage(tmp_path: Path) -> None:
+    s = session(3)
+    with _open(tmp_path) as eng:
+        eng.ingest(SID, s.entries[:5])
+        assert eng.stage_timings(SID) == {}  # no pass yet
+        eng.assemble(SID)
+        t = eng.timings(SID)
+        by_stage = eng.stage_timings(SID)
+        assert set(t) == {"load", "stages", "commit", "shape"} and min(t.values()) >= 0
+        assert list(by_stage) == ["sanitize", "pairing", "result_budget", "tombstone"]  # the spec's order
+        assert min(by_stage.values()) >= 0 and sum(by_stage.values()) <= t["stages"] + 0.005
+        eng.assemble(SID)  # nothing new: no pass, the same figures
+        assert eng.stage_timings(SID) == by_stage
+        eng.ingest(SID, s.entries[5:])
+        eng.assemble(SID)
+        assert list(eng.stage_timings(SID)) == list(by_stage)
+
+
 def test_after_turn_records_usage_beside_the_estimate(tmp_path: Path) -> None:
     s = session(2)
     with _open(tmp_path) as eng:

@@ -10,28 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.goldenkit import POLICY
+
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
 
-POLICY = """\
-[pipeline]
-name = "policy"
-
-[[stage]]
-use = "sanitize"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "tombstone"
-trigger_tokens = 50
-min_result_chars = 0
-clear_at_least_tokens = 0
-keep_recent = {keep_recent}
-"""
 
 TEST_FILE = """
 def test_policy(ctxreplay_golden):

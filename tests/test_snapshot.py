@@ -26,27 +26,11 @@ from pipeline.snapshot import (
 )
 from pipeline.spec import load_spec
 from pipeline.tokens import CHARS4_COUNTER
+from tests.goldenkit import write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
 
-POLICY = """\
-[pipeline]
-name = "policy"
-
-[[stage]]
-use = "sanitize"
-
-[[stage]]
-use = "pairing"
-
-[[stage]]
-use = "tombstone"
-trigger_tokens = 50
-min_result_chars = 0
-clear_at_least_tokens = 0
-keep_recent = {keep_recent}
-"""
 
 
 def _cli(*args: object) -> object:
@@ -57,17 +41,13 @@ def _tree(d: Path) -> dict[str, bytes]:
     return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def _policy(tmp_path: Path, keep_recent: int = 2) -> Path:
-    p = tmp_path / f"policy-{keep_recent}.toml"
-    p.write_text(POLICY.format(keep_recent=keep_recent))
-    return p
 
 
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("snap")
     g = tmp / "golden"
-    r = _cli("snapshot", SAMPLES, "--pipeline", _policy(tmp), "--golden", g, "--fast-tokens", "-q")
+    r = _cli("snapshot", SAMPLES, "--pipeline", write_policy(tmp), "--golden", g, "--fast-tokens", "-q")
     assert r.exit_code == 0, r.stderr
     return g
 
@@ -77,7 +57,7 @@ def test_snapshot_is_byte_identical_across_runs_cwd_and_path_spelling(golden: Pa
     # the same inputs named relative to another working directory, the spec from another place
     monkeypatch.chdir(SAMPLES.parent)
     other = tmp_path / "elsewhere" / "g"
-    spec = load_spec(_policy(tmp_path))
+    spec = load_spec(write_policy(tmp_path))
     snapshot([Path("samples")], spec, other, token_counter=CHARS4_COUNTER)
     assert _tree(other) == _tree(golden)
 
