@@ -18,7 +18,15 @@ import orjson
 
 from pipeline.cli_regress import diff, snapshot
 from pipeline.cli_report import compare, report
-from pipeline.clicommon import CONTEXT, Failure, Interrupted, fail, preset_choice, target_choice
+from pipeline.clicommon import (
+    CONTEXT,
+    Failure,
+    Interrupted,
+    RegistryChoice,
+    fail,
+    preset_choice,
+    target_choice,
+)
 from pipeline.errors import CtxReplayError, internal_error
 from pipeline.words import plural
 
@@ -86,9 +94,15 @@ def main() -> None:
               "core); the outputs are the same for any number.")
 @click.option("--full", is_flag=True, help="Run every session group again, even those whose files did not change "
               "since the previous run in OUT (by default their outputs are reused).")
+@click.option("--engine", type=RegistryChoice(lambda: ["local", "ray"], "engine"), default="local",
+              show_default=True, help="Where the batches run: this machine, or Ray Data (the `ray` extra; a local "
+              "Ray with --jobs CPUs, or the cluster of --address); the outputs are the same.")
+@click.option("--address", metavar="HOST:PORT", help="With --engine ray: join this Ray cluster (HOST:PORT of its "
+              "head node); inputs and --out must then be on a shared path.")
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
-        quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool) -> None:
+        quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool, engine: str,
+        address: str | None) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
@@ -99,6 +113,7 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     \b
     Example:
       ctxreplay run ~/.claude/projects --preset identity --out /tmp/replay
+      ctxreplay run ~/.claude/projects --engine ray --jobs 4 --out /tmp/replay
     """
     from pipeline.runner import RunOptions
     from pipeline.runner import run as do_run
@@ -120,6 +135,9 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
             opts.progress = opts.display.note
         opts.reuse = not full
         opts.jobs = jobs  # None: one per core
+        if address and engine != "ray":
+            raise Failure(f"--address {address} joins a Ray cluster: it needs --engine ray")
+        opts.engine, opts.address = engine, address
         if batch_bytes:
             opts.batch_bytes = batch_bytes
         result = do_run(chosen, spec, opts)

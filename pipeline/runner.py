@@ -79,6 +79,10 @@ class RunOptions:
     display: Any = None
     # worker processes for the batches (pipeline/workers.py); None: one per core
     jobs: int | None = 1
+    # "local" (this machine: in process or --jobs workers) or "ray" (pipeline/rayengine.py)
+    engine: str = "local"
+    # with engine "ray": the cluster to join (ray.init(address=)); None starts a local Ray
+    address: str | None = None
 
 
 @dataclass
@@ -182,6 +186,10 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
     """Load, run the stages, replay; write the outputs into a staging directory, commit the ledger,
     then publish the outputs in OUT all at once (see the module docstring for the order)."""
     crashpoints.begin()
+    if opts.engine == "ray":  # before anything is written: the extra may be missing, the cluster away
+        from pipeline.rayengine import preflight
+
+        preflight(opts.address)
     target = get_target(opts.target or spec.target or DEFAULT_TARGET)  # fail early on an unknown target
     spec = spec.for_target(target.name)
     ledger_path = opts.ledger_path or (opts.out_dir / "ledger.duckdb")
@@ -229,6 +237,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
     ledger: Any = _LazyLedger(ledger_path)  # opened when first needed: a run with nothing to do leaves no ledger
     writers = Writers(staging, run_id, opts.out_dir)
     closed = False
+    results: Any = None  # the batches' results (a generator: closed at the end, its workers or Ray with it)
     try:
         counter = BatchCounter(opts.token_counter, cache=ledger)
         env = Env(spec, target_name, staging, opts.out_dir, opts.all_calls, opts.validate,
@@ -241,13 +250,20 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
             calls_df, cache_sim, applied = _reuse_everything(plan_, totals, staging, run_id)
         else:
             jobs = [(b.index, [g for g in b.groups if g.key not in plan_.reused]) for b in batches]
-            results = batch_results([j for j in jobs if j[1]], env, opts.jobs or default_jobs(), ledger)
+            todo = [j for j in jobs if j[1]]
+            if opts.engine == "ray":
+                from pipeline.rayengine import ray_batch_results
+
+                results = ray_batch_results(todo, env, opts.jobs, ledger, address=opts.address)
+            else:
+                results = batch_results(todo, env, opts.jobs or default_jobs(), ledger)
             for batch, (_, fresh) in zip(batches, jobs, strict=True):
                 before = totals.n_calls
                 parts = _batch_parts(batch, fresh, next(results) if fresh else None, plan_, staging)
                 _take_batch(parts, ledger, writers, totals, env)
                 if shown is not None:
                     shown.advance(len(batch.files), len(batch.groups), batch.bytes, totals.n_calls - before)
+            results.close()  # the workers (or Ray) go before the cache simulation
             _check_something_to_do(paths, totals.load_result())
             calls_df = totals.frame(totals.calls).sort("session_id", "thread_id", "call")
             applied = totals.frame(totals.applied)
@@ -280,6 +296,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         crashpoints.point("write")
         return RunResult(summary, calls_df, opts.out_dir, totals.violations, applied, list(totals.failures))
     finally:
+        if results is not None:
+            results.close()
         if opts.display is not None:
             opts.display.close()
         writers.abort()
