@@ -125,13 +125,18 @@ SORT_KEYS = {
 }
 
 
-def sorted_tables(parts: list[dict[str, pa.Table]]) -> dict[str, pa.Table]:
+def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False) -> dict[str, pa.Table]:
     """Each output of a batch (from one or more sources) in one order fixed by its keys and then
-    every other plain column, so that the rows come out the same whatever the run."""
+    every other plain column, so that the rows come out the same whatever the run. `presorted`:
+    one source whose rows (but its messages) are in that order already (rows of one row group of
+    the previous run, pipeline/reuse.py)."""
     out: dict[str, pa.Table] = {}
     for name, first in SORT_KEYS.items():
         tables = [_decoded(p[name]) for p in parts if p[name].num_rows] or [_decoded(parts[0][name])]
         t = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        if presorted and len(parts) == 1 and name != "messages":
+            out[name] = t
+            continue
         # blocks, messages and call_messages: their keys are unique; decisions and quarantine: every column
         keys = _scalar_columns(t, first) if name in ("decisions", "quarantine") else first
         out[name] = t.take(pc.sort_indices(t, sort_keys=[(k, "ascending", "at_end") for k in keys])) \
@@ -161,6 +166,8 @@ class Totals:
     sim_store: Any = None
     request_store: dict[str, Any] | None = None  # the summary's, when taken from the previous run
     aliases: dict[str, str] = field(default_factory=dict)  # cache edits: message sha256 -> the one it replaces
+    # the batches' new ledger rows (rows, stage, stage_version, config_digest), queued at the end
+    new_decisions: list[tuple[pl.DataFrame, str, int, str]] = field(default_factory=list)
 
     def add(self, b: BatchResult) -> None:
         ld = b.loaded
@@ -185,14 +192,19 @@ class Totals:
         self.token_conflicts += rs["request_store"]["token_conflicts"]
         self.seconds.update(r.seconds)
 
-    def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame) -> None:
-        """A batch's request store into the cache simulation's (each batch once), and the aliases
-        of its cache edits (cachesim.cache_edit_aliases: per thread, so per batch)."""
+    def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame, calls: pl.DataFrame) -> None:
+        """A batch's request store into the cache simulation's (each batch once), without the
+        messages' bytes (SimStore.absorb: what the simulation needs of them is taken now, from the
+        batch's `calls`), and the aliases of its cache edits (cachesim.cache_edit_aliases: per
+        thread, so per batch)."""
         from pipeline.cachesim import SimStore, cache_edit_aliases
 
         if self.sim_store is None:
             self.sim_store = SimStore()
-        _add_to_sim(self.sim_store, tables["messages"], tables["call_messages"])
+        part = SimStore()
+        _add_to_sim(part, tables["messages"], tables["call_messages"])
+        self.sim_store.absorb(part, calls)
+        del part
         for new, old in cache_edit_aliases(applied, tables["call_messages"], tables["messages"]).items():
             self.aliases.setdefault(new, old)
 

@@ -71,6 +71,8 @@ class BatchResult:
     out: BatchOutputs | None = None
     groups: list[dict[str, Any]] = field(default_factory=list)  # per group: what the manifest keeps
     reused: bool = False  # groups taken from the previous run (pipeline/reuse.py)
+    # reused rows read from one row group per output file: already in batchout.sorted_tables' order
+    presorted: bool = False
 
 
 @dataclass

@@ -275,12 +275,39 @@ class SimStore:
 
     def extends(self, old: int, new: int) -> bool:
         """Message `new` is message `old` with content blocks appended (Anthropic canonical JSON:
-        `{"content":[...],"role":...}`), so the end of `old` is a block boundary inside `new`."""
+        `{"content":[...],"role":...}`), so the end of `old` is a block boundary inside `new`.
+        In a store without bytes (`absorb`), the answers known when its threads were added."""
         key = (old, new)
         got = self._ext.get(key)
         if got is None:
             got = self._ext[key] = _extends(self.data[old], self.data[new])
         return got
+
+    def absorb(self, part: SimStore, calls: pl.DataFrame) -> None:
+        """Add the messages and threads of `part` (a store of whole threads, with bytes: one batch
+        of a run) keeping no bytes: per message its tokens, blocks and flags, and for the pairs of
+        messages the simulation can ask `extends` about in these threads, the answer. Those pairs
+        are fixed by the threads' spans and the calls simulated (`calls`: thread_key, call,
+        is_pending, as simulate takes them): at each simulated call, the message that left the
+        first changed index and the one there now. Memory then grows with the distinct messages
+        and calls of the run, not their bytes."""
+        ids = [self.add_message(sha, part.tok[i], part.blk[i], None, thinking=bool(part.thinking[i]),
+                                real_user=bool(part.real_user[i])) for i, sha in enumerate(part.sha)]
+        todo = calls.filter(~pl.col("is_pending") & pl.col("thread_key").is_in(list(part.threads))) \
+            .select("thread_key", "call").sort("thread_key", "call")
+        by_key: dict[str, list[int]] = {}
+        for key, k in zip(todo.get_column("thread_key").to_list(), todo.get_column("call").to_list(), strict=True):
+            by_key.setdefault(key, []).append(k)
+        for key, ev in part.threads.items():
+            if key in self.threads:
+                raise SimError(f"thread '{key}' is in two batches of the run's request store: a bug")
+            self.threads[key] = _ThreadEvents({k: [(s, ids[m]) for s, m in v] for k, v in ev.adds.items()},
+                                              dict(ev.rems), {k: ids[m] for k, m in ev.env.items()}, ev.pending)
+            w = _Walk(key, ev)
+            for k in by_key.get(key, ()):
+                first, old, _ = w.advance(k)
+                if old >= 0 and first < len(w.ids):
+                    self._ext[(ids[old], ids[w.ids[first]])] = part.extends(old, w.ids[first])
 
 
 def _flags(role: str | None, data: bytes | None) -> tuple[bool, bool]:

@@ -89,7 +89,7 @@ def main() -> None:
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
               "the JSON document is still printed.")
 @click.option("--batch-bytes", type=click.IntRange(min=1), help="Input bytes per batch of session groups (default: "
-              "64 MiB): memory grows with it, not with the whole input.")
+              "16 MiB): memory grows with it, not with the whole input.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="Worker processes for the batches (default: one per "
               "core); the outputs are the same for any number.")
 @click.option("--full", is_flag=True, help="Run every session group again, even those whose files did not change "

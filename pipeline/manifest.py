@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ class Prior:
     run_dir: Path
     groups: dict[str, dict[str, Any]]  # group key -> its record
     row_groups: dict[str, list[int]]  # output file -> the batch of each of its row groups
+    cache: dict[str, Any] = field(default_factory=dict)  # what a re-run reads once of it (pipeline/reuse.py)
 
     def reusable(self, key: str, files: list[dict[str, Any]]) -> dict[str, Any] | None:
         rec = self.groups.get(key)

@@ -35,19 +35,51 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
         f = pq.ParquetFile(path)
         if not values:
             return f.schema_arrow.empty_table()
+        if not f.num_row_groups:
+            return f.schema_arrow.empty_table()
         where = prior.row_groups.get(path.name)
+        if path.name == "calls.parquet" and where is None:
+            # written once at the end of the run (not per batch): read once, kept for the re-run's batches
+            whole = prior.cache.get("calls")
+            if whole is None:
+                whole = prior.cache["calls"] = f.read()
+            return whole.filter(pc.is_in(pc.cast(whole.column(column), pa.string()), pa.array(values, pa.string())))
         if where is None or len(where) != f.num_row_groups or None in batches:
+            read.scanned = True  # type: ignore[attr-defined]
             return pq.read_table(path, filters=[(column, "in", values)])
         t = f.read_row_groups([i for i, b in enumerate(where) if b in batches])
         return t.filter(pc.is_in(pc.cast(t.column(column), pa.string()), pa.array(values, pa.string())))
 
+    read.scanned = False  # type: ignore[attr-defined]
     return read
+
+
+def _messages(prior: Prior, shas: list[str]) -> pa.Table:
+    """The rows of the previous messages.parquet with these sha256: read from the row groups that
+    hold them (an index of its sha256 column, read once per run), not by a filtered scan of the
+    whole file per batch (what made an append re-run read every message once per batch)."""
+    path = prior.run_dir / MESSAGES_FILE
+    f = pq.ParquetFile(path)
+    if not shas:
+        return f.schema_arrow.empty_table()
+    index = prior.cache.get("messages")
+    if index is None:
+        index = prior.cache["messages"] = {}
+        for i in range(f.num_row_groups):
+            for sha in f.read_row_group(i, columns=["sha256"]).column(0).to_pylist():
+                index.setdefault(sha, i)
+    where = {index.get(s) for s in shas}
+    if None in where:  # not in the previous run's store: that run's outputs do not belong together
+        return _reader(prior, {None})(path, "sha256", shas)
+    t = f.read_row_groups(sorted(where))  # type: ignore[type-var]
+    return t.filter(pc.is_in(t.column("sha256"), pa.array(shas, t.schema.field("sha256").type)))
 
 
 def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging: Path) -> BatchResult:
     """The reused groups of one batch as a BatchResult (no new decisions, no stage time)."""
     run = prior.run_dir
-    _read = _reader(prior, {r.get("batch") for r in records})
+    batches = {r.get("batch") for r in records}
+    _read = _reader(prior, batches)
     sessions = sorted({s for r in records for s in r["sessions"]})
     files = sorted({ld["path"] for r in records for ld in r["loads"]})
     quarantine = _read(run / "quarantine.parquet", "file", files)
@@ -58,7 +90,7 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
     decisions = _read(run / "decisions.parquet", "session_id", sessions)
     assert isinstance(calls, pl.DataFrame)
     tables = {"blocks": _read(run / "blocks.parquet", "session_id", sessions), "quarantine": quarantine,
-              "decisions": decisions, "messages": _reader(prior, {None})(run / MESSAGES_FILE, "sha256", shas),
+              "decisions": decisions, "messages": _messages(prior, shas),
               "call_messages": call_messages}
     facts = pl.from_arrow(_read(run / FACTS_FILE, "session_id", sessions))
     assert isinstance(facts, pl.DataFrame)
@@ -75,7 +107,9 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
                        {"threads": sum(r["threads"] for r in records),
                         "request_store": {"call_message_rows": call_messages.num_rows, "token_conflicts": 0}},
                        applied)
-    return BatchResult(index, loaded, out, [], reused=True)
+    # the rows of one previous row group each, in the order they were written (sorted_tables')
+    presorted = len(batches) == 1 and not _read.scanned  # type: ignore[attr-defined]
+    return BatchResult(index, loaded, out, [], reused=True, presorted=presorted)
 
 
 def _loaded(records: list[dict[str, Any]], quarantine: pa.Table) -> LoadResult:

@@ -281,6 +281,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
         summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups=plan_.counts(),
                        request_store=totals.request_store or writers.request_store(totals))
         crashpoints.phase("ledger")
+        _queue_decisions(totals, ledger, spec)
         ledger.commit_run({
             "spec_sha256": spec.sha256, "spec_name": spec.name, "started_at": started, "finished_at": _now(),
             "input_files": [{"path": ld.path, "sha256": ld.sha256} for ld in loaded.loads],
@@ -415,19 +416,19 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
     outs = [p.out for p in parts if p.out is not None]
     for p in parts:
         if p.out is not None and not p.reused:
-            for rows, stage, version, digest in p.out.new_decisions:
-                ledger.stage(rows, spec_sha256=env.spec.sha256, stage=stage, stage_version=version,
-                             config_digest=digest)
+            totals.new_decisions.extend(p.out.new_decisions)
             _write_spills(p.out.spills, env.staging / "spill")
             if p.out.violations:
-                _stage_violations(p.out.violations, p.out.calls, env.spec, env.target, ledger)
+                totals.new_decisions.append(_violation_rows(p.out.violations, p.out.calls, env.spec, env.target,
+                                                            ledger))
         totals.add(p)
     if outs:
-        tables = sorted_tables([o.tables for o in outs])
+        tables = sorted_tables([o.tables for o in outs], presorted=len(parts) == 1 and parts[0].presorted)
         writers.write_batch(tables, parts[0].index)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
         writers.append("call_facts", facts.to_arrow(), parts[0].index)
-        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"))
+        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"),
+                         pl.concat([o.calls.select("thread_key", "call", "is_pending") for o in outs]))
 
 
 def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tuple[pl.DataFrame, dict[str, Any]]:
@@ -484,9 +485,25 @@ def _write_spills(spills: pl.DataFrame, spill_dir: Path) -> None:
         raise output_error(spill_dir.parent, exc) from exc
 
 
-def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
-                      ledger: Ledger) -> None:
-    """Queue `violation` ledger rows (stage `validate:<target>`), only those no earlier run recorded."""
+def _queue_decisions(totals: Totals, ledger: Ledger, spec: PipelineSpec) -> None:
+    """Queue the run's new decisions in the ledger, stage by stage in pipeline order (then the
+    violations), each stage's rows of every batch together in key order: the ledger's rows and
+    their seq numbers are then those of a run in one batch, whatever the batch size."""
+    by_stage: dict[tuple[str, int, str], list[pl.DataFrame]] = {}
+    for rows, stage, version, digest in totals.new_decisions:
+        by_stage.setdefault((stage, version, digest), []).append(rows)
+    totals.new_decisions = []
+    for (stage, version, digest), parts in by_stage.items():
+        rows = pl.concat([p for p in parts if p.height], how="diagonal_relaxed") if any(p.height for p in parts) \
+            else parts[0]
+        if len(parts) > 1 and rows.height:
+            rows = rows.sort(DECISION_KEY, nulls_last=False, maintain_order=True)
+        ledger.stage(rows, spec_sha256=spec.sha256, stage=stage, stage_version=version, config_digest=digest)
+
+
+def _violation_rows(violations: list[Violation], calls: pl.DataFrame, spec: PipelineSpec, target: str,
+                    ledger: Ledger) -> tuple[pl.DataFrame, str, int, str]:
+    """`violation` ledger rows (stage `validate:<target>`), only those no earlier run recorded."""
     from pipeline.validate import violation_decisions
 
     keys = {r["thread_key"]: (r["session_id"], r["thread_id"])
@@ -496,7 +513,7 @@ def _stage_violations(violations: list[Violation], calls: pl.DataFrame, spec: Pi
     earlier = ledger.earlier(spec.sha256, stage, sorted(set(rows.get_column("session_id").to_list()))).collect()
     new = rows.unique(DECISION_KEY, keep="first", maintain_order=True).join(
         earlier.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True).sort(DECISION_KEY)
-    ledger.stage(new, spec_sha256=spec.sha256, stage=stage, stage_version=1, config_digest=spec.sha256)
+    return new, stage, 1, spec.sha256
 
 
 

@@ -145,7 +145,8 @@ class _Results:
     z: list[int]  # first call that no longer does (NO_CALL: open)
     done: list[bool]  # already cleared in the input (a re-run, or the ledger's clearings re-applied)
     native: list[bool]  # cleared in the transcript itself, not by this layer
-    s: list[int]  # tokens its clearing frees
+    s: list[int]  # tokens its clearing frees, exactly: negative when the placeholder is the longer
+    g: list[int]  # the same, at least 0: what the frontier's choice counts (a prefix sum that only grows)
     cnt: list[int]  # cnt[i]: results before i not done
     a_sorted: list[int]
 
@@ -153,9 +154,9 @@ class _Results:
     def of(cls, res: pl.DataFrame) -> _Results:
         done = res["done"].to_list()
         a = res["a"].to_list()
+        s = [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)]
         return cls(res["order"].to_list(), a, res["z"].fill_null(NO_CALL).to_list(), done, res["native"].to_list(),
-                   [0 if dn else int(x or 0) for x, dn in zip(res["s"].to_list(), done)],
-                   [0, *accumulate(0 if dn else 1 for dn in done)], sorted(a))
+                   s, [max(0, x) for x in s], [0, *accumulate(0 if dn else 1 for dn in done)], sorted(a))
 
 
 @dataclass
@@ -252,13 +253,13 @@ class _Walk:
             i = self.appear[self.ai][1]
             self.ai += 1
             if r.z[i] > k and not self.cleared[i]:
-                fen.add(i, r.s[i])
+                fen.add(i, r.g[i])
                 self.in_fen[i] = True
         while self.li < len(self.leave) and self.leave[self.li][0] <= k:
             i = self.leave[self.li][1]
             self.li += 1
             if self.in_fen[i]:
-                fen.add(i, -r.s[i])
+                fen.add(i, -r.g[i])
                 self.in_fen[i] = False
 
     def _trigger(self, k: int, e: int) -> tuple[int, str]:
@@ -292,7 +293,7 @@ class _Walk:
                 continue
             self.cleared[i] = True
             if self.in_fen[i]:
-                self.fen.add(i, -r.s[i])
+                self.fen.add(i, -r.g[i])
                 self.in_fen[i] = False
             self.saved += _free_from(self.delta, k, r.s[i], min(r.z[i], self.n))
         self.waiting = [i for i in self.waiting if not self.cleared[i]]
@@ -373,8 +374,7 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
         .group_by(BLOCK_KEY).agg(
             pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
             _use_name=pl.col("tool_name").sort_by("first_call").first(),
-            _in_saved=(pl.col("_tok").sort_by("first_call").first() - pl.col("_after").sort_by("first_call").first())
-            .clip(lower_bound=0))
+            _in_saved=pl.col("_tok").sort_by("first_call").first() - pl.col("_after").sort_by("first_call").first())
     return results.sort("order_key").join_asof(
         calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", "_use_name", _use_entry="entry_id",
                      _use_pos="block_pos")
@@ -458,7 +458,10 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
     in_saved = pl.col("_in_saved").fill_null(0) if params.clear_tool_inputs else pl.lit(0, pl.Int64)
     res = res.with_columns(
         native=pl.col("done") & (pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0),
-        s=pl.when(pl.col("done")).then(0).otherwise((pl.col("tok") - cleared_tok).clip(lower_bound=0) + in_saved),
+        # exact, even negative (a result shorter than the placeholder): the tokens freed so far must be
+        # what the request lost, or a run that re-applies the ledger's clearings (whose request counts
+        # them as they are) would see another total than the run that made them
+        s=pl.when(pl.col("done")).then(0).otherwise(pl.col("tok") - cleared_tok + in_saved),
     ).filter(
         tool_filter_expr(params) & ~pl.col("pinned") & ((pl.col("size") >= params.min_result_chars) | pl.col("done"))
     )

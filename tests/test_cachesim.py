@@ -82,9 +82,14 @@ class Scenario:
         return pl.DataFrame(self.rows, schema=CALL_SCHEMA)
 
     def run(self, policy: Policy | None = None, *, decisions: pl.DataFrame | None = None, prices: Any = None,
-            state: CacheState | None = None, aliases: dict[str, str] | None = None) -> pl.DataFrame:
+            state: CacheState | None = None, aliases: dict[str, str] | None = None,
+            absorbed: bool = False) -> pl.DataFrame:
         calls = self.calls()
         store = SimStore.from_lists(self.lists, self.msgs)
+        if absorbed:  # as the runner keeps it: no bytes, the `extends` answers taken per batch
+            whole, store = store, SimStore()
+            store.absorb(whole, calls)
+            assert all(d is None for d in store.data)
         prep = Prepared.for_calls(calls, calibrate.fixed(self.cal), segment="segment", recorded_strip="strip",
                                   answer_timestamp="answer")
         out = simulate(calls.drop("segment", "strip", "answer"), store, prep, decisions=decisions, prices=prices,
@@ -245,9 +250,11 @@ def test_twenty_block_lookback_both_sides(blocks: int, hit: bool) -> None:
         assert "21 blocks" in r["sim_break_detail"]
 
 
-def test_a_message_extended_by_blocks_keeps_its_old_end_as_a_boundary() -> None:
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_a_message_extended_by_blocks_keeps_its_old_end_as_a_boundary(absorbed: bool) -> None:
     # the last tool result of call 1 gets text appended in call 2 (an interruption): the prefix
-    # cached at the end of the tool result is still a block boundary inside the new message
+    # cached at the end of the tool result is still a block boundary inside the new message;
+    # the same in a store that kept no bytes (SimStore.absorb, the runner's)
     s = Scenario()
     tr = [tool_result("t1", "x" * 40)]
     s.msg("u0", 2000, data=canon([{"text": "do it", "type": "text"}]), real_user=True)
@@ -257,15 +264,24 @@ def test_a_message_extended_by_blocks_keeps_its_old_end_as_a_boundary() -> None:
     s.msg("u1y", 320, blocks=2, data=canon([tool_result("t1", "y" * 40), {"text": "stop", "type": "text"}]))
     s.msg("a2", 5)
     s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1x"], ["u0", "a0", "u1x", "a2"]], [0, 10, 20])
-    r = row(s.run(), 2)
+    r = row(s.run(absorbed=absorbed), 2)
     assert r["sim_break_cause"] is None
     assert r["sim_cache_read_tokens"] == end(2000, 50, 300)
     # a rewritten (not extended) message: the prefix breaks before it
     s.lists[SID][2] = ["u0", "a0", "u1y"]
     s.lists[SID][3] = ["u0", "a0", "u1y", "a2"]
-    r = row(s.run(), 2)
+    r = row(s.run(absorbed=absorbed), 2)
     assert r["sim_break_cause"] == "unexplained"
     assert r["sim_cache_read_tokens"] == end(2000)
+
+
+def test_a_store_takes_each_thread_once() -> None:
+    s, _ = two_calls(10)
+    part = SimStore.from_lists(s.lists, s.msgs)
+    store = SimStore()
+    store.absorb(part, s.calls())
+    with pytest.raises(SimError, match="two batches"):
+        store.absorb(SimStore.from_lists(s.lists, s.msgs), s.calls())
 
 
 # ------------------------------------------------------------------------------------- concurrency
@@ -353,6 +369,7 @@ def test_a_new_user_turn_strips_the_thinking_of_the_turn_before(real_user: bool,
                            ["u0", "a0", "u1", "a1", "u2", "a2"]], [0, 10, 20],
              preamble_tokens=3000, system_tokens=3000)
     out = s.run()
+    assert out.equals(s.run(absorbed=True))   # the flags survive a store without bytes
     r = row(out, 2)
     if strips:
         assert r["sim_break_cause"] == "thinking_strip"

@@ -67,6 +67,9 @@ def test_small_batches_give_the_outputs_of_one_batch(tmp_path: Path) -> None:
         assert _sorted(a[name]).equals(_sorted(b[name])), name
     # each distinct message once, even when several batches hold it
     assert b["messages"].get_column("sha256").is_unique().all()
+    # the ledger's rows, seq numbers included: a stage's rows of every batch are queued together
+    rows = _ledger_rows(tmp_path / "one" / "ledger.duckdb")
+    assert _ledger_rows(tmp_path / "many" / "ledger.duckdb") == rows and len(rows[0]) > 10
 
 
 def test_a_run_twice_writes_the_same_rows_in_the_same_order(tmp_path: Path) -> None:
@@ -118,9 +121,10 @@ def test_groups_pack_into_batches_by_bytes_in_order() -> None:
 
 @pytest.mark.slow
 def test_the_corpus_in_small_batches_equals_one_batch(corpus: Path, tmp_path: Path) -> None:
-    one = _run([corpus], tmp_path / "one", preset="claude-code")
+    one = _run([corpus], tmp_path / "one", preset="claude-code", batch_bytes=64 << 20)
     many = _run([corpus], tmp_path / "many", preset="claude-code", batch_bytes=2_000_000)
-    assert many["groups"]["batches"] > 3
+    assert many["groups"]["batches"] > 3 and one["groups"]["batches"] == 1
+    assert _ledger_rows(tmp_path / "many" / "ledger.duckdb") == _ledger_rows(tmp_path / "one" / "ledger.duckdb")
     assert _summary_core(many) == _summary_core(one)
     a, b = _outputs(tmp_path / "one"), _outputs(tmp_path / "many")
     for name in a:
