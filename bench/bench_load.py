@@ -8,10 +8,14 @@ after imports), the speed-up of the columnar engine (goal: at least 5x) and whet
 same blocks table (every column, every row: `Table.equals`). `--phases` adds the columnar engine's
 seconds per phase (best of the runs). `--readers` times the first step alone, parsing every line
 of the tree into the fields the loader reads, with the two native readers the issue names: DuckDB's
-JSON functions (what cc_columnar uses) and polars over orjson-decoded batches.
+JSON functions (what cc_columnar uses) and polars over orjson-decoded batches. `--before DIR` also
+times the columnar engine of another checkout (e.g. `git archive main | tar -x -C DIR`), in the same
+turns, and prints this checkout's speed-up over it.
 
     python bench/bench_load.py [--size 190MB] [--keep DIR] [--repeat 3] [--phases] [--readers]
     python bench/bench_load.py --tree DIR          # an existing tree
+    python bench/bench_load.py --tree DIR --before /tmp/main-copy   # before / after a change
+    python bench/bench_load.py --tree SMALL_DIR --calls 20          # per-call cost of repeated small loads
 """
 
 from __future__ import annotations
@@ -38,19 +42,21 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def child(engine: str, tree: Path, table_out: Path | None) -> None:
-    """One timed load in this process; prints one JSON object."""
+def child(engine: str, tree: Path, table_out: Path | None, calls: int = 1) -> None:
+    """One timed load in this process (`calls` > 1: that many, the best kept); prints one JSON object."""
     import pyarrow as pa
 
     from pipeline.loaders import load_paths
 
     base = _rss_mb()
-    timings: dict[str, float] | None = {} if engine == "columnar" else None
-    gc.disable()  # as `ctxreplay run` loads (runner._gc_paused)
-    t0, c0 = time.perf_counter(), time.process_time()
-    res = load_paths([tree], engine=engine, timings=timings)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    gc.enable()
+    wall = cpu = float("inf")
+    for _ in range(calls):
+        timings: dict[str, float] | None = {} if engine == "columnar" else None
+        gc.disable()  # as `ctxreplay run` loads (runner._gc_paused)
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = load_paths([tree], engine=engine, timings=timings)
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+        gc.enable()
     peak = _rss_mb()
     if table_out is not None:
         with pa.OSFile(str(table_out), "wb") as fh, pa.ipc.new_file(fh, res.blocks.schema) as w:
@@ -59,8 +65,12 @@ def child(engine: str, tree: Path, table_out: Path | None) -> None:
                       "rows": res.blocks.num_rows, "timings": timings or {}}))
 
 
-def _run_child(engine: str, tree: Path, table_out: Path | None) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine, "--tree", str(tree)]
+def _run_child(engine: str, tree: Path, table_out: Path | None, root: Path = ROOT, calls: int = 1) -> dict[str, Any]:
+    """One load in a fresh process, with the code of `root` (this checkout, or `--before`'s)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", engine, "--tree", str(tree.resolve()),
+           "--code", str(root)]
+    if calls > 1:
+        cmd += ["--calls", str(calls)]
     if table_out is not None:
         cmd += ["--table-out", str(table_out)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
@@ -176,11 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine (best is printed)")
     ap.add_argument("--phases", action="store_true", help="the columnar engine's seconds per phase")
     ap.add_argument("--readers", action="store_true", help="also time the two native JSON readers alone")
+    ap.add_argument("--before", type=Path, help="another checkout whose columnar engine is timed too (before)")
+    ap.add_argument("--calls", type=int, default=1,
+                    help="loads per process, best kept: with a small --tree, the per-call (fixed) cost of a "
+                         "process that loads again and again")
     ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--code", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--table-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(args.child, args.tree, args.table_out)
+        if args.code is not None:  # the loader of this checkout (or of --before's)
+            sys.path.insert(0, str(args.code))
+        child(args.child, args.tree, args.table_out, args.calls)
         return 0
 
     from bench.gen_tree import DEFAULT_SRC, generate, parse_size
@@ -199,15 +216,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"{time.perf_counter() - t0:.1f} s")
     files = [p for p in tree.rglob("*") if p.is_file()]
     mb = sum(p.stat().st_size for p in files) / 1e6
-    print(f"tree {tree}: {mb:.1f} MB in {len(files)} files; {os.cpu_count()} CPU(s), load average "
+    per = f"; best of {args.calls} loads per process" if args.calls > 1 else ""
+    print(f"tree {tree}: {mb:.1f} MB in {len(files)} files{per}; {os.cpu_count()} CPU(s), load average "
           f"{os.getloadavg()[0]:.2f} (runs are disturbed by other work on the machine)")
     results: dict[str, dict[str, Any]] = {}
-    all_runs: dict[str, list[dict[str, Any]]] = {e: [] for e in ENGINES}
+    names = (*ENGINES, "before") if args.before else ENGINES
+    all_runs: dict[str, list[dict[str, Any]]] = {e: [] for e in names}
     with tempfile.TemporaryDirectory(prefix="bench-load-tables-") as tmp:
-        for k in range(max(args.repeat, 1)):  # engines take turns: a change in the load hits both
-            for engine in ENGINES:
-                all_runs[engine].append(_run_child(engine, tree, Path(tmp) / f"{engine}.arrow" if k == 0 else None))
-        for engine in ENGINES:
+        for k in range(max(args.repeat, 1)):  # engines take turns: a change in the load hits each
+            for engine in names:
+                out = Path(tmp) / f"{engine}.arrow" if k == 0 else None
+                if engine == "before":
+                    all_runs[engine].append(_run_child("columnar", tree, out, args.before.resolve(), args.calls))
+                else:
+                    all_runs[engine].append(_run_child(engine, tree, out, calls=args.calls))
+        for engine in names:
             runs = all_runs[engine]
             best = min(runs, key=lambda r: r["wall"])
             results[engine] = {"wall": best["wall"], "cpu": min(r["cpu"] for r in runs),
@@ -219,10 +242,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"({mb / r['cpu']:6.1f} MB/s)  peak RSS {r['peak']:7.0f} MB (+{r['peak'] - r['base']:.0f} MB over "
                   f"imports)  {r['rows']:,} block rows  [walls: {walls}]")
         same = _same_tables(Path(tmp) / "reference.arrow", Path(tmp) / "columnar.arrow")
+        if args.before:
+            same = same and _same_tables(Path(tmp) / "before.arrow", Path(tmp) / "columnar.arrow")
     ref, col = results["reference"], results["columnar"]
     print(f"speed-up columnar / reference: wall {ref['wall'] / col['wall']:.2f}x, cpu {ref['cpu'] / col['cpu']:.2f}x "
           f"(goal >= 5x); peak RSS {col['peak'] / ref['peak']:.2f}x")
-    print(f"same blocks table (every column, every row): {'yes' if same else 'NO'}")
+    if args.before:
+        bef = results["before"]
+        print(f"speed-up columnar / before ({args.before}): wall {bef['wall'] / col['wall']:.2f}x, "
+              f"cpu {bef['cpu'] / col['cpu']:.2f}x; before / reference: cpu {ref['cpu'] / bef['cpu']:.2f}x")
+    print(f"same blocks table (every column, every row{', all three' if args.before else ''}): "
+          f"{'yes' if same else 'NO'}")
     if args.phases:
         phases: dict[str, float] = {}
         for r in col["runs"]:

@@ -30,6 +30,7 @@ from bench.make_hostile_inputs import (
     write_hostile_inputs,
 )
 from pipeline.loaders import LoadResult, cc_columnar, load_paths
+from tests.strategies import examples
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -37,6 +38,13 @@ FIXTURES = ROOT / "tests" / "fixtures" / "loaders"
 SID = "c01c0000-0000-4000-8000-000000000001"
 ACCOUNTING = ("path", "format", "sha256", "bytes", "lines", "message_lines", "other_lines", "quarantine",
               "recovered", "stats")
+
+
+@pytest.fixture(autouse=True)
+def _columnar_for_small_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inputs here are small: without this, `load_paths` would load them with the reference
+    loader (cc_columnar.SMALL_BATCH_BYTES) and these tests would compare it with itself."""
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
 
 
 def assert_same_load(ref: LoadResult, new: LoadResult, where: str = "") -> None:
@@ -353,7 +361,7 @@ def _mutated(seeds: list[Any]) -> st.SearchStrategy[list[tuple[str, list[Line]]]
     return case()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                  HealthCheck.function_scoped_fixture])
 @given(_mutated(CC_SEEDS))
 def test_mutated_fixture_files_are_identical(tmp_path_factory: pytest.TempPathFactory,
@@ -367,7 +375,7 @@ def test_mutated_fixture_files_are_identical(tmp_path_factory: pytest.TempPathFa
 def test_mutated_corpus_windows_are_identical(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     seeds = [s for s in corpus_seeds(corpus, random.Random(5), window=30) if s.fmt == "claude_code"]
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+    @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                      HealthCheck.data_too_large])
     @given(_mutated(seeds))
     def inner(files: list[tuple[str, list[Line]]]) -> None:
@@ -376,6 +384,82 @@ def test_mutated_corpus_windows_are_identical(corpus: Path, tmp_path_factory: py
         both([d], "mutated corpus window")
 
     inner()
+
+
+# ---------------------------------------------------------------- the reused DuckDB connection
+
+
+def _left_in_connection() -> list[str]:
+    """Tables and views the calling thread's reused connection holds (none between two loads)."""
+    con = cc_columnar._LOCAL.con
+    return [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() UNION ALL "
+                                      "SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+
+
+def test_reused_connection_keeps_nothing_between_loads(tmp_path: Path) -> None:
+    # two different inputs in turn on the one connection: each load equals the reference, and no
+    # table, view or registered input of a load is left behind for the next one
+    other = tmp_path / "p" / f"{SID}.jsonl"
+    other.parent.mkdir()
+    ids = [f"00000000-0000-4000-8000-{i:012d}" for i in range(6)]
+    other.write_bytes(b"\n".join(
+        json.dumps(cc_entry(SID, u, ids[i - 1] if i else None, "user" if i % 2 == 0 else "assistant",
+                            [{"type": "text", "text": f"turn {i}"}])).encode() for i, u in enumerate(ids)) + b"\n")
+    first = both([SAMPLES], "samples, first")
+    con = cc_columnar._LOCAL.con
+    assert con is not None and _left_in_connection() == []
+    both([tmp_path], "another input on the reused connection")
+    assert cc_columnar._LOCAL.con is con, "the connection was not reused"
+    assert _left_in_connection() == []
+    assert load_paths([SAMPLES]).blocks.equals(first.blocks)
+
+
+def test_connection_closed_after_a_big_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a batch of more than REUSE_MAX_BYTES of files closes the connection (the memory DuckDB holds
+    # after it goes back); one of exactly that size keeps it
+    size = sum(p.stat().st_size for p in (SAMPLES / "claude-projects").rglob("*.jsonl"))
+    monkeypatch.setattr(cc_columnar, "REUSE_MAX_BYTES", size - 1)
+    both([SAMPLES], "big batch")
+    assert cc_columnar._LOCAL.con is None
+    monkeypatch.setattr(cc_columnar, "REUSE_MAX_BYTES", size)
+    both([SAMPLES], "batch at the limit")
+    assert cc_columnar._LOCAL.con is not None
+
+
+def test_failed_load_drops_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a statement that fails leaves no half-made tables for the next call: the connection is dropped
+    load_paths([SAMPLES])
+    good = cc_columnar._SQL_ENTRIES
+    monkeypatch.setattr(cc_columnar, "_SQL_ENTRIES", "SELECT * FROM no_such_table")
+    with pytest.raises(Exception, match="no_such_table"):
+        load_paths([SAMPLES])
+    assert cc_columnar._LOCAL.con is None
+    monkeypatch.setattr(cc_columnar, "_SQL_ENTRIES", good)
+    both([SAMPLES], "after a failed load")
+
+
+def test_threads_load_at_once() -> None:
+    # each thread has its own connection: loads running at the same time give the same table
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = load_paths([SAMPLES]).blocks
+    with ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda _: load_paths([SAMPLES]).blocks, range(6)))
+    assert all(g.equals(want) for g in got)
+
+
+def test_small_batches_take_the_reference_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    # below SMALL_BATCH_BYTES of Claude Code files no columnar parse runs (and the result is the same)
+    size = sum(p.stat().st_size for p in (SAMPLES / "claude-projects").rglob("*.jsonl"))
+    ran: list[int] = []
+    real = cc_columnar.load_sessions
+    monkeypatch.setattr(cc_columnar, "load_sessions", lambda *a, **k: ran.append(1) or real(*a, **k))
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", size + 1)
+    small = load_paths([SAMPLES])
+    assert ran == []
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", size)
+    assert_same_load(small, load_paths([SAMPLES]), "at the limit")
+    assert ran == [1]
 
 
 def test_engine_names() -> None:

@@ -141,7 +141,8 @@ def load_paths(paths: list[Path | str], *, engine: str = "columnar",
 
     `engine`: "columnar" (default) or "reference" (see ENGINES). The columnar engine hands the whole
     call to the reference one when a line it reads the careful way holds a value that does not fit its
-    column (the reference loader then coerces it, with a note), so both always agree.
+    column (the reference loader then coerces it, with a note), so both always agree, and when the
+    call's Claude Code files are under `cc_columnar.SMALL_BATCH_BYTES` (there it is the faster one).
     `timings`: when given, seconds per phase of the columnar engine are added to it (benchmarks).
     """
     if engine not in ENGINES:
@@ -208,6 +209,8 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     groups = claude_code.group_sessions(cc_files, cc_first)
     columnar_load = None
     by_file: defaultdict[str, Counter[str]] = defaultdict(Counter)
+    if columnar and groups and _batch_bytes(groups) < cc_columnar.SMALL_BATCH_BYTES:
+        columnar = False  # a small batch: the reference loader is faster than the columnar one's fixed cost
     if columnar and groups:
         columnar_load = cc_columnar.load_sessions(groups, skipped, timings)
         cc_threads.extend(columnar_load.threads)
@@ -252,6 +255,17 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     return LoadResult(blocks, loads, skipped, dict(stats), threads=len(threads),
                       stats_by_file={k: dict(v) for k, v in by_file.items()},
                       threads_by_file=dict(Counter(t.source_file for t in threads)))
+
+
+def _batch_bytes(groups: list[claude_code.SessionFiles]) -> int:
+    total = 0
+    for g in groups:
+        for f in g.files:
+            try:
+                total += f.stat().st_size
+            except OSError:
+                pass  # the loader reports it
+    return total
 
 
 def _unknown_format(f: Path, data: bytes, first: list[Any]) -> FileLoad:

@@ -39,14 +39,19 @@ A value the careful path reads that does not fit its column (a number where a te
 ...) makes the reference loader coerce the whole batch and note it; rather than reproduce that
 here, `NeedsReference` is raised and `load_paths` runs the reference path for the whole call.
 
-No state is kept between calls: `load_sessions` takes a list of session groups (one, or a batch
-sized by the caller) and returns their threads, accounting and blocks.
+No data is kept between calls: `load_sessions` takes a list of session groups (one, or a batch
+sized by the caller) and returns their threads, accounting and blocks. What is kept is one DuckDB
+connection per process and thread with its macros (batches up to REUSE_MAX_BYTES; its tables are
+dropped after each call). `load_paths` sends batches under SMALL_BATCH_BYTES to the reference
+loader, whose cost there is below this engine's fixed cost.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import os
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -289,7 +294,7 @@ WITH blk AS (
                    OR (jok(src2.r.media_type) AND jok(src2.r.data))))
   FROM pt LEFT JOIN src2 ON pt.lid = src2.lid AND pt.bi = src2.bi AND pt.pi = src2.pi
 )
-SELECT * FROM rows ORDER BY lid, bi, pi
+SELECT * FROM rows
 """
 
 # one row per fast line: what the node loop and the blocks table need
@@ -701,7 +706,9 @@ class _Batch:
             cols["image_bytes"] = [b64_decoded_len(d) if d is not None else None for d in cols["image_data"]]
         except (TypeError, ValueError, OverflowError) as exc:
             raise NeedsReference(str(exc)) from exc
-        return pa.concat_tables([self.fast_eb, _strict_table(cols, _EB_SCHEMA)]).combine_chunks()
+        # left in two chunks: `_gather` copies it into polars once (combining the chunks here copied the
+        # fast rows' texts one more time)
+        return pa.concat_tables([self.fast_eb, _strict_table(cols, _EB_SCHEMA)])
 
 
 _USAGE_COLS = ["usage_input", "usage_output", "usage_cache_read", "usage_cache_write", "usage_cache_write_5m",
@@ -781,7 +788,7 @@ def _call_ranges(t: ThreadPlan) -> tuple[list[bool], list[int], list[int | None]
 def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] | None = None,
                   timings: dict[str, float] | None = None) -> SessionsLoad:
     """Load Claude Code session groups (each: the files of one session) as `claude_code.load_session`
-    loads each group in turn, with one columnar parse of all their lines. No state survives the call.
+    loads each group in turn, with one columnar parse of all their lines. No data survives the call.
 
     `timings`: when given, wall-clock seconds per phase are added to it (bench/bench_load.py)."""
     b = _Batch(timings)
@@ -854,17 +861,22 @@ def _parse(b: _Batch) -> None:
     if not cand.any():
         return
     mask = cand.to_arrow()
-    con = duckdb.connect()
+    con = _connection()
     try:
         con.register("lines", pa.table({"lid": lid_all.to_arrow(), "t": text, "ok": mask}))
         con.execute("CREATE OR REPLACE TEMP VIEW v AS SELECT lid, t FROM lines WHERE ok")
-        con.execute(_MACROS)
         for q in (_SQL_PARSE, _SQL_CONTENT, _SQL_ITEMS, _SQL_PARTS, _SQL_SOURCES, _SQL_SOURCES2, _SQL_DUPS, _SQL_EB):
             con.execute(q)
         ent = con.sql(_SQL_ENTRIES).to_arrow_table().combine_chunks()
         ebt = con.sql(_SQL_BLOCKS_OUT).to_arrow_table().combine_chunks()
-    finally:
-        con.close()
+    except BaseException:
+        _drop_connection()
+        raise
+    else:
+        if sum(f.load.bytes for f in readable if f.load is not None) > REUSE_MAX_BYTES:
+            _drop_connection()  # closing gives back the memory a big batch made DuckDB hold
+        else:
+            _release(con)
     clock.lap("entries and blocks (SQL)")
     ok = [bool(x) for x in ent.column("ok").to_pylist()]
     ebt = _complete_blocks(ebt, ent, ok)
@@ -913,6 +925,56 @@ def _parse(b: _Batch) -> None:
         f.stop[r] = stops[k]
         f.utotal[r] = utotal[k]
     clock.lap("entry columns")
+
+
+# One DuckDB connection per process and thread, with the macros made once: a fresh one per call cost
+# about 30 of the ~85 ms CPU of fixed SQL cost of every load (connection, JSON extension, macros),
+# which a live engine pays per call. After each call its temp tables are dropped and the input unregistered, so nothing
+# of a load is kept; a process forked from this one makes its own.
+# A connection that has parsed a big batch keeps part of that memory after its tables are dropped
+# (about 40 MB after the 16.5 MB corpus, against a close), so it is closed after a batch of more than
+# REUSE_MAX_BYTES of files: the fixed cost matters for small calls, the memory for big ones.
+REUSE_MAX_BYTES = 16 << 20
+# `load_paths` loads a batch of Claude Code files smaller than this with the reference loader: the
+# columnar engine's fixed cost (DuckDB planning ~60-100 ms CPU a call) is more than the reference
+# loader spends on a few MB (about 35 ms CPU per MB; the two are even near 10-16 MB under load:
+# bench/bench_load.py --tree ../shared/corpus/claude-projects). Both give the same results.
+SMALL_BATCH_BYTES = 8 << 20
+_LOCAL = threading.local()
+_TEMP_TABLES = ("p", "c", "bi", "pt", "src", "src2", "dup_keys", "eb")
+
+
+def _connection() -> duckdb.DuckDBPyConnection:
+    con = getattr(_LOCAL, "con", None)
+    if con is not None and getattr(_LOCAL, "pid", None) == os.getpid():
+        return con
+    con = duckdb.connect()
+    # give memory back to the system when a load's tables are dropped, as closing the connection did
+    con.execute("SET allocator_flush_threshold = '1MiB'; SET allocator_bulk_deallocation_flush_threshold = '1MiB'")
+    con.execute(_MACROS)
+    _LOCAL.con, _LOCAL.pid = con, os.getpid()
+    return con
+
+
+def _release(con: duckdb.DuckDBPyConnection) -> None:
+    """Drop what the call made (its tables hold the batch's parsed lines) and its registered input."""
+    try:
+        for t in _TEMP_TABLES:
+            con.execute(f"DROP TABLE IF EXISTS {t}")
+        con.execute("DROP VIEW IF EXISTS v")
+        con.unregister("lines")
+    except duckdb.Error:  # pragma: no cover - start afresh next time
+        _drop_connection()
+
+
+def _drop_connection() -> None:
+    con = getattr(_LOCAL, "con", None)
+    _LOCAL.con = None
+    if con is not None and getattr(_LOCAL, "pid", None) == os.getpid():
+        try:
+            con.close()
+        except duckdb.Error:  # pragma: no cover
+            pass
 
 
 def _joined(files: list[_File]) -> pa.Array:
