@@ -28,18 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def _bytes(size: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
-    for u, m in units.items():
-        if size.upper().endswith(u):
-            return int(float(size[: -len(u)]) * m)
-    return int(size)
-
-
-def tree_bytes(tree: Path) -> int:
-    return sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+from bench_scale import given_or_generated_tree, tree_bytes  # the same tree handling
 
 
 def timed_run(args: list[str]) -> tuple[float, dict]:
@@ -73,13 +64,7 @@ def main() -> None:
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-ray-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        tree = a.tree
-        if tree is None:
-            from bench.gen_tree import generate
-
-            tree = work / "tree"
-            if not tree.exists():
-                generate(tree, size=_bytes(a.size))
+        tree = given_or_generated_tree(a.tree, work, a.size)
         size = tree_bytes(tree)
         mb = size / 1e6
         batch = a.batch_bytes or max(1, size // 16)

@@ -41,6 +41,18 @@ def tree_bytes(tree: Path) -> int:
     return sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
 
 
+def given_or_generated_tree(tree: Path | None, work: Path, size: str) -> Path:
+    """`tree` when given, else a tree of `size` generated (once) under `work/tree`."""
+    if tree is not None:
+        return tree
+    from bench.gen_tree import generate
+
+    tree = work / "tree"
+    if not tree.exists():
+        generate(tree, size=_bytes(size))
+    return tree
+
+
 def timed_run(args: list[str]) -> tuple[float, int, dict]:
     """(wall seconds, peak RSS bytes, summary) of one `ctxreplay run ... --json -q`."""
     exe = [sys.executable, "-m", "pipeline.cli"] if not shutil.which("ctxreplay") else ["ctxreplay"]
@@ -111,13 +123,7 @@ def main() -> None:
     work = a.keep or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        tree = a.tree
-        if tree is None:
-            from bench.gen_tree import generate
-
-            tree = work / "tree"
-            if not tree.exists():
-                generate(tree, size=_bytes(a.size))
+        tree = given_or_generated_tree(a.tree, work, a.size)
         mb = tree_bytes(tree) / 1e6
         common = ["--preset", a.preset]
         out = work / "out"
