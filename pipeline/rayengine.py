@@ -51,6 +51,7 @@ import polars as pl
 
 from pipeline.batchrun import BatchResult, Env
 from pipeline.errors import CtxReplayError, InputError, OutputError, internal_error
+from pipeline.workers import take_counts
 
 INSTALL_HINT = "pip install 'ctxreplay[ray]'"
 # the object store of a local Ray, in MiB: the batches' results pass through it (what does not fit
@@ -351,10 +352,7 @@ def _take(payload: tuple[Any, ...], env: Env, ledger: Any) -> BatchResult:
     if kind == "bug":
         raise internal_error(WorkerBug(f"{payload[1]}\n--- in a Ray worker:\n{payload[2]}"), "in a Ray worker")
     _, result, new, counted, hits = payload
-    if new:
-        ledger.store_tokens(env.counter.name, new)
-    env.counter.counted += counted
-    env.counter.cache_hits += hits
+    take_counts(env, ledger, new, counted, hits)
     return _decode(result)
 
 

@@ -110,11 +110,17 @@ def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterat
             nxt = next(todo, None)
             if nxt is not None:
                 pending.append(ex.submit(_work, nxt))
-            if new:
-                ledger.store_tokens(env.counter.name, new)
-            env.counter.counted += counted
-            env.counter.cache_hits += hits
+            take_counts(env, ledger, new, counted, hits)
             yield result
 
 
-__all__ = ["SnapshotCache", "batch_results", "default_jobs"]
+def take_counts(env: Env, ledger: Any, new: dict[str, int], counted: int, hits: int) -> None:
+    """A worker's token counting, taken by the parent: its new counts into the ledger's cache, its
+    counted texts and cache hits into the run's counter."""
+    if new:
+        ledger.store_tokens(env.counter.name, new)
+    env.counter.counted += counted
+    env.counter.cache_hits += hits
+
+
+__all__ = ["SnapshotCache", "batch_results", "default_jobs", "take_counts"]
