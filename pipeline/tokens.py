@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ class TokenCounter:
         self.by_text: dict[str, int] = {}
         self.counted = 0  # texts tokenized in this process
         self.cache_hits = 0
+        # polars may evaluate several counting expressions of one plan at once (its in-memory
+        # engine does, on its own threads), and the cache's DuckDB connection refuses a second
+        # caller instead of waiting: one counting at a time
+        self._lock = threading.Lock()
 
     def _count(self, texts: list[str]) -> list[int]:
         if self.name == CHARS4_COUNTER:
@@ -93,7 +98,12 @@ class TokenCounter:
         return tiktoken_counts(texts)
 
     def count_many(self, texts: Iterable[str]) -> dict[str, int]:
-        """text → tokens for these texts (each counted once per process, and once ever with a cache)."""
+        """text → tokens for these texts (each counted once per process, and once ever with a cache).
+        Safe to call from several threads at once."""
+        with self._lock:
+            return self._count_many(texts)
+
+    def _count_many(self, texts: Iterable[str]) -> dict[str, int]:
         memo = self.by_text
         todo = {t for t in texts if t is not None and t not in memo}
         if not todo:

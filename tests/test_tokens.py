@@ -6,6 +6,7 @@ import gzip
 import hashlib
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 from pipeline.ledger import Ledger
@@ -17,6 +18,7 @@ from pipeline.tokens import (
     TokenCounter,
     image_tokens,
     load_o200k,
+    tokens_expr,
 )
 
 
@@ -44,6 +46,20 @@ def test_texts_are_counted_once_and_cached_in_the_ledger(tmp_path: Path) -> None
     memo = c2.count_many(["abcd", "abcdefgh", "xyz"])
     assert (c2.counted, c2.cache_hits) == (1, 2)
     assert (memo["abcd"], memo["abcdefgh"], memo["xyz"]) == (1, 2, 1)
+    led.close()
+
+
+def test_counting_expressions_evaluated_at_once_share_the_ledger_cache(tmp_path: Path) -> None:
+    """Polars' in-memory engine evaluates the token columns of one plan on several threads; each
+    asks the ledger's cache, whose DuckDB connection refuses a second caller ("connection is
+    busy"): the counter lets one count at a time (failed 20 times of 20 without its lock)."""
+    led = Ledger(tmp_path / "l.duckdb")
+    for i in range(5):
+        count = TokenCounter(CHARS4_COUNTER, cache=led).series_counter()
+        df = pl.DataFrame({f"c{j}": [f"text {i} {j} {k:03d}" for k in range(200)] for j in range(8)})
+        out = df.lazy().with_columns([tokens_expr(pl.col(f"c{j}"), count).alias(f"t{j}") for j in range(8)]) \
+            .collect(engine="in-memory")
+        assert out.get_column("t7").to_list() == [3] * 200  # "text i 7 kkk": 12 characters
     led.close()
 
 
