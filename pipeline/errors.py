@@ -19,6 +19,22 @@ class CtxReplayError(Exception):
 
     exit_code = 2
 
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        # polars' in-memory engine raises an exception from inside a plan (the ledger opened by the
+        # token cache, a token file missing) as a new one of its class, its message followed by
+        # "This error occurred in the following expression: ..." (the plan's expressions): what
+        # the user reads is our paragraph alone
+        said = str(args[0]) if len(args) == 1 else None
+        self._said = said.split(_POLARS_CONTEXT, 1)[0] if said is not None else None
+
+    def __str__(self) -> str:
+        said = getattr(self, "_said", None)
+        return said if said is not None else super().__str__()
+
+
+_POLARS_CONTEXT = "\n\nThis error occurred in the following expression:"
+
 
 class SpecError(CtxReplayError):
     """The pipeline spec is invalid."""
