@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from pipeline.calls import messages, per_call_sum, request_tokens
+from pipeline.constants import POLARS_ENGINE
 from pipeline.registry import StageContext
 
 THREAD = ["session_id", "thread_id"]
@@ -137,7 +138,7 @@ def recorded_facts(blocks: pl.DataFrame, count_tokens: object | None) -> pl.Data
         *THREAD, "call", rec_tokens=(pl.col("tokens") + 3).cast(pl.Int64),
         segment=pl.col("segment").fill_null(0).cast(pl.Int32),
         recorded_strip=pl.col("recorded_strip").fill_null(False) & (pl.col("call") > 0))
-    return out.collect().sort(*THREAD, "call")
+    return out.collect(engine=POLARS_ENGINE).sort(*THREAD, "call")
 
 
 @dataclass

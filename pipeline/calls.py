@@ -18,6 +18,7 @@ from pipeline.constants import (  # noqa: F401
     MESSAGE_OVERHEAD_TOKENS,
     NO_CALL,
     PART_KEY,
+    POLARS_ENGINE,
     SERVER_TOOL_CALL_TYPES,
     THINKING_TYPES,
     THREAD,
@@ -46,7 +47,7 @@ def materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
     replacement); left lazy, every use would re-run the whole upstream plan, and the plan grows
     with each nested use. Materialising at a few points keeps a stage's cost linear in its input.
     """
-    return lf.collect().lazy()
+    return lf.collect(engine=POLARS_ENGINE).lazy()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,12 @@ BLOCK_KEY = [*THREAD, "entry_id", "block_pos"]
 PART_KEY = [*BLOCK_KEY, "part_pos"]
 VERSION_KEY = [*PART_KEY, "first_call"]
 
+POLARS_ENGINE = "in-memory"
+"""The polars engine our plans run on. Polars 2's default (streaming) pays a fixed cost per
+plan that dominates on the stages' many small plans: with in-memory, the engine's appended call
+took 496 vs 705 ms (10-call session) and a cold `run --jobs 1` of a 190 MB tree 27.7 vs 35.9 s,
+same outputs. Memory is bounded by the batch either way."""
+
 OPEN = 2**31 - 1
 """Stands for an open (null) last_call in comparisons and forward scans."""
 NO_CALL = OPEN

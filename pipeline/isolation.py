@@ -32,6 +32,7 @@ from typing import Any
 
 import polars as pl
 
+from pipeline.constants import POLARS_ENGINE
 from pipeline.errors import StageFailed, write_traceback
 from pipeline.registry import RegisteredStage, StageContext, StageRef, StageResult
 
@@ -284,8 +285,8 @@ def _worker_main(conn: Any, job: _Job) -> None:
         if not (isinstance(getattr(res, "blocks", None), frames) and isinstance(getattr(res, "decisions", None), frames)):
             conn.send(("result", type(res).__name__))
             return
-        res.blocks.lazy().collect().write_ipc(folder / "out_blocks.arrow")
-        res.decisions.lazy().collect().write_ipc(folder / "out_decisions.arrow")
+        res.blocks.lazy().collect(engine=POLARS_ENGINE).write_ipc(folder / "out_blocks.arrow")
+        res.decisions.lazy().collect(engine=POLARS_ENGINE).write_ipc(folder / "out_decisions.arrow")
         conn.send(("ok",))
     except BaseException as exc:  # noqa: BLE001  (everything goes back to the runner as a message)
         first = (str(exc).strip().splitlines() or [""])[0][:300]

@@ -51,7 +51,7 @@ from pipeline.blockops import (
     null_columns,
     sort_blocks,
 )
-from pipeline.constants import OPEN
+from pipeline.constants import OPEN, POLARS_ENGINE
 from pipeline.registry import StageResult
 from schemas.blocks import CONTENT_COLUMNS
 from schemas.decisions import DECISION_KEY
@@ -257,7 +257,7 @@ def finish(
     w = _rehash_replaced(w)
     x = _explode(w, inserts)
     # collected once: the blocks and the decisions are both made from it
-    x = _new_content(x, inserts, late_values, set(w.collect_schema().names())).collect().lazy()
+    x = _new_content(x, inserts, late_values, set(w.collect_schema().names())).collect(engine=POLARS_ENGINE).lazy()
     return StageResult(sort_blocks(_blocks_out(x, inserts)), _decisions_out(x, inserts, replace_action).sort(DECISION_KEY))
 
 

@@ -48,6 +48,7 @@ import orjson
 import polars as pl
 
 from pipeline.blockops import canonical_json, sort_blocks
+from pipeline.constants import POLARS_ENGINE
 from pipeline.targets import ASSISTANT_ROLES, LogicalMessage, Target, Wire, wire_role
 from pipeline.targets._wire import label, split
 
@@ -809,6 +810,6 @@ def thread_calls(skeleton: pl.DataFrame, counts: dict[tuple[str, str], int] | No
 
 def thread_rows(blocks: pl.DataFrame) -> Iterator[tuple[tuple[str, str], pl.DataFrame]]:
     """The blocks of each thread, sorted for replay (stable across runs: keys only)."""
-    df = sort_blocks(blocks.lazy()).collect()
+    df = sort_blocks(blocks.lazy()).collect(engine=POLARS_ENGINE)
     for key, part in df.group_by(["session_id", "thread_id"], maintain_order=True):
         yield (str(key[0]), str(key[1])), part

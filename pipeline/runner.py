@@ -34,6 +34,7 @@ from pipeline import crashpoints, manifest
 from pipeline.batches import DEFAULT_BATCH_BYTES, plan
 from pipeline.batchout import RUN_ID_KEY, Totals, Writers, sorted_tables
 from pipeline.batchrun import BatchCounter, BatchResult, Env, output_error
+from pipeline.constants import POLARS_ENGINE
 from pipeline.errors import CheckFailed, NothingToDo, OutputError
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult
@@ -510,7 +511,7 @@ def _violation_rows(violations: list[Violation], calls: pl.DataFrame, spec: Pipe
             for r in calls.select("thread_key", "session_id", "thread_id").unique().iter_rows(named=True)}
     rows = pl.from_arrow(pa.Table.from_pylist(violation_decisions(violations, keys), schema=STAGE_DECISION))
     stage = f"validate:{target}"
-    earlier = ledger.earlier(spec.sha256, stage, sorted(set(rows.get_column("session_id").to_list()))).collect()
+    earlier = ledger.earlier(spec.sha256, stage, sorted(set(rows.get_column("session_id").to_list()))).collect(engine=POLARS_ENGINE)
     new = rows.unique(DECISION_KEY, keep="first", maintain_order=True).join(
         earlier.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True).sort(DECISION_KEY)
     return new, stage, 1, spec.sha256

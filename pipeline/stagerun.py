@@ -36,7 +36,7 @@ import orjson
 import polars as pl
 
 from pipeline import crashpoints
-from pipeline.constants import PART_KEY, THREAD, VERSION_KEY
+from pipeline.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
 from pipeline.errors import CtxReplayError, StageFailed, write_traceback
 from pipeline.marks import finish, mark_drop, mark_replace_from, start_marks
 from pipeline.registry import RegisteredStage, StageContext, StageRef, StageResult
@@ -119,7 +119,7 @@ class LedgerView:
         return cls(calls, view)
 
     def for_stage(self, name: str) -> pl.DataFrame:
-        return conform(self.decisions.filter(pl.col("stage") == name).drop("stage"), STAGE_DECISION).collect()
+        return conform(self.decisions.filter(pl.col("stage") == name).drop("stage"), STAGE_DECISION).collect(engine=POLARS_ENGINE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame)
     led = earlier.lazy().filter(pl.col("action").is_in(list(stage.frozen))).select(
         *PART_KEY, _lf=pl.col("from_call").cast(pl.Int32), _la="action", _lr="reason", _lb="before_sha256",
         _lafter="after_sha256", _lrep="replacement", _le=pl.col("cache_epoch").cast(pl.Int32),
-    ).collect()
+    ).collect(engine=POLARS_ENGINE)
     if not led.height and (stage.rebuild is None or not earlier.height):
         return Reapplied(blocks, pl.DataFrame(schema=DECISION_SCHEMA), pl.DataFrame(schema=DECISION_SCHEMA),
                          earlier.filter(pl.col("action") != "conflict"))
@@ -263,12 +263,12 @@ def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame)
     decisions = pl.DataFrame(schema=DECISION_SCHEMA)
     if stage.frozen:
         res = _apply(blocks.lazy(), good)
-        out, decisions = res.blocks.collect(), res.decisions.collect()
+        out, decisions = res.blocks.collect(engine=POLARS_ENGINE), res.decisions.collect(engine=POLARS_ENGINE)
     if stage.rebuild is not None:
         rebuilt, rebuilt_dec = stage.rebuild(blocks.lazy(), out.lazy(), earlier.lazy())
-        out = rebuilt.collect()
-        decisions = pl.concat([decisions, conform(rebuilt_dec, STAGE_DECISION).collect()])
-    conflicts_df = conflicts.collect()
+        out = rebuilt.collect(engine=POLARS_ENGINE)
+        decisions = pl.concat([decisions, conform(rebuilt_dec, STAGE_DECISION).collect(engine=POLARS_ENGINE)])
+    conflicts_df = conflicts.collect(engine=POLARS_ENGINE)
     view = pl.concat([earlier.filter(pl.col("action") != "conflict"), conflicts_df])
     return Reapplied(out, decisions, conflicts_df, view)
 
@@ -313,8 +313,8 @@ def check_result(res: object, name: str, position: int, module: str) -> tuple[pl
         check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{name}' (#{position})")  # type: ignore[attr-defined]
     except SchemaMismatch as exc:
         raise StageFailed(name, position, exc, kind="schema", message=str(exc)) from exc
-    blocks = res.blocks.lazy().collect()  # type: ignore[attr-defined]
-    decisions = res.decisions.lazy().collect()  # type: ignore[attr-defined]
+    blocks = res.blocks.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
+    decisions = res.decisions.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
     dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1)
     if dupes.height:
         msg = (f"stage '{name}' made {dupes.height} duplicate decisions for the same block and call (first: "
@@ -434,7 +434,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
         _record_failures(state, st, name, position, failed, skip)
         decisions = pl.concat([decisions, _failed_decisions(blocks, failed | dict.fromkeys(skip))])
     if st.spilled_texts is not None and decisions.filter(pl.col("action") == "spill").height:
-        state.spills.append(st.spilled_texts(blocks.lazy(), decisions.lazy()).select("sha256", "text").collect())
+        state.spills.append(st.spilled_texts(blocks.lazy(), decisions.lazy()).select("sha256", "text").collect(engine=POLARS_ENGINE))
     marked = mark_provisional(decisions, state.view.calls.pending)
     new, conflicts, reused = reconcile(marked, earlier)
     by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
@@ -493,4 +493,4 @@ def _failed_decisions(blocks: pl.DataFrame, failed: dict[str, StageFailed | None
         reason="reason", before_sha256=pl.lit(None, pl.String), after_sha256=pl.lit(None, pl.String),
         before_len=pl.lit(None, pl.Int64), after_len=pl.lit(None, pl.Int64), replacement="replacement",
         cache_epoch=pl.lit(0, pl.Int32),
-    ).lazy(), STAGE_DECISION).collect().sort(DECISION_KEY)
+    ).lazy(), STAGE_DECISION).collect(engine=POLARS_ENGINE).sort(DECISION_KEY)

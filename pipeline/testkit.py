@@ -15,6 +15,7 @@ from typing import Any
 
 import polars as pl
 
+from pipeline.constants import POLARS_ENGINE
 from pipeline.loaders.base import Block, Compaction, Message, Thread, json_text, threads_to_blocks
 from pipeline.registry import StageContext, StageResult, get_stage
 from pipeline.spec import resolve_params
@@ -89,20 +90,20 @@ def run_stage(name: str, blocks: pl.LazyFrame, params: Mapping[str, Any] | None 
 
     st = get_stage(name)
     p = resolve_params(st, dict(params or {}), where=f"test ({name})")
-    earlier = conform(ledger, STAGE_DECISION).collect() if ledger is not None else \
+    earlier = conform(ledger, STAGE_DECISION).collect(engine=POLARS_ENGINE) if ledger is not None else \
         pl.DataFrame(schema=polars_schema(STAGE_DECISION))
-    out, decisions = reapply_and_run(st, blocks.lazy().collect(), p, earlier, ctx or StageContext(), name, 1)
+    out, decisions = reapply_and_run(st, blocks.lazy().collect(engine=POLARS_ENGINE), p, earlier, ctx or StageContext(), name, 1)
     return StageResult(out.lazy(), decisions.lazy())
 
 
 def view(blocks: pl.LazyFrame | pl.DataFrame) -> pl.DataFrame:
-    df = blocks.collect() if isinstance(blocks, pl.LazyFrame) else blocks
+    df = blocks.collect(engine=POLARS_ENGINE) if isinstance(blocks, pl.LazyFrame) else blocks
     return df.select(VIEW).sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call"])
 
 
 def visible(blocks: pl.LazyFrame | pl.DataFrame, call: int) -> pl.DataFrame:
     """The block versions that call `call` sees, in order."""
-    df = blocks.collect() if isinstance(blocks, pl.LazyFrame) else blocks
+    df = blocks.collect(engine=POLARS_ENGINE) if isinstance(blocks, pl.LazyFrame) else blocks
     return view(df.filter((pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call))))
 
 
@@ -206,7 +207,7 @@ GOLDEN_VIEW = [*VIEW, "cache_epoch"]
 
 
 def _golden_view(blocks: pl.LazyFrame | pl.DataFrame) -> pl.DataFrame:
-    df = blocks.collect() if isinstance(blocks, pl.LazyFrame) else blocks
+    df = blocks.collect(engine=POLARS_ENGINE) if isinstance(blocks, pl.LazyFrame) else blocks
     return df.select(GOLDEN_VIEW).sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos",
                                         "first_call"])
 
@@ -250,14 +251,14 @@ def check_golden(case: Path, stage_name: str | None = None, *, update: bool = Fa
     blocks = make_blocks(_read_jsonl(case / "input.jsonl"), compactions=compactions)
     res = run_stage(name, blocks, cfg, ctx=ctx)
     got_blocks = _json_rows(_golden_view(res.blocks))
-    got_dec = _json_rows(res.decisions.collect().select(DECISION_VIEW).sort(DECISION_VIEW[:7]))
+    got_dec = _json_rows(res.decisions.collect(engine=POLARS_ENGINE).select(DECISION_VIEW).sort(DECISION_VIEW[:7]))
     if update:
         _write_jsonl(case / "expected_blocks.jsonl", got_blocks)
         _write_jsonl(case / "expected_decisions.jsonl", got_dec)
     assert got_blocks == _read_jsonl(case / "expected_blocks.jsonl"), f"{case}: blocks differ"
     assert got_dec == _read_jsonl(case / "expected_decisions.jsonl"), f"{case}: decisions differ"
     again = run_stage(name, res.blocks, cfg, ctx=ctx)
-    assert again.decisions.collect().height == 0, f"{case}: a second pass must decide nothing"
+    assert again.decisions.collect(engine=POLARS_ENGINE).height == 0, f"{case}: a second pass must decide nothing"
     assert _json_rows(_golden_view(again.blocks)) == got_blocks, f"{case}: a second pass must change nothing"
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 import polars as pl
 
+from pipeline.constants import POLARS_ENGINE
 from pipeline.errors import CtxReplayError
 from pipeline.outdir import read_summary, resolve_run
 from pipeline.words import plural
@@ -233,7 +234,7 @@ def threads_table(view: RunView, session: str | None = None) -> list[dict[str, A
               .select("session_id", "thread_id", "source_format", "is_sidechain")
               .group_by("session_id", "thread_id")
               .agg(pl.col("source_format").first(), pl.col("is_sidechain").any())
-              .collect())
+              .collect(engine=POLARS_ENGINE))
     own = calls.filter(~pl.col("is_pending"))
     per = (calls.group_by("session_id", "thread_id", "thread_key")
            .agg(first_time=pl.col("timestamp").min(), last_time=pl.col("timestamp").max(),

@@ -35,6 +35,7 @@ import orjson
 import polars as pl
 
 from pipeline.blockops import canonical_json, sort_blocks
+from pipeline.constants import POLARS_ENGINE
 from pipeline.errors import CtxReplayError
 from pipeline.threads import RunView, ThreadRef, known_stages, thread_kind
 from pipeline.threads import stage_rank as _stage_rank
@@ -108,7 +109,7 @@ def _load_recorded(view: RunView, ref: ThreadRef, final: pl.DataFrame, pending: 
     from pipeline.replay import call_counts, call_skeleton
 
     files = sorted(pl.scan_parquet(view.path("blocks.parquet")).filter(pl.col("session_id") == ref.session_id)
-                   .select("source_file").unique().collect().get_column("source_file").to_list())
+                   .select("source_file").unique().collect(engine=POLARS_ENGINE).get_column("source_file").to_list())
     missing = [f for f in files if not Path(f).is_file()]
     if missing:
         raise SourceChanged(f"the transcript of session {ref.session_id} is not where the run read it: "
@@ -156,7 +157,7 @@ def identity_request(rec: Recorded, ref: ThreadRef, call: int, target_name: str)
 
 def _visible(df: pl.DataFrame, k: int) -> pl.DataFrame:
     vis = df.filter((pl.col("first_call") <= k) & (pl.col("last_call").is_null() | (pl.col("last_call") > k)))
-    return sort_blocks(vis.lazy()).collect()
+    return sort_blocks(vis.lazy()).collect(engine=POLARS_ENGINE)
 
 
 def _key(r: dict[str, Any]) -> tuple[str, int, int]:
@@ -390,7 +391,7 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
 
     if ("final", ref.key) not in view.memo:
         view.memo[("final", ref.key)] = pl.scan_parquet(view.path("blocks.parquet")).filter(
-            (pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)).collect()
+            (pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)).collect(engine=POLARS_ENGINE)
     final = view.memo[("final", ref.key)]
     rec = load_recorded(view, ref, final, pending)
     fin_rows = _visible(final, k).to_dicts()

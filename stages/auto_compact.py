@@ -42,6 +42,7 @@ from pipeline.constants import (
     BLOCK_KEY,
     MESSAGE_OVERHEAD_TOKENS,
     NO_CALL,
+    POLARS_ENGINE,
     THREAD,
 )
 from pipeline.fenwick import Fenwick
@@ -252,7 +253,7 @@ def plan(blocks: pl.LazyFrame, params: AutoCompact, ctx: StageContext) -> StageR
     msgs = materialize(messages(blocks))
     cost = params.summary_tokens + MESSAGE_OVERHEAD_TOKENS
     scan_in = pl.concat([_per_call(blocks, msgs, params, ctx), _rows(blocks, msgs, ctx)], how="diagonal_relaxed")
-    firings = scan_in.map_batches(lambda df: _scan(df, params, cost), schema=_FIRING_SCHEMA).collect()
+    firings = scan_in.map_batches(lambda df: _scan(df, params, cost), schema=_FIRING_SCHEMA).collect(engine=POLARS_ENGINE)
     if firings.height == 0:
         return finish(start_marks(blocks))
     texts = [_summary_text(d, params.summary_tokens, r, ctx)

@@ -44,6 +44,7 @@ from pipeline.constants import (
     MESSAGE_OVERHEAD_TOKENS,
     NO_CALL,
     PART_KEY,
+    POLARS_ENGINE,
     SNIP_MARKER_RE,
     SNIP_MARKER_TEXT,
     THREAD,
@@ -468,7 +469,7 @@ def _resnip_conflicts(blocks: pl.LazyFrame, ledger: pl.LazyFrame) -> StageResult
     redo = ledger.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).select(
         *PART_KEY, "from_call").join(
         ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call", _rr="reason", _re="cache_epoch"),
-        on=[*PART_KEY, "from_call"]).collect()
+        on=[*PART_KEY, "from_call"]).collect(engine=POLARS_ENGINE)
     if not redo.height:
         return None
     targets = blocks.join(redo.lazy(), on=PART_KEY, how="inner").filter(visible_at("from_call")).select(
