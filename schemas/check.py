@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import polars as pl
 import pyarrow as pa
 
@@ -26,6 +28,12 @@ class SchemaMismatch(CtxReplayError):
 
 def polars_schema(declared: pa.Schema) -> pl.Schema:
     """The polars schema of an Arrow schema (strings stay String, not string_view)."""
+    return pl.Schema(_polars_schema(declared))  # a copy: the caller may change it
+
+
+@functools.lru_cache(maxsize=64)
+def _polars_schema(declared: pa.Schema) -> pl.Schema:
+    # checked after every stage and conformed at every step: made once per schema, not each time
     return pl.Schema(pl.from_arrow(declared.empty_table()).schema)
 
 
