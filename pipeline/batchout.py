@@ -23,6 +23,7 @@ from pipeline.stagerun import StageFailure
 from pipeline.store import CALL_MESSAGES_FILE, MESSAGES_FILE
 from pipeline.targets import Violation
 from schemas.blocks import BLOCKS
+from schemas.check import empty_table
 
 RUN_ID_KEY = b"ctxreplay_run_id"
 
@@ -214,7 +215,7 @@ class Totals:
 
     def load_result(self) -> LoadResult:
         loads = sorted(self.loads, key=lambda ld: ld.path)
-        return LoadResult(BLOCKS.empty_table(), loads, self.skipped, dict(self.stats), threads=self.loaded_threads)
+        return LoadResult(empty_table(BLOCKS), loads, self.skipped, dict(self.stats), threads=self.loaded_threads)
 
     @staticmethod
     def frame(parts: list[pl.DataFrame]) -> pl.DataFrame:

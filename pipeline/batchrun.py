@@ -38,7 +38,7 @@ from pipeline.targets import Violation, get_target
 from pipeline.tokens import TokenCounter, text_sha
 from pipeline.words import plural
 from schemas.blocks import BLOCKS
-from schemas.check import check_frame, to_arrow
+from schemas.check import check_frame, empty_table, to_arrow
 from schemas.quarantine import QUARANTINE
 
 Progress = Callable[[str], None]
@@ -178,7 +178,7 @@ def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
     t0 = time.perf_counter()
     loaded, parts, blocks = load_batch(groups, say)
     if not any(ld.lines for ld in loaded.loads) and not loaded.quarantine:
-        loaded.blocks = BLOCKS.empty_table()
+        loaded.blocks = empty_table(BLOCKS)
         return BatchResult(index, loaded, None, [_group_facts(lr, None) for lr in parts])
     skeleton = call_skeleton(blocks)
     counts = call_counts(blocks)
@@ -198,7 +198,7 @@ def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
                           on=["session_id", "thread_id", "call"], how="left")
     applied = staged.applied
     messages, call_messages = replay_stats.pop("store_tables")
-    loaded.blocks = BLOCKS.empty_table()
+    loaded.blocks = empty_table(BLOCKS)
     if isinstance(counter, BatchCounter):
         counter.forget()
     out = BatchOutputs(

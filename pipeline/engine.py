@@ -65,7 +65,7 @@ from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, r
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter
 from schemas.blocks import BLOCKS
-from schemas.check import check_frame
+from schemas.check import check_frame, empty_table
 from schemas.decisions import DECISION_KEY
 
 USAGE_DDL = """
@@ -401,7 +401,7 @@ class Engine:
                 with open(f.path, "ab") as fh:
                     fh.write(b"".join(ln + b"\n" for ln in f.lines[f.written:]))
                 f.written = len(f.lines)
-        loaded = load_paths([s.dir]) if s.files else LoadResult(BLOCKS.empty_table(), [])
+        loaded = load_paths([s.dir]) if s.files else LoadResult(empty_table(BLOCKS), [])
         blocks = pl.from_arrow(loaded.blocks)
         assert isinstance(blocks, pl.DataFrame)
         check_frame(blocks, BLOCKS, where="on load")

@@ -39,6 +39,7 @@ from pipeline.loaders.base import (
     threads_to_blocks,
 )
 from schemas.blocks import BLOCKS
+from schemas.check import empty_table
 
 # loaders of one file each, tried in this order before Claude Code; each exposes
 # sniff(first_objects, path) and load(path)
@@ -234,14 +235,14 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     loads.sort(key=lambda ld: ld.path)
     notes: list[dict[str, Any]] = []
     if columnar_load is None:
-        blocks = threads_to_blocks(threads, notes) if threads else BLOCKS.empty_table()
+        blocks = threads_to_blocks(threads, notes) if threads else empty_table(BLOCKS)
     else:
         # the other formats' rows first, as in the reference table; the columnar rows all fit their
         # columns, so a coercion among the others changes none of them
         parts = [threads_to_blocks(other_threads, notes)] if other_threads else []
         if cc_threads:
             parts.append(columnar_load.blocks(cc_threads))
-        blocks = pa.concat_tables(parts) if len(parts) > 1 else parts[0] if parts else BLOCKS.empty_table()
+        blocks = pa.concat_tables(parts) if len(parts) > 1 else parts[0] if parts else empty_table(BLOCKS)
     if notes:
         by_path = {ld.path: ld for ld in loads}
         seen: set[tuple[Any, ...]] = set()

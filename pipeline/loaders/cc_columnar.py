@@ -82,6 +82,7 @@ from pipeline.loaders.base import (
     read_line,
 )
 from schemas.blocks import BLOCKS, CONTENT_COLUMNS, TS
+from schemas.check import empty_table
 
 FORMAT = cc.FORMAT
 # what the SQL JSON reader accepts and orjson does not (two patterns: an alternation of both is slower)
@@ -535,8 +536,8 @@ class _Batch:
         self.text: pa.Array = pa.array([], pa.large_string())  # every physical line, decoded (null: not UTF-8)
         self.lines_bin: pa.Array = pa.array([], pa.large_binary())
         self.fast = _Fast()
-        self.fast_e: pa.Table = _E_SCHEMA.empty_table()  # one row per fast message line
-        self.fast_eb: pa.Table = _EB_SCHEMA.empty_table()  # their block parts, in order
+        self.fast_e: pa.Table = empty_table(_E_SCHEMA)  # one row per fast message line
+        self.fast_eb: pa.Table = empty_table(_EB_SCHEMA)  # their block parts, in order
         self.fast_eb_off: list[int] = [0]  # fast entry row -> first block part row (one more at the end)
         self.slow_msgs: list[Any] = []  # message entries read by the careful path (base.Message)
         self.fast_lid: list[int] = []  # fast entry row -> line id (its raw line is text[line id])
