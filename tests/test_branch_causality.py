@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import pytest
 from pipeline.runner import RunOptions, RunResult, run
 from pipeline.spec import load_spec, parse_spec
 from pipeline.tokens import CHARS4_COUNTER
+from tests.cckit import CCSession
 
 SESSION = "6b1f9a4e-0c1d-4e2f-9a3b-5c6d7e8f9a0b"
 T0 = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)
@@ -59,49 +60,22 @@ trigger_idle_seconds = 600
 """
 
 
-class Writer:
-    """Claude Code entries, one API message per assistant entry, chained by parentUuid."""
+class Writer(CCSession):
+    """Claude Code entries with explicit parents (a rewind names an older one); `lines` are the entries."""
 
     def __init__(self) -> None:
-        self.lines: list[dict[str, Any]] = []
-        self.n = 0
-        self.t = T0
+        super().__init__(SESSION, T0)
+        self.lines = self.entries
 
-    def _entry(self, typ: str, parent: str | None, message: dict[str, Any], gap: float, **kw: Any) -> str:
-        self.n += 1
-        self.t += timedelta(seconds=gap)
-        uid = f"{self.n:08x}-0000-4000-8000-{self.n:012x}"
-        self.lines.append({"parentUuid": parent, "isSidechain": False, "type": typ, "uuid": uid,
-                           "sessionId": SESSION, "version": "2.1.40", "timestamp": self.t.isoformat(),
-                           "message": message, **kw})
-        return uid
-
-    def user(self, parent: str | None, text: str, gap: float = 30) -> str:
-        return self._entry("user", parent, {"role": "user", "content": text}, gap)
+    def user(self, parent: str | None, text: str, gap: float = 30) -> str:  # type: ignore[override]
+        return super().user(text, gap, parent)
 
     def call(self, parent: str, name: str, size: int, gap: float = 5) -> str:
         """An assistant tool call and its (big) result; returns the result entry's uuid."""
-        k = self.n + 1
-        tid = f"toolu_{k:06d}"
-        a = self._entry("assistant", parent, {
-            "id": f"msg_{k:06d}", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [{"type": "tool_use", "id": tid, "name": name, "input": {"k": k}}],
-            "stop_reason": "tool_use", "usage": {"input_tokens": 10, "output_tokens": 5}}, gap, requestId=f"req_{k:06d}")
-        body = "\n".join(f"{name} {k} line {i} " + "x" * 60 for i in range(size // 80 + 1))[:size]
-        return self._entry("user", a, {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": tid, "content": body}]}, 2)
+        return self.tool_call(len(self.entries) + 1, name, size, gap, parent)
 
-    def answer(self, parent: str, text: str, gap: float = 5) -> str:
-        k = self.n + 1
-        return self._entry("assistant", parent, {
-            "id": f"msg_{k:06d}", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
-            "usage": {"input_tokens": 10, "output_tokens": 5}}, gap, requestId=f"req_{k:06d}")
-
-    def write(self, path: Path, upto: int | None = None) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(x) + "\n" for x in self.lines[:upto]))
-        return path
+    def answer(self, parent: str, text: str, gap: float = 5) -> str:  # type: ignore[override]
+        return super().answer(len(self.entries) + 1, text, gap, parent)
 
 
 def rewind_session(seed: int) -> tuple[Writer, int]:

@@ -5,7 +5,7 @@ the batch replay on a session whose layers fire."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from pipeline.ledger import Ledger
 from pipeline.runner import RunOptions, run
 from pipeline.spec import parse_spec
 from pipeline.tokens import CHARS4_COUNTER
+from tests.cckit import CCSession
 
 SID = "7c2e9a10-4b3d-4e5f-8a6b-1c2d3e4f5a6b"
 T0 = datetime(2026, 5, 1, 8, 0, tzinfo=UTC)
@@ -47,45 +48,26 @@ trigger_idle_seconds = 0
 """, source="test")
 
 
-class Session:
-    """Claude Code entries: a prompt, then tool calls with big results, an answer now and then."""
+class Session(CCSession):
+    """Claude Code entries: a prompt, then tool calls with big results, an answer now and then;
+    `calls` holds the index of the first entry of each call's answer. Methods chain."""
 
     def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
-        self.calls: list[int] = []  # index of the first entry of each call's answer
-        self.t = T0
-        self.parent: str | None = None
+        super().__init__(SID, T0)
+        self.calls: list[int] = []
 
-    def _entry(self, typ: str, message: dict[str, Any], gap: float = 5, **kw: Any) -> None:
-        n = len(self.entries) + 1
-        self.t += timedelta(seconds=gap)
-        uid = f"{n:08x}-0000-4000-8000-{n:012x}"
-        self.entries.append({"parentUuid": self.parent, "isSidechain": False, "type": typ, "uuid": uid,
-                             "sessionId": SID, "version": "2.1.40", "timestamp": self.t.isoformat(),
-                             "message": message, **kw})
-        self.parent = uid
-
-    def user(self, text: str) -> Session:
-        self._entry("user", {"role": "user", "content": text}, gap=30)
+    def user(self, text: str, gap: float = 30, parent: Any = None) -> Session:  # type: ignore[override]
+        super().user(text, gap)
         return self
 
     def tool_turn(self, k: int, size: int) -> Session:
         self.calls.append(len(self.entries))
-        tid = f"toolu_{k:06d}"
-        self._entry("assistant", {"id": f"msg_{k:06d}", "type": "message", "role": "assistant", "model": "claude-x",
-                                  "content": [{"type": "tool_use", "id": tid, "name": "Read", "input": {"k": k}}],
-                                  "stop_reason": "tool_use", "usage": {"input_tokens": 10, "output_tokens": 5}},
-                    requestId=f"req_{k:06d}")
-        body = "\n".join(f"Read {k} line {i} " + "x" * 60 for i in range(size // 80 + 1))[:size]
-        self._entry("user", {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid,
-                                                           "content": body}]}, gap=2)
+        self.tool_call(k, "Read", size)
         return self
 
-    def answer(self, k: int, text: str) -> Session:
+    def answer(self, k: int, text: str, gap: float = 5, parent: Any = None) -> Session:  # type: ignore[override]
         self.calls.append(len(self.entries))
-        self._entry("assistant", {"id": f"msg_{k:06d}", "type": "message", "role": "assistant", "model": "claude-x",
-                                  "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
-                                  "usage": {"input_tokens": 10, "output_tokens": 5}}, requestId=f"req_{k:06d}")
+        super().answer(k, text, gap)
         return self
 
 
