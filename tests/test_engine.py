@@ -56,7 +56,7 @@ class Session(CCSession):
         super().__init__(SID, T0)
         self.calls: list[int] = []
 
-    def user(self, text: str, gap: float = 30, parent: Any = None) -> Session:  # type: ignore[override]
+    def user(self, text: str, gap: float = 30) -> Session:  # type: ignore[override]
         super().user(text, gap)
         return self
 
