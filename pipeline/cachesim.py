@@ -19,11 +19,12 @@ Requests are the request store's message lists (`SimStore`): a request is a chai
 nodes — the shared preamble (Claude Code's system prompt and tools, common to the sessions of an
 account), the thread's own system prompt, what the agent injects before the first recorded message
 (one node per compaction segment), then one node per wire message (its sha256; with a thinking
-block stripped or not). A node is a 64-bit hash chained over the prefix's parts, so two requests
-that send the same bytes reach the same node, whichever thread sends them, and nothing is stored
-per prefix but cache entries. Between two calls a thread's chain is recomputed only from its first
-changed slot: the walk costs O(calls + the slots at or after each call's first change) hash
-steps (appends only, under identity). Token positions come from the calibration (pipeline/calibrate.py):
+block stripped or not). A node is a hash chained over the prefix's parts (`CacheState.child` for the
+preamble's, a polynomial step per message after it: `_extend_chain`), so two requests that send the
+same bytes reach the same node, whichever thread sends them, and nothing is stored per prefix but
+cache entries. Between two calls a thread's chain is recomputed only from its first changed slot:
+the walk costs O(calls + the slots at or after each call's first change) hash steps (appends only,
+under identity), and a long recomputation (a deep prefix break) is one vectorised numpy pass. Token positions come from the calibration (pipeline/calibrate.py):
 `preamble + ratio × (our cumulative tokens)`.
 
 Rules per provider (`Policy` holds the knobs):
@@ -351,7 +352,7 @@ def _extends(old: bytes | None, new: bytes | None) -> bool:
 
 class CacheState:
     """The cache entries per (scope, model): node -> [expiry, readable_from] (seconds since the
-    epoch). A node names a prefix: a 64-bit hash chained over its parts (`child`), the same for the
+    epoch). A node names a prefix: a hash chained over its parts (`child`, `_extend_chain`), the same for the
     same content whichever thread, store or run sends it, so nothing per prefix is kept but the
     entries themselves."""
 
@@ -564,13 +565,13 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     decisions_by = _decisions_by_thread(decisions)
     walks: dict[str, _Walk] = {}
     out: dict[tuple[str, int], tuple[Any, ...]] = {}
-    g = state.gid_map(store, aliases)
-    cols = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
+    cols = _Columns(store, state.gid_map(store, aliases))
+    fields = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
             "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking"]
     was = gc.isenabled()
     gc.disable()      # the walk allocates many small long-lived objects: no cyclic GC rescans
     try:
-        for row in zip(*(todo.get_column(x).to_list() for x in cols), strict=True):
+        for row in zip(*(todo.get_column(x).to_list() for x in fields), strict=True):
             key = row[0]
             w = walks.get(key)
             if w is None:
@@ -579,7 +580,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
                     raise SimError(f"thread '{key}' is in the calls but not in the request store; the run's "
                                    f"outputs do not belong together: run again")
                 w = walks[key] = _Walk(key, ev)
-            out[(key, row[2])] = _simulate_call(w, row, store, g, state, policy, decisions_by.get(key))
+            out[(key, row[2])] = _simulate_call(w, row, store, cols, state, policy, decisions_by.get(key))
     finally:
         if was:
             gc.enable()
@@ -709,13 +710,109 @@ def _layer_detail(decs: list[tuple[int, str]] | None, lo: int, hi: int) -> str |
     if not decs:
         return None
     i = bisect.bisect_right(decs, (lo, "\uffff"))
-    got = sorted({d for c, d in decs[i:] if c <= hi})
+    j = bisect.bisect_right(decs, (hi, "\uffff"), i)
+    got = sorted({d for _, d in decs[i:j]})
     if not got:
         return None
     return ", ".join(got[:3]) + (f" (+{len(got) - 3} more)" if len(got) > 3 else "")
 
 
-def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int], state: CacheState,
+# ---------------------------------------------------------------------------------------------
+# the message chain: node i names the prefix ending with message i
+#
+# Node i is a polynomial hash of the labels of messages 0..i over the thread's base node, modulo
+# two 31-bit primes (packed in one int < 2**62): node_i = node_{i-1} * B + label_i, so the chain
+# from index v on is a cumulative sum that numpy computes at once. A deep prefix break (a layer
+# changing a message far back at every call) recomputes thousands of nodes per call; as a Python
+# loop of tuple hashes that was most of a context-editing run's simulation. Short extensions (an
+# appended call: a few messages) stay in Python, with the same arithmetic.
+
+_P1, _P2 = 2_147_483_647, 2_147_483_629     # primes < 2**31: products fit in int64
+_B1, _B2 = 1_000_003, 786_433               # bases
+_LOW = (1 << 31) - 1
+_VECTOR_FROM = 48                           # extensions of at least this many messages go to numpy
+_POWERS: list[Any] = []                     # [B1**k, B1**-k, B2**k, B2**-k] for k < len, as int64 arrays
+
+
+def _powers(n: int) -> list[Any]:
+    """The power tables for chains of up to n - 1 messages (grown by doubling, kept)."""
+    import numpy as np
+
+    if _POWERS and len(_POWERS[0]) >= n:
+        return _POWERS
+    size = max(n, 2 * len(_POWERS[0]) if _POWERS else 4096)
+    tables = []
+    for p, b in ((_P1, _B1), (_P2, _B2)):
+        for base in (b, pow(b, -1, p)):
+            t = [1] * size
+            for k in range(1, size):
+                t[k] = t[k - 1] * base % p
+            tables.append(np.array(t, dtype=np.int64))
+    _POWERS[:] = tables
+    return _POWERS
+
+
+class _Columns:
+    """A store's per-message columns as numpy arrays, with the run's labels (`CacheState.gid_map`)."""
+
+    def __init__(self, store: SimStore, g: list[int]) -> None:
+        import numpy as np
+
+        self.np = np
+        self.store = store
+        self.g = g
+        self.label = np.array(g, dtype=np.int64) * 2 + 1          # +1: no label is 0 (with thinking: +2)
+        self.tok = np.array(store.tok, dtype=np.int64) + MESSAGE_OVERHEAD_TOKENS
+        self.blk = np.array(store.blk, dtype=np.int64)
+        self.thinking = np.frombuffer(bytes(store.thinking), dtype=np.uint8).astype(bool)
+        self.real_user = np.frombuffer(bytes(store.real_user), dtype=np.uint8).astype(bool)
+
+    def take(self, ids: list[int], lo: int, hi: int) -> Any:
+        """ids[lo:hi] as an int64 array."""
+        return self.np.fromiter(ids[lo:hi], dtype=self.np.int64, count=hi - lo)
+
+
+def _extend_chain(w: _Walk, v: int, n: int, horizon: int, cols: _Columns) -> None:
+    """Append nodes, cumulative tokens and blocks for messages v..n-1 of the walk (those before v
+    are kept); a message before `horizon` has its thinking stripped (its label + 1)."""
+    nodes, cum_tok, cum_blk, ids = w.nodes, w.cum_tok, w.cum_blk, w.ids
+    w.valid = n
+    if v >= n:
+        return
+    parent = nodes[v - 1] if v else w.base
+    h1, h2 = (parent >> 31) % _P1, (parent & _LOW) % _P2
+    ct = cum_tok[v - 1] if v else 0
+    cb = cum_blk[v - 1] if v else 0
+    if n - v < _VECTOR_FROM:
+        g, tok, blk, thinking = cols.g, cols.store.tok, cols.store.blk, cols.store.thinking
+        for i in range(v, n):
+            mid = ids[i]
+            x = g[mid] * 2 + 1 + (1 if (i < horizon and thinking[mid]) else 0)
+            h1 = (h1 * _B1 + x) % _P1
+            h2 = (h2 * _B2 + x) % _P2
+            nodes.append(h1 << 31 | h2)
+            ct += tok[mid] + MESSAGE_OVERHEAD_TOKENS
+            cb += blk[mid]
+            cum_tok.append(ct)
+            cum_blk.append(cb)
+        return
+    np = cols.np
+    m = cols.take(ids, v, n)
+    x = cols.label[m]
+    if horizon > v:
+        k = min(horizon, n) - v
+        x[:k] += cols.thinking[m[:k]]
+    size = n - v
+    pw1, iv1, pw2, iv2 = _powers(size + 1)
+    # node_i = B**(i-v+1) * (node_{v-1} + sum_{j=v..i} x_j * B**-(j-v+1))   (mod p)
+    a1 = pw1[1:size + 1] * ((np.cumsum(x * iv1[1:size + 1] % _P1) + h1) % _P1) % _P1
+    a2 = pw2[1:size + 1] * ((np.cumsum(x * iv2[1:size + 1] % _P2) + h2) % _P2) % _P2
+    nodes.extend(((a1 << 31) | a2).tolist())
+    cum_tok.extend((np.cumsum(cols.tok[m]) + ct).tolist())
+    cum_blk.extend((np.cumsum(cols.blk[m]) + cb).tolist())
+
+
+def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Columns, state: CacheState,
                    policy: Policy, decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
     (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment,
      strips) = row
@@ -740,13 +837,14 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
         fv = min(w.flags_valid, n)
         del w.ru[bisect.bisect_left(w.ru, fv):]
         del w.th[bisect.bisect_left(w.th, fv):]
-        ru_flag, th_flag = store.real_user, store.thinking
-        for i in range(fv, n):
-            mid = ids[i]
-            if ru_flag[mid]:
-                w.ru.append(i)
-            if th_flag[mid]:
-                w.th.append(i)
+        if n - fv < _VECTOR_FROM:
+            ru_flag, th_flag = store.real_user, store.thinking
+            w.ru.extend(i for i in range(fv, n) if ru_flag[ids[i]])
+            w.th.extend(i for i in range(fv, n) if th_flag[ids[i]])
+        else:
+            m = cols.take(ids, fv, n)
+            w.ru.extend((cols.np.flatnonzero(cols.real_user[m]) + fv).tolist())
+            w.th.extend((cols.np.flatnonzero(cols.thinking[m]) + fv).tolist())
         w.flags_valid = n
     strip = anthropic and policy.strip_thinking and strips is not False
     h = w.ru[-1] if (strip and w.ru) else -1
@@ -766,12 +864,12 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     # the preamble chain: shared -> system (owner, envelope) -> hidden content of this segment
     scope = "all" if policy.scope == "all" else session
     node_a = state.child(ROOT, ("shared", int(shared))) if shared > 0 else ROOT
-    node_b = state.child(node_a, ("system", owner, g[w.env] if w.env >= 0 else -1))
+    node_b = state.child(node_a, ("system", owner, cols.g[w.env] if w.env >= 0 else -1))
     base_key = (node_b, ids[0] if n else -1, segment)
     base_changed = base_key != w.base_key
     if base_changed:
         w.base_key = base_key
-        w.base = state.child(node_b, ("hidden", g[ids[0]] if n else -1))
+        w.base = state.child(node_b, ("hidden", cols.g[ids[0]] if n else -1))
         w.valid = 0
     # message chain from the first invalid index (the old node where the first change is: the end of
     # an earlier version of that message, still a block boundary if the new one only appends blocks)
@@ -780,19 +878,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, g: list[int]
     ext = (first_changed, nodes[first_changed], old_id) if (
         old_id >= 0 and not base_changed and v >= first_changed and first_changed < min(len(nodes), n)) else None
     del nodes[v:], cum_tok[v:], cum_blk[v:]
-    tok, blk, thinking = store.tok, store.blk, store.thinking
-    parent = nodes[v - 1] if v else w.base
-    ct = cum_tok[v - 1] if v else 0
-    cb = cum_blk[v - 1] if v else 0
-    for i in range(v, n):
-        mid = ids[i]
-        parent = hash((parent, g[mid] * 2 + (1 if (strip and i < h and thinking[mid]) else 0)))
-        nodes.append(parent)
-        ct += tok[mid] + MESSAGE_OVERHEAD_TOKENS
-        cb += blk[mid]
-        cum_tok.append(ct)
-        cum_blk.append(cb)
-    w.valid = n
+    _extend_chain(w, v, n, h if strip else -1, cols)
     env_tok = store.tok[w.env] if w.env >= 0 else 0
     base_x = REQUEST_OVERHEAD_TOKENS + env_tok
 

@@ -541,3 +541,59 @@ def test_openai_steady_growth_is_no_break_and_an_expiry_is() -> None:
     r1, r2 = row(out, 1), row(out, 2)
     assert r1["sim_cache_read_tokens"] == end(1500) // 128 * 128 and r1["sim_break_cause"] is None
     assert r2["sim_cache_read_tokens"] == 0 and r2["sim_break_cause"] == "ttl_expiry"
+
+
+def _chain_store(n: int) -> SimStore:
+    st = SimStore()
+    for i in range(n):
+        st.add_message(f"{i:064x}", tokens=10 + i % 7, n_blocks=1 + i % 3, thinking=i % 5 == 0, real_user=i % 9 == 0)
+    return st
+
+
+def _chain(st: SimStore, ids: list[int], steps: list[tuple[int, int]], vector_from: int,
+           monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int], list[int]]:
+    """The walk's nodes / cumulative tokens / blocks after extending it by `steps` (valid from, horizon)."""
+    from pipeline import cachesim as cs
+
+    monkeypatch.setattr(cs, "_VECTOR_FROM", vector_from)
+    w = cs._Walk("k", cs._ThreadEvents())
+    w.ids, w.base = list(ids), 1234567
+    cols = cs._Columns(st, CacheState().gid_map(st))
+    for v, horizon in steps:
+        del w.nodes[v:], w.cum_tok[v:], w.cum_blk[v:]
+        cs._extend_chain(w, v, len(ids), horizon, cols)
+    return w.nodes, w.cum_tok, w.cum_blk
+
+
+@pytest.mark.parametrize("steps", [[(0, -1)], [(0, 40), (17, 40)], [(0, -1), (60, -1), (3, -1)],
+                                   [(0, 200), (60, 200), (3, 200)], [(0, 150), (102, 150)], [(0, -1), (60, 90), (3, 7)]])
+def test_chain_numpy_equals_python(steps: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The message chain is the same whether an extension is computed in numpy (long ones) or in Python
+    (short ones), and extending from index v gives what computing from 0 gives (same horizon)."""
+    st = _chain_store(120)
+    ids = [(i * 37) % 120 for i in range(150)]            # repeats: the same message at two places
+    py = _chain(st, ids, steps, 10**9, monkeypatch)
+    vec = _chain(st, ids, steps, 0, monkeypatch)
+    assert vec == py
+    if len({h for _, h in steps}) == 1:
+        assert _chain(st, ids, [(0, steps[0][1])], 10**9, monkeypatch) == py      # from scratch
+    nodes = py[0]
+    assert len(set(nodes)) == len(nodes)                  # every prefix has its own node
+
+
+def test_chain_threshold_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension one message shorter than _VECTOR_FROM stays in Python, one of _VECTOR_FROM goes to
+    numpy; both continue the chain that the other path started."""
+    from pipeline import cachesim as cs
+
+    st = _chain_store(200)
+    ids = list(range(200))
+    limit = cs._VECTOR_FROM
+    ref = _chain(st, ids, [(0, -1)], 10**9, monkeypatch)
+    for v in (len(ids) - limit + 1, len(ids) - limit):      # python, numpy
+        got = _chain(st, ids, [(0, -1), (v, -1)], limit, monkeypatch)
+        assert got == ref
+    # thinking stripped before the horizon changes the nodes from the first stripped message on
+    one = _chain(st, ids, [(0, 5)], 10**9, monkeypatch)[0]       # message 0 stripped
+    two = _chain(st, ids, [(0, 6)], 10**9, monkeypatch)[0]       # messages 0 and 5
+    assert one[0] != ref[0][0] and two[:5] == one[:5] and two[5] != one[5]
