@@ -409,10 +409,11 @@ class _Walk:
         self.ev = ev
         self.k = -1                     # the last call applied
         self.slots: list[int] = []
-        self.ids: list[int] = []
-        self.nodes: list[int] = []
-        self.cum_tok: list[int] = []
-        self.cum_blk: list[int] = []
+        # int64 arrays (not lists): a long recomputation lands in them as one copy from numpy
+        self.ids = array("q")
+        self.nodes = array("q")
+        self.cum_tok = array("q")
+        self.cum_blk = array("q")
         self.valid = 0                  # nodes / cums are right for indices < valid
         self.env = -1
         self.ru: list[int] = []         # indices of real-user messages (ascending)
@@ -767,9 +768,9 @@ class _Columns:
         self.thinking = np.frombuffer(bytes(store.thinking), dtype=np.uint8).astype(bool)
         self.real_user = np.frombuffer(bytes(store.real_user), dtype=np.uint8).astype(bool)
 
-    def take(self, ids: list[int], lo: int, hi: int) -> Any:
-        """ids[lo:hi] as an int64 array."""
-        return self.np.fromiter(ids[lo:hi], dtype=self.np.int64, count=hi - lo)
+    def take(self, ids: array[int], lo: int, hi: int) -> Any:
+        """ids[lo:hi] as an int64 array (a copy: `ids` stays resizable)."""
+        return self.np.frombuffer(ids[lo:hi], dtype=self.np.int64)
 
 
 def _extend_chain(w: _Walk, v: int, n: int, horizon: int, cols: _Columns) -> None:
@@ -807,9 +808,9 @@ def _extend_chain(w: _Walk, v: int, n: int, horizon: int, cols: _Columns) -> Non
     # node_i = B**(i-v+1) * (node_{v-1} + sum_{j=v..i} x_j * B**-(j-v+1))   (mod p)
     a1 = pw1[1:size + 1] * ((np.cumsum(x * iv1[1:size + 1] % _P1) + h1) % _P1) % _P1
     a2 = pw2[1:size + 1] * ((np.cumsum(x * iv2[1:size + 1] % _P2) + h2) % _P2) % _P2
-    nodes.extend(((a1 << 31) | a2).tolist())
-    cum_tok.extend((np.cumsum(cols.tok[m]) + ct).tolist())
-    cum_blk.extend((np.cumsum(cols.blk[m]) + cb).tolist())
+    nodes.frombytes(((a1 << 31) | a2).tobytes())
+    cum_tok.frombytes((np.cumsum(cols.tok[m]) + ct).tobytes())
+    cum_blk.frombytes((np.cumsum(cols.blk[m]) + cb).tobytes())
 
 
 def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Columns, state: CacheState,

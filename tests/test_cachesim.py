@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -557,12 +558,12 @@ def _chain(st: SimStore, ids: list[int], steps: list[tuple[int, int]], vector_fr
 
     monkeypatch.setattr(cs, "_VECTOR_FROM", vector_from)
     w = cs._Walk("k", cs._ThreadEvents())
-    w.ids, w.base = list(ids), 1234567
+    w.ids, w.base = array("q", ids), 1234567
     cols = cs._Columns(st, CacheState().gid_map(st))
     for v, horizon in steps:
         del w.nodes[v:], w.cum_tok[v:], w.cum_blk[v:]
         cs._extend_chain(w, v, len(ids), horizon, cols)
-    return w.nodes, w.cum_tok, w.cum_blk
+    return list(w.nodes), list(w.cum_tok), list(w.cum_blk)
 
 
 @pytest.mark.parametrize("steps", [[(0, -1)], [(0, 40), (17, 40)], [(0, -1), (60, -1), (3, -1)],
