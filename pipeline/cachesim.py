@@ -825,37 +825,12 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
     if not uses_cache:
         provider = None
     anthropic = provider == "anthropic"
-    pre = float(pre or 0)
-    ratio = float(ratio or 1.0)
     shared = float(shared or 0) if anthropic or provider in ("openai", "gemini") else 0.0
-    system = max(float(system or 0), shared)
-    tail = float(tail or 0) if anthropic else 0.0
     ids = w.ids
     n = len(ids)
 
-    # strip horizon (Anthropic extended thinking): thinking before the last real-user message is stripped
-    if w.flags_valid < n or len(w.ru) and w.ru[-1] >= n or len(w.th) and w.th[-1] >= n:
-        fv = min(w.flags_valid, n)
-        del w.ru[bisect.bisect_left(w.ru, fv):]
-        del w.th[bisect.bisect_left(w.th, fv):]
-        if n - fv < _VECTOR_FROM:
-            ru_flag, th_flag = store.real_user, store.thinking
-            w.ru.extend(i for i in range(fv, n) if ru_flag[ids[i]])
-            w.th.extend(i for i in range(fv, n) if th_flag[ids[i]])
-        else:
-            m = cols.take(ids, fv, n)
-            w.ru.extend((cols.np.flatnonzero(cols.real_user[m]) + fv).tolist())
-            w.th.extend((cols.np.flatnonzero(cols.thinking[m]) + fv).tolist())
-        w.flags_valid = n
     strip = anthropic and policy.strip_thinking and strips is not False
-    h = w.ru[-1] if (strip and w.ru) else -1
-    strip_first = None
-    if strip and h != w.h:
-        lo, hi = min(h, w.h), max(h, w.h)
-        j = bisect.bisect_left(w.th, max(lo, 0))
-        if j < len(w.th) and w.th[j] < hi:
-            strip_first = w.th[j]
-    w.h = h
+    h, strip_first = _strip_horizon(w, store, cols, strip)
     change = first_changed if first_changed < len(w.nodes) or env_changed else None
     if strip_first is not None and (change is None or strip_first < change):
         change = strip_first
@@ -863,7 +838,6 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
         w.valid = min(w.valid, change)
 
     # the preamble chain: shared -> system (owner, envelope) -> hidden content of this segment
-    scope = "all" if policy.scope == "all" else session
     node_a = state.child(ROOT, ("shared", int(shared))) if shared > 0 else ROOT
     node_b = state.child(node_a, ("system", owner, cols.g[w.env] if w.env >= 0 else -1))
     base_key = (node_b, ids[0] if n else -1, segment)
@@ -874,91 +848,36 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
         w.valid = 0
     # message chain from the first invalid index (the old node where the first change is: the end of
     # an earlier version of that message, still a block boundary if the new one only appends blocks)
-    nodes, cum_tok, cum_blk = w.nodes, w.cum_tok, w.cum_blk
+    nodes = w.nodes
     v = w.valid
     ext = (first_changed, nodes[first_changed], old_id) if (
         old_id >= 0 and not base_changed and v >= first_changed and first_changed < min(len(nodes), n)) else None
-    del nodes[v:], cum_tok[v:], cum_blk[v:]
+    del nodes[v:], w.cum_tok[v:], w.cum_blk[v:]
     _extend_chain(w, v, n, h if strip else -1, cols)
-    env_tok = store.tok[w.env] if w.env >= 0 else 0
-    base_x = REQUEST_OVERHEAD_TOKENS + env_tok
 
-    def pos(i: int) -> float:
-        return pre + ratio * (base_x + (cum_tok[i] if i >= 0 else 0))
-
-    prompt = pos(n - 1) if n else pre + ratio * base_x
-    ttl_s = TTL_SECONDS[ttl_name] if anthropic else (policy.openai_ttl_s if provider == "openai" else policy.gemini_ttl_s)
-    avail = ta if (ta is not None and ta >= t) else t
-    mn = min_cacheable_tokens(model, provider)
-    cache = state.cache(scope, model)
-
-    def alive(node: int) -> bool:
-        e = cache.get(node)
-        return e is not None and e[1] <= t < e[0]
-
-    read, hit_node, write_end = 0.0, None, 0.0
+    c = _Call(w, t, ta if (ta is not None and ta >= t) else t, float(pre or 0), float(ratio or 1.0),
+              REQUEST_OVERHEAD_TOKENS + (store.tok[w.env] if w.env >= 0 else 0),
+              state.cache("all" if policy.scope == "all" else session, model), min_cacheable_tokens(model, provider),
+              TTL_SECONDS[ttl_name] if anthropic else (
+                  policy.openai_ttl_s if provider == "openai" else policy.gemini_ttl_s))
+    prompt = c.pos(n - 1)
+    tail = float(tail or 0) if anthropic else 0.0
     prev = w.prev
     if provider is None:
-        pass
+        read, write_end = 0.0, 0.0
     elif anthropic:
-        bps: list[tuple[int, float]] = []           # (node, position) of the cacheable breakpoints
-        if "shared" in policy.breakpoints and shared >= mn and shared > 0:
-            if policy.warm_shared and prev is None and not alive(node_a):
-                cache[node_a] = [t + ttl_s, -NEVER]  # warm from sessions outside the data
-            bps.append((node_a, shared))
-        if "system" in policy.breakpoints and system >= mn and system > shared:
-            bps.append((node_b, system))
-        last_pos = prompt - tail
-        if "last" in policy.breakpoints and n and last_pos >= mn:
-            bps.append((nodes[n - 1], last_pos))
-        for node, p in bps:
-            if p > read and alive(node):
-                read, hit_node = p, node
-        if n and bps and bps[-1][0] == nodes[n - 1]:
-            # the last breakpoint also reads the longest live prefix ending within lookback_blocks before it
-            got = _lookback(w, cache, t, n, policy.lookback_blocks, store, ext, pos, tail)
-            if got is not None and got[1] > read:
-                hit_node, read = got
-        write_end = max((p for _, p in bps), default=0.0)
-        for node, _ in bps:
-            _put(cache, node, t, avail, ttl_s)
-        if hit_node is not None:
-            e = cache[hit_node]
-            e[0] = max(e[0], t + ttl_s)
+        read, write_end = _read_anthropic(c, policy, store, ext, (node_a, shared), (node_b, max(float(system or 0), shared)),
+                                          prompt - tail, tail)
     else:
-        # automatic prefix caching: every live request's whole prefix is readable
-        cands = [(node_a, shared), (node_b, system), (w.base, pre)] if n else [(node_a, shared), (node_b, system)]
-        for node, p in cands:
-            if p > read and alive(node):
-                read, hit_node = p, node
-        if prev is not None and prev["model"] == model and n:
-            m = min(first_changed, prev["n"], n, change if change is not None else n)
-            pe = cache.get(prev["end"])
-            if m > 0 and pe is not None and pe[1] <= t < pe[0] and pos(m - 1) > read:
-                read, hit_node = pos(m - 1), prev["end"]
-        start = min(change if change is not None else n, first_changed)
-        for i in range(n - 1, max(start, 0) - 1, -1):
-            if pos(i) <= read:
-                break
-            if alive(nodes[i]):
-                read, hit_node = pos(i), nodes[i]
-                break
-        if provider == "openai":
-            read = float(int(read) // OPENAI_STEP * OPENAI_STEP)
-        if prompt < mn or read < mn:
-            read = 0.0
-        write_end = prompt if prompt >= mn else 0.0
-        if write_end:
-            for node in ([node_a] if shared else []) + [node_b] + ([w.base, nodes[n - 1]] if n else []):
-                _put(cache, node, t, avail, ttl_s)
-        if hit_node is not None and hit_node in cache:
-            cache[hit_node][0] = max(cache[hit_node][0], t + ttl_s)
+        read, write_end = _read_automatic(c, provider, model, (node_a, shared), (node_b, max(float(system or 0), shared)),
+                                          prompt, min(change if change is not None else n, first_changed),
+                                          min(first_changed, change if change is not None else n))
 
     read_i = round(read)
     prompt_i = round(prompt)
     write_i = max(round(write_end) - read_i, 0)
     if provider == "openai":
-        cached_end = int(write_end) // OPENAI_STEP * OPENAI_STEP if write_end >= mn else 0
+        cached_end = int(write_end) // OPENAI_STEP * OPENAI_STEP if write_end >= c.mn else 0
     else:
         cached_end = round(write_end)        # what a later request may read of this one
     if provider == "openai" and not _OPENAI_WRITE_FEE.search(model.lower()):
@@ -976,17 +895,142 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
         expected = prev["cached"]
         if 0 < prev["n"] <= n and nodes[prev["n"] - 1] == prev["end"]:
             # the previous request's prefix, where it stands in this request (a cache edit shrinks it)
-            p_here = pos(prev["n"] - 1) - tail
+            p_here = c.pos(prev["n"] - 1) - tail
             expected = round(p_here) if provider != "openai" else int(p_here) // OPENAI_STEP * OPENAI_STEP
         if read_i < expected:
             btok = max(min(expected, cached_end) - read_i, 0)   # cached again, at most what this one caches
-            cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, cache,
+            cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, c.cache,
                                        policy, store, old_id, first_changed, env_changed)
     if cached_end == 0 and provider is not None and prev is not None:
         return read_i, w5, w1, input_i, prompt_i, cause, detail, btok   # uncached: the prefix to compare stays
     w.prev = {"model": model, "cached": cached_end, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
-              "ttl": ttl_name, "call": k, "segment": segment, "cache": cache}
+              "ttl": ttl_name, "call": k, "segment": segment, "cache": c.cache}
     return read_i, w5, w1, input_i, prompt_i, cause, detail, btok
+
+
+def _strip_horizon(w: _Walk, store: SimStore, cols: _Columns, strip: bool) -> tuple[int, int | None]:
+    """Anthropic extended thinking: thinking before the request's last real-user message is stripped.
+    Returns (that message's index or -1, the first message whose stripping changed since the
+    previous call or None); keeps the walk's real-user / thinking indices current."""
+    ids = w.ids
+    n = len(ids)
+    if w.flags_valid < n or len(w.ru) and w.ru[-1] >= n or len(w.th) and w.th[-1] >= n:
+        fv = min(w.flags_valid, n)
+        del w.ru[bisect.bisect_left(w.ru, fv):]
+        del w.th[bisect.bisect_left(w.th, fv):]
+        if n - fv < _VECTOR_FROM:
+            ru_flag, th_flag = store.real_user, store.thinking
+            w.ru.extend(i for i in range(fv, n) if ru_flag[ids[i]])
+            w.th.extend(i for i in range(fv, n) if th_flag[ids[i]])
+        else:
+            m = cols.take(ids, fv, n)
+            w.ru.extend((cols.np.flatnonzero(cols.real_user[m]) + fv).tolist())
+            w.th.extend((cols.np.flatnonzero(cols.thinking[m]) + fv).tolist())
+        w.flags_valid = n
+    h = w.ru[-1] if (strip and w.ru) else -1
+    strip_first = None
+    if strip and h != w.h:
+        lo, hi = min(h, w.h), max(h, w.h)
+        j = bisect.bisect_left(w.th, max(lo, 0))
+        if j < len(w.th) and w.th[j] < hi:
+            strip_first = w.th[j]
+    w.h = h
+    return h, strip_first
+
+
+@dataclass
+class _Call:
+    """One simulated request: its walk, time, the time its answer starts (its writes become readable),
+    calibration, the (scope, model) cache it reads and writes, the model's minimum and its TTL."""
+
+    w: _Walk
+    t: float
+    avail: float
+    pre: float
+    ratio: float
+    base_x: int                  # request overhead + envelope tokens
+    cache: dict[int, list[float]]
+    mn: int
+    ttl_s: float
+
+    def pos(self, i: int) -> float:
+        """The calibrated token position of the end of message i (-1: the preamble's end)."""
+        return self.pre + self.ratio * (self.base_x + (self.w.cum_tok[i] if i >= 0 else 0))
+
+    def alive(self, node: int) -> bool:
+        e = self.cache.get(node)
+        return e is not None and e[1] <= self.t < e[0]
+
+
+def _read_anthropic(c: _Call, policy: Policy, store: SimStore, ext: tuple[int, int, int] | None,
+                    shared: tuple[int, float], system: tuple[int, float], last_pos: float,
+                    tail: float) -> tuple[float, float]:
+    """Explicit breakpoints (shared preamble, system prompt, last message): the longest live prefix
+    read at one of them (the last one also looks back `lookback_blocks`), every breakpoint written.
+    Returns (tokens read, end of the last breakpoint)."""
+    w, cache, t, mn = c.w, c.cache, c.t, c.mn
+    nodes, n = w.nodes, len(w.ids)
+    read, hit_node = 0.0, None
+    bps: list[tuple[int, float]] = []           # (node, position) of the cacheable breakpoints
+    node_a, p_a = shared
+    if "shared" in policy.breakpoints and p_a >= mn and p_a > 0:
+        if policy.warm_shared and w.prev is None and not c.alive(node_a):
+            cache[node_a] = [t + c.ttl_s, -NEVER]  # warm from sessions outside the data
+        bps.append(shared)
+    if "system" in policy.breakpoints and system[1] >= mn and system[1] > p_a:
+        bps.append(system)
+    if "last" in policy.breakpoints and n and last_pos >= mn:
+        bps.append((nodes[n - 1], last_pos))
+    for node, p in bps:
+        if p > read and c.alive(node):
+            read, hit_node = p, node
+    if n and bps and bps[-1][0] == nodes[n - 1]:
+        # the last breakpoint also reads the longest live prefix ending within lookback_blocks before it
+        got = _lookback(w, cache, t, n, policy.lookback_blocks, store, ext, c.pos, tail)
+        if got is not None and got[1] > read:
+            hit_node, read = got
+    for node, _ in bps:
+        _put(cache, node, t, c.avail, c.ttl_s)
+    if hit_node is not None:
+        e = cache[hit_node]
+        e[0] = max(e[0], t + c.ttl_s)
+    return read, max((p for _, p in bps), default=0.0)
+
+
+def _read_automatic(c: _Call, provider: str, model: str, shared: tuple[int, float], system: tuple[int, float],
+                    prompt: float, start: int, same_upto: int) -> tuple[float, float]:
+    """Automatic prefix caching (OpenAI, Gemini): every live request's whole prefix is readable; the
+    deepest live node from `start` (the first message that changed) back, or the previous request's
+    end where this one still holds its first `same_upto` messages. Returns (tokens read, end written)."""
+    w, cache, t, mn = c.w, c.cache, c.t, c.mn
+    nodes, n, prev = w.nodes, len(w.ids), w.prev
+    read, hit_node = 0.0, None
+    cands = [shared, system, (w.base, c.pre)] if n else [shared, system]
+    for node, p in cands:
+        if p > read and c.alive(node):
+            read, hit_node = p, node
+    if prev is not None and prev["model"] == model and n:
+        m = min(same_upto, prev["n"], n)
+        pe = cache.get(prev["end"])
+        if m > 0 and pe is not None and pe[1] <= t < pe[0] and c.pos(m - 1) > read:
+            read, hit_node = c.pos(m - 1), prev["end"]
+    for i in range(n - 1, max(start, 0) - 1, -1):
+        if c.pos(i) <= read:
+            break
+        if c.alive(nodes[i]):
+            read, hit_node = c.pos(i), nodes[i]
+            break
+    if provider == "openai":
+        read = float(int(read) // OPENAI_STEP * OPENAI_STEP)
+    if prompt < mn or read < mn:
+        read = 0.0
+    write_end = prompt if prompt >= mn else 0.0
+    if write_end:
+        for node in ([shared[0]] if shared[1] else []) + [system[0]] + ([w.base, nodes[n - 1]] if n else []):
+            _put(cache, node, t, c.avail, c.ttl_s)
+    if hit_node is not None and hit_node in cache:
+        cache[hit_node][0] = max(cache[hit_node][0], t + c.ttl_s)
+    return read, write_end
 
 
 def _put(cache: dict[int, list[float]], node: int, t: float, avail: float, ttl_s: float) -> None:
