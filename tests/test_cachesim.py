@@ -598,3 +598,17 @@ def test_chain_threshold_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     one = _chain(st, ids, [(0, 5)], 10**9, monkeypatch)[0]       # message 0 stripped
     two = _chain(st, ids, [(0, 6)], 10**9, monkeypatch)[0]       # messages 0 and 5
     assert one[0] != ref[0][0] and two[:5] == one[:5] and two[5] != one[5]
+
+
+def test_layer_detail_takes_the_decisions_of_calls_after_lo_up_to_hi() -> None:
+    """The break's detail names the decisions from calls lo+1 .. hi: not lo's, not hi+1's (the lookup
+    bisects both ends of the sorted list)."""
+    from pipeline.cachesim import _layer_detail
+
+    decs = sorted([(3, "a/x:r@1"), (4, "b/x:r@2"), (6, "c/x:r@3"), (6, "d/x:r@3"), (7, "e/x:r@4")])
+    assert _layer_detail(decs, 3, 6) == "b/x:r@2, c/x:r@3, d/x:r@3"
+    assert _layer_detail(decs, 2, 3) == "a/x:r@1"
+    assert _layer_detail(decs, 6, 7) == "e/x:r@4"
+    assert _layer_detail(decs, 7, 9) is None and _layer_detail(None, 0, 9) is None
+    many = [(k, f"s{k:02d}/x:r@{k}") for k in range(1, 10)]
+    assert _layer_detail(many, 0, 9) == "s01/x:r@1, s02/x:r@2, s03/x:r@3 (+6 more)"
