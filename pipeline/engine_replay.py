@@ -23,21 +23,20 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.blockops import canonical_json
 from pipeline.replay import (
     MESSAGE_OVERHEAD_TOKENS,
     REQUEST_OVERHEAD_TOKENS,
     ROW_COLUMNS,
     MessageStore,
-    _envelope_bytes,
     _finish_hash,
     _first_diff,
-    _system_messages,
     _Thread,
     list_prefix,
-    n_blocks,
+    make_envelope,
+    split_system_rows,
+    stand_in_messages,
 )
-from pipeline.targets import Target, wire_role
+from pipeline.targets import Target
 from pipeline.tokens import TokenCounter, row_tokens
 
 # what identifies a visible row between two passes: its place and everything the request takes from it
@@ -116,38 +115,26 @@ class LiveThread:
         self.idents = idents
         rows = self.rows
         if target.splits_system():
-            sys_added = [i for i in added if rows[i]["role"] == "system"]
-            sys_gone = {i for i in gone if rows[i]["role"] == "system"}
-            if sys_added or sys_gone:
-                self.system_rows = sorted([i for i in self.system_rows if i not in sys_gone] + sys_added)
+            added, gone, new_system = split_system_rows(rows, self.system_rows, added, gone)
+            if new_system is not None:
+                self.system_rows = new_system
                 self.sys_version += 1
-                added = [i for i in added if rows[i]["role"] != "system"]
-                gone = [i for i in gone if i not in sys_gone]
         self.th.k += 1
         self.th.apply(added, gone)
         if self.env_key != (model, self.sys_version, self.builds):
             self.env_key = (model, self.sys_version, self.builds)
-            system = _system_messages(rows, self.system_rows) if target.splits_system() else []
-            env = target.envelope(model, system)
-            self.env_suffix = _envelope_bytes(env, target.list_key)
-            sent = [rows[i] for i in self.system_rows if rows[i]["block_type"] == "text"]
-            env_id = self.store.add(canonical_json(env), kind="envelope", role=None, n_blocks=len(sent),
-                                    tokens=sum(r["_tok"] for r in sent))
+            env_id, self.env_suffix = make_envelope(target, model, rows, self.system_rows, self.store)
             self.env_tok = self.store.tokens[env_id]
         th = self.th
-        n = len(th.wb)
-        m = n - 1 if (n and not awaiting_user and not getattr(target, "allow_prefill", True) and th.wasst[-1]) else n
+        m = th.sent_length(keep_trailing=awaiting_user)
         if m:
-            msg_tok = th.wtok_total - (th.wtok[-1] if m < n else 0)
-            h, comma, rest = th.chain.split_state(m)
+            msg_tok, h, comma, rest = th.request_parts(m, None)
             body = b",".join(th.wb[:m])
             ids = th.wid[:m]
         else:  # nothing before the first call: the target's stand-in turn
             if self.stand_ids is None:
-                self.stand_ids = [self.store.add(canonical_json(x), kind="message", role=wire_role(x),
-                                                 n_blocks=n_blocks(x), tokens=0) for x in target.empty_messages()]
-            msg_tok = sum(self.store.tokens[i] for i in self.stand_ids)
-            h, comma, rest = th.chain.states[0].copy(), False, [self.store.data[i] for i in self.stand_ids]
+                self.stand_ids = stand_in_messages(target, self.store)
+            msg_tok, h, comma, rest = th.request_parts(0, self.stand_ids)
             body = b",".join(rest)
             ids = array("i", self.stand_ids)
         length = len(ids)

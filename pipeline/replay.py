@@ -540,6 +540,24 @@ class _Thread:
             self.chain.invalidate(first)
         return first
 
+    def sent_length(self, *, keep_trailing: bool) -> int:
+        """How many wire messages the request sends: all of them, less a trailing assistant message
+        when the target takes no prefill, unless `keep_trailing` (the request waits for the user)."""
+        n = len(self.wb)
+        if n and not keep_trailing and not getattr(self.target, "allow_prefill", True) and self.wasst[-1]:
+            return n - 1
+        return n
+
+    def request_parts(self, m: int, stand_ids: list[int] | None) -> tuple[int, Any, bool, list[bytes]]:
+        """(message tokens, a hash state, whether a comma comes next, the messages still to hash) of
+        a request of the first m wire messages, or, with m = 0, of the target's stand-in messages."""
+        if m:
+            h, comma, rest = self.chain.split_state(m)
+            return self.wtok_total - (self.wtok[-1] if m < len(self.wb) else 0), h, comma, rest
+        ids = stand_ids or []
+        store = self.store
+        return sum(store.tokens[i] for i in ids), self.chain.states[0].copy(), False, [store.data[i] for i in ids]
+
     def hold(self, m: int, excluded: tuple[int, int] | None) -> tuple[int, int] | None:
         """The first m wire messages make this call's request: a trailing one left out stops
         holding its place (only the last one can be); the one left out before holds it again if
@@ -594,7 +612,6 @@ def replay_thread(
             rem_at[lc].append(i)
     list_key = target.list_key
     split_system = target.splits_system()
-    allow_prefill = getattr(target, "allow_prefill", True)
     th = _Thread(rows, target, store, spans)
     system_rows: list[int] = []
     env_key: tuple[Any, ...] | None = None
@@ -613,13 +630,10 @@ def replay_thread(
         added = sorted(add_at.get(k, ()))
         removed = rem_at.get(k, [])
         if split_system:
-            sys_added = [i for i in added if rows[i]["role"] == "system"]
-            sys_removed = {i for i in removed if rows[i]["role"] == "system"}
-            if sys_added or sys_removed:
-                system_rows = sorted([i for i in system_rows if i not in sys_removed] + sys_added)
+            added, removed, new_system = split_system_rows(rows, system_rows, added, removed)
+            if new_system is not None:
+                system_rows = new_system
                 sys_version += 1
-                added = [i for i in added if rows[i]["role"] != "system"]
-                removed = [i for i in removed if i not in sys_removed]
         first_changed = th.apply(added, removed)
         if th.vis:
             ts = rows[th.vis[-1]]["timestamp"]
@@ -629,26 +643,18 @@ def replay_thread(
         model = info.model if info else (calls[-1].model if calls else None)
         if env_key != (model, sys_version):
             env_key = (model, sys_version)
-            system = _system_messages(rows, system_rows) if split_system else []
-            env = target.envelope(model, system)
-            env_json = canonical_json(env)
-            env_suffix = _envelope_bytes(env, list_key)
-            sent = [rows[i] for i in system_rows if rows[i]["block_type"] == "text"]
-            new_env = store.add(env_json, kind="envelope", role=None, n_blocks=len(sent),
-                                tokens=sum(r["_tok"] for r in sent))
+            new_env, env_suffix = make_envelope(target, model, rows, system_rows, store)
             if new_env != env_id:
                 if spans is not None and env_id >= 0:
                     spans.add(ENVELOPE_SLOT, env_first, k, env_id)
                 env_id, env_first = new_env, k
             env_tok = store.tokens[env_id]
-        n = len(th.wb)
         # a recorded call's request never ends with an assistant message unless the target
         # allows a prefill; the pending one keeps it (it awaits the user's next message)
-        m = n - 1 if (n and not is_pending and not allow_prefill and th.wasst[-1]) else n
+        m = th.sent_length(keep_trailing=is_pending)
         excluded = th.hold(m, excluded)
         if m:
-            msg_tok = th.wtok_total - (th.wtok[-1] if m < n else 0)
-            h, comma, rest = th.chain.split_state(m)
+            msg_tok, h, comma, rest = th.request_parts(m, None)
             head = th.wid[:min(m, 4)]
             if stand_first is not None:
                 if spans is not None:
@@ -659,14 +665,10 @@ def replay_thread(
             # nothing recorded before this call (a history that starts with the assistant): the
             # target's stand-in turn keeps the request valid
             if stand_ids is None:
-                stand_ids = [store.add(canonical_json(x), kind="message", role=wire_role(x), n_blocks=n_blocks(x),
-                                       tokens=0) for x in target.empty_messages()]
-                if len(stand_ids) > 4:
-                    raise ValueError(f"target {target.name}: more than 4 stand-in messages")
+                stand_ids = stand_in_messages(target, store)
             if stand_first is None:
                 stand_first = k
-            msg_tok = sum(store.tokens[i] for i in stand_ids)
-            h, comma, rest = th.chain.states[0].copy(), False, [store.data[i] for i in stand_ids]
+            msg_tok, h, comma, rest = th.request_parts(0, stand_ids)
             head = array("i", stand_ids[:4])
         if len(rest) > CHUNK:  # a long tail: hashed by the worker while the replay goes on
             if pool is None:
@@ -750,6 +752,39 @@ class _PoolGuard:
     def __del__(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def split_system_rows(rows: list[dict[str, Any]], system_rows: list[int], added: list[int], removed: list[int],
+                      ) -> tuple[list[int], list[int], list[int] | None]:
+    """For a target that sends system rows apart (its envelope): (the added and removed rows that
+    are not system rows, the new system rows or None when they did not change)."""
+    sys_added = [i for i in added if rows[i]["role"] == "system"]
+    sys_removed = {i for i in removed if rows[i]["role"] == "system"}
+    if not sys_added and not sys_removed:
+        return added, removed, None
+    return ([i for i in added if rows[i]["role"] != "system"], [i for i in removed if i not in sys_removed],
+            sorted([i for i in system_rows if i not in sys_removed] + sys_added))
+
+
+def make_envelope(target: Target, model: str | None, rows: list[dict[str, Any]], system_rows: list[int],
+                  store: MessageStore) -> tuple[int, bytes]:
+    """The request's envelope for `model` and the system rows: (its id in `store`, the bytes that
+    close the request after the message list)."""
+    system = _system_messages(rows, system_rows) if target.splits_system() else []
+    env = target.envelope(model, system)
+    sent = [rows[i] for i in system_rows if rows[i]["block_type"] == "text"]
+    env_id = store.add(canonical_json(env), kind="envelope", role=None, n_blocks=len(sent),
+                       tokens=sum(r["_tok"] for r in sent))
+    return env_id, _envelope_bytes(env, target.list_key)
+
+
+def stand_in_messages(target: Target, store: MessageStore) -> list[int]:
+    """The target's stand-in turn (a request with no recorded message before it), added to `store`."""
+    ids = [store.add(canonical_json(x), kind="message", role=wire_role(x), n_blocks=n_blocks(x), tokens=0)
+           for x in target.empty_messages()]
+    if len(ids) > 4:
+        raise ValueError(f"target {target.name}: more than 4 stand-in messages")
+    return ids
 
 
 def _system_messages(rows: list[dict[str, Any]], idx: list[int]) -> list[LogicalMessage]:
