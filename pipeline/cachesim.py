@@ -24,8 +24,9 @@ preamble's, a polynomial step per message after it: `_extend_chain`), so two req
 same bytes reach the same node, whichever thread sends them, and nothing is stored per prefix but
 cache entries. Between two calls a thread's chain is recomputed only from its first changed slot:
 the walk costs O(calls + the slots at or after each call's first change) hash steps (appends only,
-under identity), and a long recomputation (a deep prefix break) is one vectorised numpy pass. Token positions come from the calibration (pipeline/calibrate.py):
-`preamble + ratio × (our cumulative tokens)`.
+under identity), and a long recomputation (a deep prefix break) is one vectorised numpy pass.
+Token positions come from the calibration (pipeline/calibrate.py): `preamble + ratio × (our
+cumulative tokens)`.
 
 Rules per provider (`Policy` holds the knobs):
 - **anthropic**: breakpoints where the agent puts them; for Claude Code (the default) the end of
@@ -352,9 +353,9 @@ def _extends(old: bytes | None, new: bytes | None) -> bool:
 
 class CacheState:
     """The cache entries per (scope, model): node -> [expiry, readable_from] (seconds since the
-    epoch). A node names a prefix: a hash chained over its parts (`child`, `_extend_chain`), the same for the
-    same content whichever thread, store or run sends it, so nothing per prefix is kept but the
-    entries themselves."""
+    epoch). A node names a prefix: a hash chained over its parts (`child`, `_extend_chain`), the
+    same for the same content whichever thread, store or run sends it, so nothing per prefix is
+    kept but the entries themselves."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple[str, str], dict[int, list[float]]] = {}
