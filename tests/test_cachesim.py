@@ -612,3 +612,16 @@ def test_layer_detail_takes_the_decisions_of_calls_after_lo_up_to_hi() -> None:
     assert _layer_detail(decs, 7, 9) is None and _layer_detail(None, 0, 9) is None
     many = [(k, f"s{k:02d}/x:r@{k}") for k in range(1, 10)]
     assert _layer_detail(many, 0, 9) == "s01/x:r@1, s02/x:r@2, s03/x:r@3 (+6 more)"
+
+
+def test_chain_power_tables_grow_for_long_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request longer than the first power tables (4,096 messages) grows them; the numpy chain still
+    equals the Python one over the whole length."""
+    from pipeline import cachesim as cs
+
+    monkeypatch.setattr(cs, "_POWERS", [])
+    st = _chain_store(300)
+    ids = [(i * 7) % 300 for i in range(5000)]
+    vec = _chain(st, ids, [(0, 2500)], 0, monkeypatch)
+    assert len(cs._POWERS[0]) > 5000
+    assert vec == _chain(st, ids, [(0, 2500)], 10**9, monkeypatch)
