@@ -7,7 +7,8 @@ results at every call to stay under the trigger, so each call's request changes 
 1,450 messages before its end: the replay must not re-shape the unchanged messages after it.
 
 Prints, for the 2,400-call session, where the prefix breaks fall, the time of the replay phase and
-of the whole run under both presets (best of N) and their ratio (goal <= 1.5), and the linearity
+of the whole run under both presets (best of N) and their ratio (goal <= 1.5), the phases of the
+fastest whole run (load, stages, replay, cache simulation), and the linearity
 figures: the replay time of 2n calls over n calls for n = 500, 1000, 2000 (goal <= 2.2 each).
 Context-editing only fires past 100,000 tokens (about 1,050 calls here), so its 2000/1000 figure
 compares a session where it never fires with one where it fires at most calls; from 2000 calls on
@@ -68,18 +69,25 @@ def generate(path: Path, calls: int, result_chars: int = 360) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def timed_run(src: Path, preset: str, out: Path) -> tuple[float, float, pl.DataFrame]:
-    """(whole run, replay phase) wall seconds, and the calls."""
+def timed_run(src: Path, preset: str, out: Path) -> tuple[float, float, pl.DataFrame, dict[str, float]]:
+    """(whole run, replay phase) wall seconds, the calls, and the run's phases (load, stages, replay,
+    cache simulation)."""
     if out.exists():
         shutil.rmtree(out)
     t = time.perf_counter()
     res = run([src], load_spec(preset=preset), RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, validate=False))
-    return time.perf_counter() - t, res.summary["timings_seconds"]["replay"], res.calls
+    whole = time.perf_counter() - t
+    phases = {k: float(res.summary["timings_seconds"].get(k, 0.0)) for k in ("load", "stages", "replay")}
+    phases["cache sim"] = float(res.summary.get("cache_sim", {}).get("seconds", 0.0))
+    return whole, phases["replay"], res.calls, phases
 
 
-def best(src: Path, preset: str, out: Path, repeat: int) -> tuple[float, float, pl.DataFrame]:
+def best(src: Path, preset: str, out: Path, repeat: int) -> tuple[float, float, pl.DataFrame, dict[str, float]]:
+    """Best of `repeat` runs: whole and replay seconds (each its own minimum), the calls, and the
+    phases of the fastest whole run."""
     runs = [timed_run(src, preset, out) for _ in range(repeat)]
-    return min(r[0] for r in runs), min(r[1] for r in runs), runs[0][2]
+    fastest = min(runs, key=lambda r: r[0])
+    return fastest[0], min(r[1] for r in runs), runs[0][2], fastest[3]
 
 
 def main() -> None:
@@ -101,8 +109,8 @@ def main() -> None:
             cProfile.runctx("timed_run(src, 'context-editing', tmp / 'prof')", globals(),
                             {"src": src, "tmp": tmp}, str(args.profile))
             print(f"profile written to {args.profile}")
-        w_id, r_id, _ = best(src, "identity", tmp / "oi", args.repeat)
-        w_ce, r_ce, calls = best(src, "context-editing", tmp / "oc", args.repeat)
+        w_id, r_id, _, ph_id = best(src, "identity", tmp / "oi", args.repeat)
+        w_ce, r_ce, calls, ph_ce = best(src, "context-editing", tmp / "oc", args.repeat)
         brk = calls.filter(pl.col("prefix_break_message").is_not_null())
         back = brk["n_messages"] - brk["prefix_break_message"]
         print(f"{args.calls} calls, {calls['n_messages'].max()} messages in the last request; under context-editing "
@@ -111,6 +119,8 @@ def main() -> None:
         print("                         identity  context-editing  ratio (goal <= 1.5)")
         print(f"replay (best of {args.repeat})     {r_id:7.3f} s  {r_ce:11.3f} s  {r_ce / r_id:6.2f}")
         print(f"whole run (best of {args.repeat})  {w_id:7.3f} s  {w_ce:11.3f} s  {w_ce / w_id:6.2f}")
+        print("  phases of the fastest whole run: " + ", ".join(
+            f"{k} {ph_id[k]:.3f} / {ph_ce[k]:.3f} s" for k in ph_id) + " (identity / context-editing)")
         if args.no_linearity:
             return
         times: dict[str, dict[int, float]] = {"identity": {}, "context-editing": {}}
