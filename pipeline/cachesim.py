@@ -864,14 +864,13 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
     prompt = c.pos(n - 1)
     tail = float(tail or 0) if anthropic else 0.0
     prev = w.prev
+    parts = (node_a, shared), (node_b, max(float(system or 0), shared))   # preamble nodes and their ends
     if provider is None:
         read, write_end = 0.0, 0.0
     elif anthropic:
-        read, write_end = _read_anthropic(c, policy, store, ext, (node_a, shared), (node_b, max(float(system or 0), shared)),
-                                          prompt - tail, tail)
+        read, write_end = _read_anthropic(c, policy, store, ext, *parts, prompt - tail, tail)
     else:
-        read, write_end = _read_automatic(c, provider, model, (node_a, shared), (node_b, max(float(system or 0), shared)),
-                                          prompt, min(change if change is not None else n, first_changed),
+        read, write_end = _read_automatic(c, provider, model, *parts, prompt,
                                           min(first_changed, change if change is not None else n))
 
     read_i = round(read)
@@ -999,10 +998,10 @@ def _read_anthropic(c: _Call, policy: Policy, store: SimStore, ext: tuple[int, i
 
 
 def _read_automatic(c: _Call, provider: str, model: str, shared: tuple[int, float], system: tuple[int, float],
-                    prompt: float, start: int, same_upto: int) -> tuple[float, float]:
+                    prompt: float, start: int) -> tuple[float, float]:
     """Automatic prefix caching (OpenAI, Gemini): every live request's whole prefix is readable; the
     deepest live node from `start` (the first message that changed) back, or the previous request's
-    end where this one still holds its first `same_upto` messages. Returns (tokens read, end written)."""
+    end where this one still holds its first `start` messages. Returns (tokens read, end written)."""
     w, cache, t, mn = c.w, c.cache, c.t, c.mn
     nodes, n, prev = w.nodes, len(w.ids), w.prev
     read, hit_node = 0.0, None
@@ -1011,7 +1010,7 @@ def _read_automatic(c: _Call, provider: str, model: str, shared: tuple[int, floa
         if p > read and c.alive(node):
             read, hit_node = p, node
     if prev is not None and prev["model"] == model and n:
-        m = min(same_upto, prev["n"], n)
+        m = min(start, prev["n"], n)
         pe = cache.get(prev["end"])
         if m > 0 and pe is not None and pe[1] <= t < pe[0] and c.pos(m - 1) > read:
             read, hit_node = c.pos(m - 1), prev["end"]
