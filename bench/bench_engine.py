@@ -5,14 +5,15 @@ replays it whole with the batch runner (best of --repeat), then feeds the engine
 calls, assembles once (the warm-up: the whole session goes through load + stages once), and times
 --steps times "ingest the entries of one more call, assemble its request" at call N, N+1, ...
 Prints the per-call latency of `assemble` in ms (median; CPU seconds too, less disturbed by other
-processes on a shared machine, polars' threads added up), where it goes (load / stages / commit /
-shaping the request, and each stage), and its share of the whole replay (the issue's target: at most
-5 %). Then the same on a session of --floor calls (default 10): what a pass costs whatever the
-session's length (the loader's and each stage's fixed cost), and that cost as a share of the whole
-replay, the least a pass over a few rows could cost as long as it runs the same loader and stages.
+processes on a shared machine, polars' threads added up), how many of the timed calls took the
+live path (pipeline/live.py: the appended rows, no pipeline pass) and why the others did not, where
+the time goes (load / stages / commit / shaping the request), and its share of the whole replay
+(the issue's target: at most 5 %). Then the same with the live path off (every call a full pass:
+load + every stage over the session), and on a session of --floor calls (default 10): what a step
+costs whatever the session's length.
 
     python bench/bench_engine.py [--calls 2000] [--preset default] [--steps 5] [--repeat 2] [--floor 10]
-                                 [--tiktoken]
+                                 [--tiktoken] [--no-full]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="whole replays timed (best of)")
     ap.add_argument("--tiktoken", action="store_true", help="count tokens with tiktoken (default: chars/4)")
     ap.add_argument("--floor", type=int, default=10, help="calls of the small session timed the same way (0: none)")
+    ap.add_argument("--no-full", action="store_true", help="skip the run with the live path off")
     a = ap.parse_args()
     counter = TIKTOKEN_COUNTER if a.tiktoken else CHARS4_COUNTER
     spec = load_spec(preset=a.preset)
@@ -70,26 +72,33 @@ def main() -> None:
         share = 100 * med / best
         print(f"one appended call costs {share:.1f} % of the whole replay (target: <= 5 %): "
               f"{'met' if share <= 5 else 'NOT met'}; in CPU seconds {100 * med_cpu / best_cpu:.1f} %")
+        if not a.no_full:
+            print("the same with the live path off (every call a full pass over the session):")
+            full, full_cpu = appended(spec, counter, lines, a.calls, a.steps, work / "full.duckdb", live=False)
+            print(f"a full pass costs {100 * full / best:.1f} % of the whole replay; in CPU seconds "
+                  f"{100 * full_cpu / best_cpu:.1f} %")
         if a.floor:
             print(f"the same on a {a.floor}-call session:")
             small = work / "small.jsonl"
             generate(small, a.floor + a.steps)
             floor, floor_cpu = appended(spec, counter, list(iter_lines(small)), a.floor, a.steps, work / "small.duckdb")
-            print(f"fixed cost of a pass (the same on a {a.floor}-call session): {floor * 1000:.0f} ms = "
+            print(f"one appended call on a {a.floor}-call session: {floor * 1000:.0f} ms = "
                   f"{100 * floor / best:.1f} % of the whole {a.calls}-call replay; in CPU seconds "
-                  f"{100 * floor_cpu / best_cpu:.1f} %")
+                  f"{100 * floor_cpu / best_cpu:.1f} % (what a step costs whatever the session's length)")
 
 
-def appended(spec: PipelineSpec, counter: str, lines: list[bytes], calls: int, steps: int, ledger: Path) -> tuple[float, float]:
+def appended(spec: PipelineSpec, counter: str, lines: list[bytes], calls: int, steps: int, ledger: Path,
+             live: bool = True) -> tuple[float, float]:
     """Feed the engine the first calls-1 calls, assemble, then time `steps` calls appended one by one;
     prints the figures and returns the median seconds of one appended call, wall-clock and CPU."""
     upto = 1 + 2 * (calls - 1)
     with Engine.open(spec, ledger, token_counter=counter) as eng:
+        eng.live_path = live
         t = time.perf_counter()
         eng.ingest(SID, lines[:upto])
         first = eng.assemble(SID)
         print(f"engine, first assemble (whole session at once, call {first.call}): {time.perf_counter() - t:.2f} s")
-        lat, cpu, parts, stages = [], [], [], []
+        lat, cpu, parts, stages, reasons = [], [], [], [], []
         pos = upto
         for _ in range(steps):
             t, c = time.perf_counter(), time.process_time()
@@ -99,6 +108,7 @@ def appended(spec: PipelineSpec, counter: str, lines: list[bytes], calls: int, s
             cpu.append(time.process_time() - c)
             parts.append(eng.timings(SID))
             stages.append(eng.stage_timings(SID))
+            reasons.append(res.full_pass_reason)
             pos += 2
     med = statistics.median(lat)
     print(f"engine, one call appended then assembled, calls {first.call + 1}..{res.call}: "
@@ -107,9 +117,16 @@ def appended(spec: PipelineSpec, counter: str, lines: list[bytes], calls: int, s
     keys = parts[0].keys()
     split = ", ".join(f"{k} {statistics.median(p[k] for p in parts) * 1000:.0f} ms" for k in keys)
     rest = statistics.median(t - sum(p.values()) for t, p in zip(lat, parts, strict=True))
+    n_live = sum(r is None for r in reasons)
+    why = sorted({r for r in reasons if r is not None})
+    print(f"  {n_live} of {steps} took the live path" + (f"; full passes because: {'; '.join(why)}" if why else ""))
+    if live and n_live:
+        print("  (a live step: load = reading the new lines and making their rows, stages = the stages' checks, "
+              "commit = adding the rows to the kept blocks)")
     print(f"  of which (medians): {split}, the rest {rest * 1000:.0f} ms")
-    print("  stages (medians): " + ", ".join(f"{k} {statistics.median(p[k] for p in stages) * 1000:.0f} ms"
-                                            for k in stages[0]))
+    if n_live < steps:
+        print("  stages of the last full pass: " + ", ".join(
+            f"{k} {statistics.median(p[k] for p in stages) * 1000:.0f} ms" for k in stages[0]))
     return med, statistics.median(cpu)
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ How it stays identical to `ctxreplay run` (docs/engine.md has the details):
 - **The request** of the pending call is shaped by `pipeline.replay.replay_thread` from the block
   versions that call sees, so its canonical bytes and sha256 are those of the batch replay.
 
-Work per call: the stages run over the whole session each time the transcript grew (they are
-columnar and take the ledger's frozen decisions, so they are correct, not incremental); loading
-re-parses only what the spool holds; the replay shapes only the pending call, never the calls
-before it (their requests are frozen). bench/bench_engine.py measures what a call costs.
+Work per call: when the new entries only extend the main thread of a Claude Code session and no
+stage decides anything about them (a check per built-in stage: pipeline/live.py), the live path
+makes their rows and appends them to the kept replay state, with no pass; otherwise the stages run
+over the whole session (columnar, with the ledger's frozen decisions: correct, not incremental).
+The replay shapes only the pending call, never the calls before it (their requests are frozen).
+bench/bench_engine.py measures what a call costs on both paths.
 
 One engine per ledger: `Engine.open` takes the ledger's lock (the runner's) and holds it until
 `close()`; a second engine or a `ctxreplay run` on that ledger is refused with a `LockError`.
@@ -49,10 +51,12 @@ from typing import Any, Self
 import orjson
 import polars as pl
 
+from pipeline import live as livepath
 from pipeline.engine_replay import LiveThread
 from pipeline.errors import CtxReplayError, InputError, LockError, OutputError, SpecError
 from pipeline.ledger import Ledger
 from pipeline.loaders import LoadResult, load_paths
+from pipeline.loaders.base import path_str
 from pipeline.outdir import RunLock, ledger_lock_path
 from pipeline.registry import StageContext
 from pipeline.replay import (
@@ -61,7 +65,7 @@ from pipeline.replay import (
     thread_key,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec, load_spec, preset_names
-from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, run_stages
+from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, position_names, run_stages
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter
 from schemas.blocks import BLOCKS
@@ -122,6 +126,8 @@ class AssembleResult:
     target: str = DEFAULT_TARGET
     rebuilt: bool = False  # the replay state was built again from every visible row (not appended to)
     conflicts: int = 0  # decisions of the last pass that disagreed with the ledger (as in summary.json)
+    incremental: bool = False  # made by the live path: the appended rows, no pipeline pass (docs/engine.md)
+    full_pass_reason: str | None = None  # why the last pass over the session was a full one (None: live path)
 
     @functools.cached_property
     def request(self) -> dict[str, Any]:
@@ -206,6 +212,13 @@ class _Pass:
     new_decisions: int
     seconds: dict[str, float]
     written: pl.DataFrame  # the decisions this pass wrote to the ledger (+ `stage`)
+    full_pass_reason: str | None = None  # why this session's last step was a full pass (None: the live path)
+    applied: pl.DataFrame | None = None  # staged.applied, once read
+
+    def applied_decisions(self) -> pl.DataFrame:
+        if self.applied is None:
+            self.applied = self.staged.applied
+        return self.applied
 
 
 @dataclass
@@ -219,6 +232,9 @@ class _Session:
     live: dict[str, LiveThread] = field(default_factory=dict)  # thread -> its replay state
     shaped: float = 0.0  # seconds the last assemble took to shape the request
     assembled: dict[str, AssembleResult] = field(default_factory=dict)  # thread -> last result
+    scan: livepath.TailScan | None = None  # the live path's reading of the session's one file
+    facts: livepath.ThreadFacts | None = None  # the main thread after the last step
+    unshaped: list[livepath.NewRows] = field(default_factory=list)  # live steps the main thread's state lacks
 
 
 def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
@@ -273,6 +289,11 @@ class Engine:
         self._ctx = StageContext(target=target, window_tokens=spec.window_tokens,
                                  count_tokens=self.counter.series_counter(), token_counter_version=self.counter.name,
                                  supports_images=bool(getattr(t, "supports_images", True)))
+        names = position_names(spec.stages)
+        self._live_spec = livepath.Spec(tuple((n, rs.stage.name, rs.params) for n, rs in zip(names, spec.stages,
+                                                                                               strict=True)))
+        self._builtin = {n: bool(rs.stage.is_builtin) for n, rs in zip(names, spec.stages, strict=True)}
+        self.live_path = True  # False: every step is a full pass (tests compare both)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -395,6 +416,10 @@ class Engine:
         if not s.dirty and s.last is not None and spec is None:
             return s.last
         t0 = time.perf_counter()
+        reason = self._live_step(s, t0) if spec is None and not freeze_pending else "compact"
+        if reason is None:
+            assert s.last is not None
+            return s.last
         for f in s.files.values():
             if f.written < len(f.lines):
                 f.path.parent.mkdir(parents=True, exist_ok=True)
@@ -405,6 +430,7 @@ class Engine:
         blocks = pl.from_arrow(loaded.blocks)
         assert isinstance(blocks, pl.DataFrame)
         check_frame(blocks, BLOCKS, where="on load")
+        loaded_blocks = blocks
         skeleton = call_skeleton(blocks)
         counts = call_counts(blocks)
         calls = CallMap.from_blocks(blocks, counts)
@@ -417,7 +443,20 @@ class Engine:
         if freeze_pending:  # compact: the pending call's decisions are frozen as made
             view = LedgerView(CallMap(calls.keys, calls.pending.with_columns(pending_call=pl.lit(1 << 30, pl.Int32))),
                               view.decisions)
-        staged = run_stages(blocks, run_spec, view, ctx)
+        main_sid = self._main_session(s, sessions)
+        if main_sid is not None and (main_sid, livepath.MAIN) not in counts:
+            main_sid = None  # a sub-agent's file alone: no main thread to follow
+        measures: dict[str, livepath.Measure] = {}
+        tomb = self._live_spec.params_of("tombstone")
+        min_chars = tomb.min_result_chars if tomb is not None else 0
+
+        def measure(name: str, stage_in: pl.DataFrame) -> None:
+            # what the token-triggered stages will see at the pending call (the live path's figures)
+            if main_sid is not None and name.split("#")[0] in livepath.MEASURED:
+                measures[name] = livepath.measure(stage_in, main_sid, counts[(main_sid, livepath.MAIN)],
+                                                  self.counter, min_chars)
+
+        staged = run_stages(blocks, run_spec, view, ctx, observe=measure if spec is None else None)
         t2 = time.perf_counter()
         new = 0
         written = []
@@ -441,9 +480,71 @@ class Engine:
                                     "entry_id"])
         p = _Pass(loaded, final, skeleton, counts, staged, new,
                   {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2},
-                  pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame())
+                  pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame(), reason)
+        s.facts = None
+        if main_sid is not None and spec is None:
+            s.facts = livepath.thread_facts(loaded_blocks, final, p.applied_decisions(), main_sid,
+                                            counts[(main_sid, livepath.MAIN)], measures)
+        s.unshaped.clear()
         s.last, s.dirty = p, False
         return p
+
+    def _main_session(self, s: _Session, sessions: list[str]) -> str | None:
+        """The session whose main thread the live path follows: a session of one transcript file."""
+        if len(s.files) != 1 or len(sessions) != 1:
+            return None
+        return sessions[0]
+
+    def _live_step(self, s: _Session, t0: float) -> str | None:
+        """The live path (pipeline.live): take the entries ingested since the last step without a
+        pass when they only extend the main thread and no stage decides anything about them.
+        Returns None when it did, else why a full pass is needed (the scan reads the new lines
+        either way, so it stays level with the spool)."""
+        if len(s.files) != 1:
+            return "a session of several transcript files"
+        f = next(iter(s.files.values()))
+        if s.scan is None or s.scan.path != f.path:
+            s.scan = livepath.TailScan(f.path)
+        nodes, why = s.scan.scan(f.lines)
+        p, facts = s.last, s.facts
+        if why is None and (p is None or facts is None):
+            why = "no pass over the session yet" if p is None else "the session has no main thread to extend"
+        if why is None and facts is not None and facts.source_file != path_str(f.path):
+            why = "the main thread comes from another file"
+        if why is None and not self.live_path:
+            why = "the live path is off"
+        if why is not None:
+            return why
+        assert p is not None and facts is not None
+        new = livepath.new_rows(nodes, facts, self.counter)
+        if isinstance(new, str):
+            return new
+        t1 = time.perf_counter()
+        why = livepath.quiet(self._live_spec, self._ctx, facts, new, self._builtin)
+        if why is not None:
+            return why
+        t2 = time.perf_counter()
+        key = (facts.session_id, livepath.MAIN)
+        try:
+            p.blocks = pl.concat([p.blocks, new.frame.select(p.blocks.columns)])
+        except (pl.exceptions.PolarsError, KeyError):
+            p.blocks = pl.concat([p.blocks, new.frame], how="diagonal_relaxed")
+        p.skeleton = pl.concat([p.skeleton, call_skeleton(new.frame)], how="diagonal_relaxed")
+        p.counts[key] = new.calls
+        p.new_decisions, p.full_pass_reason = 0, None
+        p.written = pl.DataFrame()
+        facts.messages += len(new.messages)
+        facts.calls = new.calls
+        facts.tool_ids.update(r["tool_use_id"] for r in new.rows if r["tool_use_id"] is not None)
+        facts.has_thinking = facts.has_thinking or any(r["block_type"] == "thinking" for r in new.rows)
+        facts.unsettled_tail = livepath._unsettled_tail(new.frame)
+        tomb = self._live_spec.params_of("tombstone")
+        for name, m in facts.measures.items():
+            facts.measures[name] = m.grown(new, tomb.min_result_chars if tomb is not None else 0)
+        s.unshaped.append(new)
+        p.seconds = {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2}
+        s.dirty = False
+        return None
 
     def _write_spills(self, spills: pl.DataFrame) -> None:
         if not spills.height:
@@ -519,6 +620,10 @@ class Engine:
 
     def _assemble(self, s: _Session, p: _Pass, thread: str, token_budget: int | None,
                   model: str | None = None, awaiting_user: bool = False) -> AssembleResult:
+        if s.unshaped and thread == livepath.MAIN:
+            fast = self._assemble_appended(s, p, token_budget, model, awaiting_user)
+            if fast is not None:
+                return fast
         target = get_target(self.target)
         sid = self._loaded_session(s, p)
         part = p.blocks.filter((pl.col("session_id") == sid) & (pl.col("thread_id") == thread)) if sid else \
@@ -539,19 +644,48 @@ class Engine:
         t0 = time.perf_counter()
         pend = live.update(visible, model, self.counter, awaiting_user=awaiting_user)
         s.shaped = time.perf_counter() - t0
-        applied = p.staged.applied
+        if thread == livepath.MAIN:
+            s.unshaped.clear()  # the state now holds every row
+        applied = p.applied_decisions()
         mine = applied.filter((pl.col("session_id") == lsid) & (pl.col("thread_id") == thread)
                               & (pl.col("from_call") == n))
         epoch = int(visible.get_column("cache_epoch").max() or 0) if visible.height else 0  # type: ignore[arg-type]
+        return self._result(s, p, thread, n, pend, epoch, model, mine, token_budget, lsid)
+
+    def _result(self, s: _Session, p: _Pass, thread: str, n: int, pend: Any, epoch: int, model: str | None,
+                decisions: pl.DataFrame, token_budget: int | None, lsid: str) -> AssembleResult:
+        live = p.full_pass_reason is None
         out = AssembleResult(
             session_id=s.session_id, thread_id=thread, call=n, request_json=pend.request_json,
             request_sha256=pend.request_sha256, prompt_tokens=pend.prompt_tokens, n_messages=pend.n_messages,
             cache_epoch=epoch, awaits_user=pend.awaits_user, prefix_break_message=pend.prefix_break_message,
-            model=model, decisions=mine, new_decisions=p.new_decisions, quarantined=self._quarantined(s, p),
+            model=model, decisions=decisions, new_decisions=p.new_decisions, quarantined=self._quarantined(s, p),
             stage_failures=tuple(f for f in p.staged.failures if lsid in f.sessions), token_budget=token_budget,
-            target=self.target, rebuilt=pend.rebuilt, conflicts=p.staged.conflicts)
+            target=self.target, rebuilt=pend.rebuilt, conflicts=0 if live else p.staged.conflicts,
+            incremental=live, full_pass_reason=p.full_pass_reason)
         s.assembled[thread] = out
         return out
+
+    def _assemble_appended(self, s: _Session, p: _Pass, token_budget: int | None, model: str | None,
+                           awaiting_user: bool) -> AssembleResult | None:
+        """The main thread's request after live steps: the kept replay state extended by their rows
+        (None: the state is not the one they extend; the caller shapes from the visible rows)."""
+        live, last, facts = s.live.get(livepath.MAIN), s.assembled.get(livepath.MAIN), s.facts
+        if live is None or last is None or facts is None or last.call != facts.calls - sum(
+                1 for n in s.unshaped for m in n.messages if m[0]["role"] == "assistant"):
+            s.unshaped.clear()
+            return None
+        new = s.unshaped[0].frame if len(s.unshaped) == 1 else pl.concat([n.frame for n in s.unshaped])
+        tokens = [t for n in s.unshaped for t in n.tokens]
+        if model is None:
+            model = next((m[0]["model"] for n in reversed(s.unshaped) for m in reversed(n.messages)
+                          if m[0]["role"] == "assistant"), None)
+        t0 = time.perf_counter()
+        pend = live.extend(new, tokens, model, awaiting_user=awaiting_user)
+        s.shaped = time.perf_counter() - t0
+        s.unshaped.clear()
+        return self._result(s, p, livepath.MAIN, facts.calls, pend, last.cache_epoch, model,
+                            p.applied_decisions().clear(), token_budget, facts.session_id)
 
     def _quarantined(self, s: _Session, p: _Pass) -> tuple[QuarantinedEntry, ...]:
         mine = {(q.file, q.line) for q in s.rejected}
@@ -658,7 +792,7 @@ class Engine:
         return {**(s.last.seconds if s.last else {}), "shape": s.shaped}
 
     def stage_timings(self, session_id: str) -> dict[str, float]:
-        """Seconds each stage position took in the last pass over the session (its frozen
+        """Seconds each stage position took in the last full pass over the session (its frozen
         decisions re-applied, the stage run, its decisions reconciled with the ledger), by the
         stage's name in the run (`pairing#2` for a second use); together about `timings()["stages"]`."""
         s = self._known(session_id)

@@ -85,7 +85,6 @@ class LiveThread:
         trailing assistant message is left out when the target takes no prefill, as in the batch
         replay's recorded calls (the request is sent now), unless `awaiting_user`: then it is kept,
         as in the batch replay's pending call (the request waits for the user's next message)."""
-        target = self.target
         idents = visible.select(pl.struct(IDENT_COLUMNS).hash(7).alias("ident")).to_series()
         kept = idents.is_in(self.idents.implode()) if self.idents.len() else pl.Series([False] * len(idents),
                                                                                         dtype=pl.Boolean)
@@ -113,6 +112,28 @@ class LiveThread:
         for i, g in zip(added, new_idents, strict=True):
             self.index[g] = i
         self.idents = idents
+        return self._shape(added, gone, model, awaiting_user, rebuilt)
+
+    def extend(self, new: pl.DataFrame, tokens: list[int], model: str | None, *,
+               awaiting_user: bool = False) -> Pending:
+        """`update` for rows that follow every row the state holds, none gone (the live path:
+        pipeline.live): only the new rows are hashed and shaped. `tokens` are their row tokens."""
+        idents = new.select(pl.struct(IDENT_COLUMNS).hash(7).alias("ident")).to_series()
+        start = len(self.rows)
+        dicts = new.select(ROW_COLUMNS).to_dicts()
+        for r, t in zip(dicts, tokens, strict=True):
+            r["_tok"] = t
+        self.rows.extend(dicts)
+        added = list(range(start, len(self.rows)))
+        for i, g in zip(added, idents.to_list(), strict=True):
+            self.index[g] = i
+        self.idents = pl.concat([self.idents, idents])
+        return self._shape(added, [], model, awaiting_user, False)
+
+    def _shape(self, added: list[int], gone: list[int], model: str | None, awaiting_user: bool,
+               rebuilt: bool) -> Pending:
+        """Apply the rows added and gone to the thread state and shape the request."""
+        target = self.target
         rows = self.rows
         if target.splits_system():
             added, gone, new_system = split_system_rows(rows, self.system_rows, added, gone)

@@ -49,7 +49,7 @@ from pipeline.replay import (
     thread_rows,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec
-from pipeline.stagerun import StageFailure
+from pipeline.stagerun import StageFailure, position_names
 from pipeline.store import store_tables
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter, row_tokens
@@ -552,12 +552,7 @@ class RunFacts:
 
 def _stage_names(spec: PipelineSpec) -> list[str]:
     """The stages' names in pipeline order, as run_stages names them (`pairing#2` for a second use)."""
-    seen: Counter[str] = Counter()
-    out = []
-    for rs in spec.stages:
-        seen[rs.stage.name] += 1
-        out.append(rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}")
-    return out
+    return position_names(spec.stages)
 
 
 def _summary(f: RunFacts) -> dict[str, Any]:

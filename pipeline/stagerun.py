@@ -389,22 +389,34 @@ class _Run:
 
 
 def run_stages(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext,
-               progress: Progress | None = None) -> StagesResult:
-    """Run every stage of `spec` in order over `blocks` (see the module docstring)."""
+               progress: Progress | None = None,
+               observe: Callable[[str, pl.DataFrame], None] | None = None) -> StagesResult:
+    """Run every stage of `spec` in order over `blocks` (see the module docstring). `observe`, when
+    given, is called with each position's name and the blocks it starts from (the live engine
+    measures what a stage will see)."""
     state = _Run(spec, view, ctx, progress)
-    seen: Counter[str] = Counter()
-    for i, rs in enumerate(spec.stages, start=1):
-        seen[rs.stage.name] += 1
-        # a stage used twice (pairing runs before and after snip) keeps its decisions apart
-        name = rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}"
+    for i, (rs, name) in enumerate(zip(spec.stages, position_names(spec.stages), strict=True), start=1):
         if progress:
             progress(f"stage {i}/{len(spec.stages)}: {name}")
         crashpoints.point("stage")
+        if observe is not None:
+            observe(name, blocks)
         blocks = _run_position(state, blocks, rs, name, i)
         crashpoints.point("stage")
     spills = pl.concat(state.spills).unique("sha256", maintain_order=True) if state.spills else \
         pl.DataFrame(schema={"sha256": pl.String, "text": pl.String})
     return StagesResult(blocks, tuple(state.outcomes), tuple(state.failures), spills)
+
+
+def position_names(stages: Any) -> list[str]:
+    """The names of a pipeline's stage positions, in order: a stage used twice (pairing runs before
+    and after snip) keeps its decisions apart as `pairing#2`."""
+    seen: Counter[str] = Counter()
+    out = []
+    for rs in stages:
+        seen[rs.stage.name] += 1
+        out.append(rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}")
+    return out
 
 
 def stage_context(ctx: StageContext, rs: Any, spec: Any) -> StageContext:

@@ -208,13 +208,9 @@ def stage_rank() -> dict[str, int]:
     """An order to list stages in: the default pipeline's (a later use of a stage is `name#2`);
     others after it. (summary.json sorts its keys, so the run's own order is not kept there.)"""
     from pipeline.spec import load_spec
+    from pipeline.stagerun import position_names
 
-    order: dict[str, int] = {}
-    seen: dict[str, int] = {}
-    for rs in load_spec(preset="default").stages:
-        seen[rs.stage.name] = seen.get(rs.stage.name, 0) + 1
-        order[rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}"] = len(order)
-    return order
+    return {name: i for i, name in enumerate(position_names(load_spec(preset="default").stages))}
 
 
 def _ts(v: Any) -> str | None:

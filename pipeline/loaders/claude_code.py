@@ -107,6 +107,45 @@ def _kind(o: dict[str, Any]) -> str:
     return t[:100]
 
 
+def entry_problem(o: dict[str, Any]) -> str | None:
+    """Why an entry object cannot be read (a quarantine kind from `bad`), or None."""
+    t = o.get("type")
+    if not isinstance(t, str) or not t:
+        return bad("no_type", "entry has no 'type' field (expected user, assistant, system, progress, ...)")
+    if t in MESSAGE_TYPES:
+        msg = o.get("message")
+        if not isinstance(msg, dict):
+            return bad("no_message", f"'{t}' entry has no 'message' object")
+        if t == "assistant" and not isinstance(msg.get("content"), (list, str)):
+            return bad("bad_content", "'assistant' entry: message.content is not a list or string")
+    return None
+
+
+def make_node(o: dict[str, Any], uid: str, file_idx: int, line: int, raw: str, conflict: str = "") -> Node:
+    """The node of one entry with a uuid (`entry_problem` found nothing wrong with it)."""
+    t = o["type"]
+    msg = o.get("message") if t in MESSAGE_TYPES else None
+    tr_ids, tu_ids = entry_tool_ids(o)
+    return Node(
+        uuid=uid,
+        parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,
+        logical_parent=o.get("logicalParentUuid") if isinstance(o.get("logicalParentUuid"), str) else None,
+        type=t,
+        subtype=o.get("subtype") if isinstance(o.get("subtype"), str) else None,
+        file_idx=file_idx,
+        line=line,
+        raw=raw,
+        obj=o,
+        is_message=t in MESSAGE_TYPES,
+        msg_key=(f"{msg.get('id')}|{o.get('requestId')}{conflict}" if t == "assistant" and msg and msg.get("id")
+                 else (uid if t == "assistant" else None)),
+        sidechain=bool(o.get("isSidechain")),
+        source_tool_assistant=o.get("sourceToolAssistantUUID"),
+        tool_result_ids=tr_ids,
+        tool_use_ids=tu_ids,
+    )
+
+
 def _usage(u: Any) -> dict[str, int | None] | None:
     if not isinstance(u, dict):
         return None
@@ -314,20 +353,11 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                 if not isinstance(o, dict):
                     kinds.append(bad("not_an_object", "not an object"))
                     continue
-                t = o.get("type")
-                if not isinstance(t, str) or not t:
-                    kinds.append(bad("no_type", "entry has no 'type' field (expected user, assistant, system, "
-                                     "progress, ...)"))
+                wrong = entry_problem(o)
+                if wrong is not None:
+                    kinds.append(wrong)
                     continue
-                if t in MESSAGE_TYPES:
-                    msg = o.get("message")
-                    if not isinstance(msg, dict):
-                        kinds.append(bad("no_message", f"'{t}' entry has no 'message' object"))
-                        continue
-                    if t == "assistant" and not isinstance(msg.get("content"), (list, str)):
-                        kinds.append(bad("bad_content", "'assistant' entry: message.content is not a list or "
-                                         "string"))
-                        continue
+                t = o["type"]
                 uid = o.get("uuid")
                 if not isinstance(uid, str) or not uid:
                     if t in MESSAGE_TYPES:
@@ -357,25 +387,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                         f"entry uuid {uid!r} was read before ({path_str(files[first.file_idx])} line {first.line}) "
                         f"with other content; kept apart as {uid + conflict!r}")})
                     uid += conflict
-                tr_ids, tu_ids = entry_tool_ids(o)
-                node = Node(
-                    uuid=uid,
-                    parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,
-                    logical_parent=o.get("logicalParentUuid") if isinstance(o.get("logicalParentUuid"), str) else None,
-                    type=t,
-                    subtype=o.get("subtype") if isinstance(o.get("subtype"), str) else None,
-                    file_idx=fi,
-                    line=line_no,
-                    raw=raw,
-                    obj=o,
-                    is_message=t in MESSAGE_TYPES,
-                    msg_key=(f"{msg.get('id')}|{o.get('requestId')}{conflict}" if t == "assistant" and msg.get("id")
-                             else (uid if t == "assistant" else None)),
-                    sidechain=bool(o.get("isSidechain")),
-                    source_tool_assistant=o.get("sourceToolAssistantUUID"),
-                    tool_result_ids=tr_ids,
-                    tool_use_ids=tu_ids,
-                )
+                node = make_node(o, uid, fi, line_no, raw, conflict)
                 nodes[uid] = node
                 file_nodes.append(node)
                 kinds.append("message" if node.is_message else _kind(o))
