@@ -52,6 +52,7 @@ import orjson
 import polars as pl
 
 from pipeline import live as livepath
+from pipeline.constants import POLARS_ENGINE
 from pipeline.engine_replay import LiveThread
 from pipeline.errors import CtxReplayError, InputError, LockError, OutputError, SpecError
 from pipeline.ledger import Ledger
@@ -65,7 +66,15 @@ from pipeline.replay import (
     thread_key,
 )
 from pipeline.spec import DEFAULT_TARGET, PipelineSpec, load_spec, preset_names
-from pipeline.stagerun import CallMap, LedgerView, StageFailure, StagesResult, position_names, run_stages
+from pipeline.stagerun import (
+    CallMap,
+    LedgerView,
+    StageFailure,
+    StagesResult,
+    position_names,
+    run_stages,
+    stage_context,
+)
 from pipeline.targets import Violation, get_target
 from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter
 from schemas.blocks import BLOCKS
@@ -450,11 +459,15 @@ class Engine:
         tomb = self._live_spec.params_of("tombstone")
         min_chars = tomb.min_result_chars if tomb is not None else 0
 
-        def measure(name: str, stage_in: pl.DataFrame) -> None:
-            # what the token-triggered stages will see at the pending call (the live path's figures)
+        snip_out: dict[str, pl.DataFrame] = {}
+
+        def measure(name: str, out: pl.DataFrame) -> None:
+            # what the token-triggered stages saw at the pending call (the live path's figures)
             if main_sid is not None and name.split("#")[0] in livepath.MEASURED:
-                measures[name] = livepath.measure(stage_in, main_sid, counts[(main_sid, livepath.MAIN)],
+                measures[name] = livepath.measure(out, main_sid, counts[(main_sid, livepath.MAIN)],
                                                   self.counter, min_chars)
+                if name == "snip":
+                    snip_out[name] = out
 
         staged = run_stages(blocks, run_spec, view, ctx, observe=measure if spec is None else None)
         t2 = time.perf_counter()
@@ -483,11 +496,47 @@ class Engine:
                   pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame(), reason)
         s.facts = None
         if main_sid is not None and spec is None:
-            s.facts = livepath.thread_facts(loaded_blocks, final, p.applied_decisions(), main_sid,
-                                            counts[(main_sid, livepath.MAIN)], measures)
+            n_main = counts[(main_sid, livepath.MAIN)]
+            keyed = calls.keys.filter((pl.col("session_id") == main_sid)
+                                      & (pl.col("thread_id") == livepath.MAIN)).height == n_main
+            s.facts = livepath.thread_facts(loaded_blocks, final, p.applied_decisions(), main_sid, n_main, measures,
+                                            keyed)
+            if s.facts is not None and "snip" in snip_out and any(
+                    k.startswith("tombstone") for k in s.facts.decided):
+                # tombstone has acted: snip's dry run of it clears too; measure that run's output
+                s.facts.measures["snip"] = livepath.measure(
+                    self._snip_dry_run(snip_out["snip"]), main_sid, counts[(main_sid, livepath.MAIN)], self.counter,
+                    min_chars)
         s.unshaped.clear()
         s.last, s.dirty = p, False
         return p
+
+    def _commit_pending(self, p: _Pass, facts: livepath.ThreadFacts, new: livepath.NewRows) -> int:
+        """Freeze the decisions the last pass made for the call it left pending, as the next pass
+        would: that call is answered now (the new rows start with its answer), so no row it sees can
+        change any more. Written as that pass writes them: stage by stage, in key order, with the
+        call's key (the msg_key of its answer) where the thread's calls have keys."""
+        key = new.messages[0][0]["msg_key"] if facts.keyed else None
+        mine = (pl.col("session_id") == facts.session_id) & (pl.col("thread_id") == livepath.MAIN)
+        n = 0
+        for o in p.staged.outcomes:
+            rows = o.applied.filter(pl.col("is_provisional") & mine)
+            if rows.height:
+                rows = rows.drop("is_provisional").sort(DECISION_KEY).with_columns(call_key=pl.lit(key, pl.String))
+                n += self.ledger.stage(rows, spec_sha256=self.spec.sha256, stage=o.name,
+                                       stage_version=o.stage.version, config_digest=o.config_digest)
+        if n:
+            self.ledger.commit_run(None, self.spec.resolved(), spec_sha256=self.spec.sha256)
+        return n
+
+    def _snip_dry_run(self, blocks: pl.DataFrame) -> pl.DataFrame:
+        """snip's dry run of the pipeline's tombstone over `blocks` (stages.snip's own function)."""
+        from stages.snip import _tombstone_dry_run
+
+        rs = next(r for r in self.spec.stages if r.stage.name == "snip")
+        out = _tombstone_dry_run(blocks.lazy(), stage_context(self._ctx, rs, self.spec)).collect(engine=POLARS_ENGINE)
+        assert isinstance(out, pl.DataFrame)
+        return out
 
     def _main_session(self, s: _Session, sessions: list[str]) -> str | None:
         """The session whose main thread the live path follows: a session of one transcript file."""
@@ -524,6 +573,7 @@ class Engine:
         if why is not None:
             return why
         t2 = time.perf_counter()
+        committed = self._commit_pending(p, facts, new) if facts.pending_decisions else 0
         key = (facts.session_id, livepath.MAIN)
         try:
             p.blocks = pl.concat([p.blocks, new.frame.select(p.blocks.columns)])
@@ -531,7 +581,8 @@ class Engine:
             p.blocks = pl.concat([p.blocks, new.frame], how="diagonal_relaxed")
         p.skeleton = pl.concat([p.skeleton, call_skeleton(new.frame)], how="diagonal_relaxed")
         p.counts[key] = new.calls
-        p.new_decisions, p.full_pass_reason = 0, None
+        p.new_decisions, p.full_pass_reason = committed, None
+        facts.pending_decisions = 0
         p.written = pl.DataFrame()
         facts.messages += len(new.messages)
         facts.calls = new.calls

@@ -34,7 +34,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.constants import MAGIC_STRING_PATTERN, MESSAGE_OVERHEAD_TOKENS
+from pipeline.constants import CLEARED_TEXT, MAGIC_STRING_PATTERN, MESSAGE_OVERHEAD_TOKENS
 from pipeline.loaders.base import ORDER_STRIDE, FileLoad, Thread, path_str, read_line, threads_to_blocks
 from pipeline.loaders.claude_code import FORMAT, MESSAGE_TYPES, Node, _messages, entry_problem, make_node
 from pipeline.registry import StageContext
@@ -168,7 +168,8 @@ class ThreadFacts:
     has_thinking: bool
     unsettled_tail: bool  # an assistant message without content after the last message with content
     decided: dict[str, int]  # decisions applied in the thread, by stage position
-    pending_decisions: int  # decisions at the pending call or later
+    pending_decisions: int  # decisions at the pending call (provisional until the next call)
+    keyed: bool  # the thread's calls have keys (its decisions are written with the call's key)
     measures: dict[str, Measure]  # what each token-triggered position sees at the pending call
     schema: dict[str, pl.DataType]  # the final blocks' columns
 
@@ -178,12 +179,16 @@ MEASURED = ("snip", "tombstone")  # stages whose trigger is the request's token 
 
 @dataclass
 class Measure:
-    """What a token-triggered stage (snip, tombstone and snip's dry run of it) sees at the pending
-    call, in its input: the request's tokens, and the tool results tombstone could ever clear,
-    counted before and after the latest real user message (tombstone never clears the current tool
-    loop, so those after it become clearable only when a user message comes). The counts and tokens
-    are upper bounds: every result long enough (min_result_chars) or holding an image, whatever its
-    tool, pin or age, and all its rows' tokens (tombstone frees at most that per result)."""
+    """What a token-triggered stage sees at the pending call, measured on the blocks it leaves
+    (snip: as long as it has not fired, its input; tombstone: its input with its clearings applied;
+    snip's dry run of tombstone: that run's output over snip's input): the request's tokens, and the
+    tool results tombstone could still clear, counted before and after the latest real user message
+    (tombstone never clears the current tool loop, so those after it become clearable only when a
+    user message comes). "Could still clear": not cleared, and not before the last result tombstone
+    cleared (its frontier only moves forward; results it cleared from their first appearance on
+    are the transcript's own and do not move it). The counts and tokens are upper bounds: every
+    such result long enough (min_result_chars) or holding an image, whatever its tool, pin or age,
+    with all its rows' tokens (tombstone frees at most that per result)."""
 
     tokens: int
     u_order: int | None  # order_key of the latest real user message (None: none yet)
@@ -225,9 +230,10 @@ def _candidates(new: NewRows, min_chars: int) -> list[tuple[int, int, int]]:
 
 
 def measure(blocks: pl.DataFrame, session_id: str, call: int, counter: TokenCounter, min_chars: int) -> Measure:
-    """The Measure of the main thread's call `call` in a stage's input `blocks`. Tokens as
+    """The Measure of the main thread's call `call` in `blocks`. Tokens as
     pipeline.calls.request_tokens counts them (the rows visible at the call plus an overhead per
-    message visible there); the latest real user message as pipeline.calls.messages finds it."""
+    message visible there); the latest real user message as pipeline.calls.messages finds it; what
+    tombstone cleared as its own walk reads it (part 0 of a result replaced by the placeholder)."""
     t = blocks.filter((pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN))
     vis = t.filter((pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call)))
     rows = int(row_tokens(vis, counter).sum()) if vis.height else 0
@@ -239,10 +245,18 @@ def measure(blocks: pl.DataFrame, session_id: str, call: int, counter: TokenCoun
     n = msgs.filter((pl.col("first") <= call) & (pl.col("last").is_null() | (pl.col("last") > call))).height
     u = msgs.filter(pl.col("real") & (pl.col("first") <= call)).get_column("order").max()
     res = t.filter(pl.col("block_type") == "tool_result")
+    cleared = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED_TEXT)
     res = res.with_columns(_tok=row_tokens(res, counter)).group_by("entry_id", "block_pos").agg(
-        order=pl.col("order_key").min(), tok=pl.col("_tok").sum(),
+        order=pl.col("order_key").min(), a=pl.col("first_call").min(), tok=pl.col("_tok").sum(),
         size=pl.col("text").str.len_chars().fill_null(0).sum(), img=is_image_expr().fill_null(False).any(),
-    ).filter((pl.col("size") >= min_chars) | pl.col("img"))
+        done_call=pl.col("first_call").filter(cleared).min(),
+        done_epoch=pl.col("cache_epoch").filter(cleared).sort_by(pl.col("first_call").filter(cleared)).first(),
+    ).with_columns(done=pl.col("done_call").is_not_null())
+    own = res.filter(pl.col("done") & ~((pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0)))
+    frontier = own.get_column("order").max()
+    res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img")))
+    if frontier is not None:
+        res = res.filter(pl.col("order") >= frontier)
     u_order = None if u is None else int(u)  # type: ignore[arg-type]
     first = res.filter(pl.col("order") < u_order) if u_order is not None else res.clear()
     second = res.filter(pl.col("order") >= u_order) if u_order is not None else res
@@ -252,7 +266,7 @@ def measure(blocks: pl.DataFrame, session_id: str, call: int, counter: TokenCoun
 
 
 def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFrame, session_id: str, calls: int,
-                 measures: dict[str, Measure]) -> ThreadFacts | None:
+                 measures: dict[str, Measure], keyed: bool) -> ThreadFacts | None:
     """The facts of the session's main thread after a full pass (None: it has none)."""
     mine = (pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN)
     rows = loaded.filter(mine)
@@ -271,7 +285,7 @@ def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFram
         calls=calls, tool_ids=ids, images=rows.filter(image.fill_null(False)).height,
         has_thinking=bool(rows.get_column("block_type").is_in(["thinking", "redacted_thinking"]).any()),
         unsettled_tail=_unsettled_tail(rows), decided=decided,
-        pending_decisions=dec.filter(pl.col("from_call") >= calls).height if dec.height else 0,
+        pending_decisions=dec.filter(pl.col("from_call") >= calls).height if dec.height else 0, keyed=keyed,
         measures=dict(measures), schema=dict(final.schema))
 
 
@@ -357,11 +371,6 @@ class Spec:
     def params_of(self, stage: str) -> Any:
         return next((p for _, s, p in self.positions if s == stage), None)
 
-    def names_between(self, first: str, last: str) -> list[str]:
-        names = [n for n, _, _ in self.positions]
-        i = next((k for k, (_, s, _) in enumerate(self.positions) if s == first), 0)
-        j = next((k for k, (_, s, _) in enumerate(self.positions) if s == last), len(names) - 1)
-        return names[i:j + 1]
 
 
 def _sanitize(p: Any, ctx: StageContext, facts: ThreadFacts, new: NewRows, spec: Spec) -> str | None:
@@ -505,17 +514,10 @@ def _idle(params: Any, new: NewRows) -> str | None:
     return None
 
 
-def _fired(facts: ThreadFacts, spec: Spec, first: str, last: str) -> str | None:
-    for name in spec.names_between(first, last):
-        if facts.decided.get(name):
-            return f"{name} decided in this thread already"
-    return None
-
-
 def _tombstone_fires(p: Any, m: Measure | None, new: NewRows) -> str | None:
-    """Whether tombstone (never fired in the thread yet) may fire at a new call, from the measure of
-    its input at the pending call: never while no result is clearable; else on the idle trigger,
-    or on the token trigger when the results it could clear free clear_at_least_tokens."""
+    """Whether tombstone may fire at a new call, from the Measure at the pending call: never while
+    no result is clearable; else on the idle trigger, or on the token trigger when the results it
+    could clear free clear_at_least_tokens."""
     if m is None:
         return "no measure of tombstone's input"
     after = m.grown(new, p.min_result_chars)
@@ -533,11 +535,11 @@ def _tombstone_fires(p: Any, m: Measure | None, new: NewRows) -> str | None:
 def _snip(p: Any, ctx: StageContext, facts: ThreadFacts, new: NewRows, spec: Spec, name: str = "snip") -> str | None:
     if not p.enabled:
         return None
-    # with no snip and no tombstone decision so far, snip's measure (after its dry run of tombstone)
-    # is the request tokens of its input, as long as that dry run does not fire at the new calls
-    why = _fired(facts, spec, "snip", "tombstone")
-    if why:
-        return why
+    # while snip has not fired, its measure is the request after its dry run of tombstone (measured
+    # on that run's output at the last full pass), grown by the new rows as long as the dry run
+    # does not fire at the new calls
+    if facts.decided.get(name):
+        return "snip decided in this thread already"
     m = facts.measures.get(name)
     if m is None:
         return "no measure of snip's input"
@@ -550,8 +552,6 @@ def _snip(p: Any, ctx: StageContext, facts: ThreadFacts, new: NewRows, spec: Spe
 
 def _tombstone(p: Any, ctx: StageContext, facts: ThreadFacts, new: NewRows, spec: Spec,
                name: str = "tombstone") -> str | None:
-    if facts.decided.get(name):
-        return "tombstone decided in this thread already"
     return _tombstone_fires(p, facts.measures.get(name), new)
 
 
@@ -568,8 +568,6 @@ QUIET: dict[str, Check] = {
 
 def quiet(spec: Spec, ctx: StageContext, facts: ThreadFacts, new: NewRows, builtin: dict[str, bool]) -> str | None:
     """None when no stage of the pipeline decides anything at the new calls; else the first reason."""
-    if facts.pending_decisions:
-        return "the call assembled last had decisions of its own (provisional until the next call)"
     for name, stage, params in spec.positions:
         check = QUIET.get(stage) if builtin.get(name) else None
         if check is None:

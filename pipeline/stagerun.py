@@ -392,16 +392,16 @@ def run_stages(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageCont
                progress: Progress | None = None,
                observe: Callable[[str, pl.DataFrame], None] | None = None) -> StagesResult:
     """Run every stage of `spec` in order over `blocks` (see the module docstring). `observe`, when
-    given, is called with each position's name and the blocks it starts from (the live engine
-    measures what a stage will see)."""
+    given, is called with each position's name and the blocks it leaves (the live engine measures
+    what a stage saw and did)."""
     state = _Run(spec, view, ctx, progress)
     for i, (rs, name) in enumerate(zip(spec.stages, position_names(spec.stages), strict=True), start=1):
         if progress:
             progress(f"stage {i}/{len(spec.stages)}: {name}")
         crashpoints.point("stage")
+        blocks = _run_position(state, blocks, rs, name, i)
         if observe is not None:
             observe(name, blocks)
-        blocks = _run_position(state, blocks, rs, name, i)
         crashpoints.point("stage")
     spills = pl.concat(state.spills).unique("sha256", maintain_order=True) if state.spills else \
         pl.DataFrame(schema={"sha256": pl.String, "text": pl.String})

@@ -241,8 +241,8 @@ def test_sanitize_rows_take_a_full_pass(tmp_path: Path, content: str, reason: st
     s.tool_call(93, "Bash", 300)
     got = check(s.entries, "default", tmp_path)
     assert not got[-4].incremental and reason in (got[-4].full_pass_reason or "")
-    # sanitize decided for that call: the next one commits it in a full pass, then calls are quiet again
-    assert "decisions of its own" in (got[-3].full_pass_reason or "")
+    # sanitize decided for that call: the next call freezes the decision and is a live step again
+    assert got[-3].incremental and got[-3].new_decisions >= 1
     assert got[-2].incremental and got[-1].incremental
 
 
@@ -318,13 +318,46 @@ def test_a_builtin_stage_without_a_live_check_means_a_full_pass(tmp_path: Path) 
     assert "auto_compact has no live check" in (got[-1].full_pass_reason or "")
 
 
-def test_decisions_at_the_assembled_call_take_a_full_pass_at_the_next(tmp_path: Path) -> None:
-    s = build(10, size=2000, turn_every=3)
-    got = check(s.entries, spec("tombstone.trigger_tokens = 2000\ntombstone.clear_at_least_tokens = 1\n"
-                                "tombstone.keep_recent = 0"), tmp_path)
-    fired = next(r for r in got if r.decisions.height)
-    after = at(got, fired.call + 1)
-    assert not after.incremental and "decisions of its own" in (after.full_pass_reason or "")
+def test_the_assembled_calls_decisions_are_frozen_by_the_next_live_step_as_a_full_pass_would(
+        tmp_path: Path) -> None:
+    # sanitize decides for a call (a blank text block), tombstone clears at each user turn: the next
+    # call freezes those decisions without a pass, and the ledger ends up holding what the engine
+    # with the live path off wrote, row for row
+    import duckdb
+
+    s = build(10, size=2000, turn_every=4)
+    s.answer(3000, "fine")
+    s.entry("user", {"role": "user", "content": [{"type": "text", "text": " "}, {"type": "text", "text": "go"}]}, 5)
+    s.tool_call(3001, "Bash", 300)
+    s.tool_call(3002, "Bash", 300)
+    sp = spec("tombstone.trigger_tokens = 0\ntombstone.keep_recent = 0\ntombstone.trigger_idle_seconds = 20")
+    got = check(s.entries, sp, tmp_path)
+    feed(s.entries, sp, tmp_path, live=False)
+    decided = [r.call for r in got if r.decisions.height]
+    assert decided and all(at(got, c + 1).incremental and at(got, c + 1).new_decisions for c in decided
+                           if c + 1 <= got[-1].call)
+
+    def ledger(name: str) -> list[tuple[Any, ...]]:
+        con = duckdb.connect(str(tmp_path / name), read_only=True)
+        try:
+            return con.sql("SELECT d.* EXCLUDE (seq), c.call_key FROM decisions d LEFT JOIN decision_calls c "
+                           "USING (spec_sha256, seq) ORDER BY ALL").fetchall()
+        finally:
+            con.close()
+
+    assert ledger("engine-True.duckdb") == ledger("engine-False.duckdb") != []
+
+
+def test_calls_after_tombstone_fired_take_the_live_path_until_it_can_fire_again(tmp_path: Path) -> None:
+    # the idle trigger clears at each new user turn (30 s after the last answer); in between, with
+    # nothing new to clear, the calls take the live path, snip's dry run of tombstone included
+    s = build(16, size=2000, turn_every=4)
+    got = check(s.entries, spec("tombstone.trigger_tokens = 0\ntombstone.keep_recent = 0\n"
+                                "tombstone.trigger_idle_seconds = 20"), tmp_path)
+    fired = [r.call for r in got if r.decisions.height and r.decisions["stage"].str.starts_with("tombstone").any()]
+    assert len(fired) >= 2
+    between = [r for r in got if fired[0] < r.call < fired[1]]
+    assert between and all(r.incremental for r in between), [(r.call, r.full_pass_reason) for r in between]
 
 
 # a 1 x 1 PNG
