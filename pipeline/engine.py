@@ -501,6 +501,9 @@ class Engine:
                                       & (pl.col("thread_id") == livepath.MAIN)).height == n_main
             s.facts = livepath.thread_facts(loaded_blocks, final, p.applied_decisions(), main_sid, n_main, measures,
                                             keyed)
+            if s.facts is not None and (s.scan is None or s.scan.thread != livepath.thread_entries(loaded_blocks,
+                                                                                                  main_sid)):
+                s.facts = None  # the live path's reading of the file is not the loader's: no live step
             if s.facts is not None and "snip" in snip_out and any(
                     k.startswith("tombstone") for k in s.facts.decided):
                 # tombstone has acted: snip's dry run of it clears too; measure that run's output

@@ -27,6 +27,7 @@ both sides of its threshold and compares the requests with `ctxreplay run`.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,15 @@ import polars as pl
 
 from pipeline.constants import CLEARED_TEXT, MAGIC_STRING_PATTERN, MESSAGE_OVERHEAD_TOKENS
 from pipeline.loaders.base import ORDER_STRIDE, FileLoad, Thread, path_str, read_line, threads_to_blocks
-from pipeline.loaders.claude_code import FORMAT, MESSAGE_TYPES, Node, _messages, entry_problem, make_node
+from pipeline.loaders.claude_code import (
+    FORMAT,
+    MESSAGE_TYPES,
+    Node,
+    _build_thread,
+    _messages,
+    entry_problem,
+    make_node,
+)
 from pipeline.registry import StageContext
 from pipeline.targets import target_family
 from pipeline.tokens import TokenCounter, is_image_expr, row_tokens
@@ -59,47 +68,53 @@ def _nonblank(v: Any) -> bool:
 
 @dataclass
 class TailScan:
-    """What the lines of one spool file read so far say about its main thread (see the module
-    docstring). `regular` turns false for good at the first line the live path cannot follow (a
-    line the loader quarantines or repairs, a message without uuid, a uuid read twice)."""
+    """The entries of one spool file read so far, kept as `claude_code.load_session` keeps them
+    (nodes by uuid, assistant entries by message key, results by the tool call they answer, the
+    previous entry in the file), so that the main thread can be built with the loader's own
+    `_build_thread`. `thread` holds the message entries of the main thread at the last step.
+    `regular` turns false for good at the first line the live path cannot follow (a line the
+    loader quarantines or repairs, a message without uuid, a uuid read twice)."""
 
     path: Path
     scanned: int = 0
     regular: bool = True
-    uuids: set[str] = field(default_factory=set)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    by_key: dict[str, list[Node]] = field(default_factory=dict)
+    result_by_tool_id: dict[str, list[Node]] = field(default_factory=dict)
+    prev_in_file: dict[str, str] = field(default_factory=dict)
     last_uuid: str | None = None
-    tip: str | None = None  # the last message entry (not a sidechain): the main thread's end
-    linear: bool = True  # the entries after the tip chain to it one by one (no boundary, no branch)
+    tip: str | None = None  # the last message entry that is not a sidechain: where the main thread ends
+    thread: list[str] = field(default_factory=list)  # uuids of the main thread's message entries
     msg_keys: set[str] = field(default_factory=set)
     tool_ids: set[str] = field(default_factory=set)  # tool_use and tool_result ids
 
     def scan(self, lines: list[bytes]) -> tuple[list[Node], str | None]:
         """Read lines[scanned:] (the state follows them whatever they are). Returns the message
-        nodes among them and None when they only extend the main thread, or the reason why not."""
+        nodes among them and None when the main thread is the one of the last step with them
+        appended, or the reason why not."""
         why: str | None = None
         if not self.regular:
             why = "an earlier line of this file was not a plain transcript entry"
         elif self.scanned < FIRST_OBJECTS:
             why = f"the file had fewer than {FIRST_OBJECTS} entries (its format is sniffed from its first ones)"
-        elif not self.linear or self.tip is None:
-            why = "the entries after the last message do not chain to it"
         new: list[Node] = []
         keys: set[str] = set()
         ids: set[str] = set()
         while self.scanned < len(lines):
             i = self.scanned
             self.scanned += 1
-            problem = self._read(lines[i], i + 1)
-            if isinstance(problem, str):
-                why = why or problem
+            node = self._read(lines[i], i + 1)
+            if isinstance(node, str):
+                why = why or node
                 continue
-            if problem is None:
+            if node is None:
                 continue  # an entry without uuid (not a message): the loader only counts it
-            node = problem
-            step = self._follow(node)
-            if step:
-                why = why or step
+            self._add(node)
+            if node.type == "system" and node.subtype == "compact_boundary":
+                why = why or "a compaction boundary"
             if node.is_message:
+                if node.sidechain:
+                    why = why or "a sidechain message"
                 if node.msg_key in self.msg_keys and node.msg_key not in keys:
                     why = why or "an answer continues a message read before"
                 if node.obj.get("isCompactSummary"):
@@ -113,7 +128,34 @@ class TailScan:
             ids.update(node.tool_use_ids, node.tool_result_ids)
         self.msg_keys |= keys
         self.tool_ids |= ids
+        old = self.thread
+        self.thread = self.main_thread()
+        if why is None and (not old or self.thread[:len(old)] != old
+                            or self.thread[len(old):] != _row_order([n for n in new])):
+            why = "an entry that does not continue the main thread (a rewind, a branch)"
         return new, why
+
+    def main_thread(self) -> list[str]:
+        """The message entries of the main thread as the loader builds it (its last message
+        entry's ancestry, parallel tool calls and their results recovered), in the order of their
+        rows (the entries of a message split over several lines together, at its first)."""
+        if self.tip is None:
+            return []
+        entries, boundaries = _build_thread(self.nodes[self.tip], self.nodes, self.by_key,  # type: ignore[arg-type]
+                                            self.result_by_tool_id, self.prev_in_file, Counter())  # type: ignore[arg-type]
+        return _row_order([n for n in entries if n.is_message and n.uuid not in boundaries])
+
+    def _add(self, node: Node) -> None:
+        self.nodes[node.uuid] = node
+        if node.type == "assistant" and node.msg_key:
+            self.by_key.setdefault(node.msg_key, []).append(node)
+        for tid in node.tool_result_ids:
+            self.result_by_tool_id.setdefault(tid, []).append(node)
+        if self.last_uuid is not None:
+            self.prev_in_file[node.uuid] = self.last_uuid
+        self.last_uuid = node.uuid
+        if node.is_message and not node.sidechain:
+            self.tip = node.uuid
 
     def _read(self, raw: bytes, line: int) -> Node | str | None:
         """One line as the loader reads it: its node, None (an entry without uuid that is not a
@@ -131,23 +173,10 @@ class TailScan:
                 self.regular = False
                 return f"line {line}: a message without uuid"
             return None
-        if uid in self.uuids:
+        if uid in self.nodes:
             self.regular = False
             return f"line {line}: uuid {uid} read before"
-        self.uuids.add(uid)
         return make_node(o, uid, 0, line, got[0])  # type: ignore[index]
-
-    def _follow(self, node: Node) -> str | None:
-        """Move the main thread's end past `node`; why the node does not extend it, if it does not."""
-        chained = node.parent == self.last_uuid and self.last_uuid is not None
-        self.last_uuid = node.uuid
-        if node.is_message and not node.sidechain:
-            ok = chained and self.linear
-            self.tip, self.linear = node.uuid, True
-            return None if ok else "an entry that does not continue the main thread"
-        boundary = node.type == "system" and node.subtype == "compact_boundary"
-        self.linear = self.linear and chained and not boundary and not node.sidechain
-        return None if self.linear else "an entry off the main thread (a branch, a compaction or a sidechain)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +316,23 @@ def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFram
         unsettled_tail=_unsettled_tail(rows), decided=decided,
         pending_decisions=dec.filter(pl.col("from_call") >= calls).height if dec.height else 0, keyed=keyed,
         measures=dict(measures), schema=dict(final.schema))
+
+
+def _row_order(entries: list[Node]) -> list[str]:
+    """Message entries in the order of their rows: `claude_code._messages` puts every assistant
+    entry of one message (its key) at the message's first."""
+    groups: dict[str, list[str]] = {}
+    for n in entries:
+        key = n.msg_key if n.type == "assistant" and n.msg_key else n.uuid
+        groups.setdefault(key, []).append(n.uuid)
+    return [u for g in groups.values() for u in g]
+
+
+def thread_entries(loaded: pl.DataFrame, session_id: str) -> list[str]:
+    """The entry ids of the main thread's messages in the loaded blocks, in order (a message split
+    over several lines gives each line's entry)."""
+    rows = loaded.filter((pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN))
+    return rows.sort("entry_order", "block_pos", "part_pos").get_column("entry_id").unique(maintain_order=True).to_list()
 
 
 def _unsettled_tail(rows: pl.DataFrame) -> bool:
