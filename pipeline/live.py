@@ -9,8 +9,9 @@ rows the batch loader would have added, so that the request is shaped from the k
 plus those rows, with no pass:
 
 - `TailScan` reads each spool line once, the way `claude_code.load_session` reads it (`read_line`,
-  `entry_problem`, `make_node`), and keeps what tells whether new entries only extend the main thread:
-  the uuids seen, the last entry and the last message, message keys and tool-call ids;
+  `entry_problem`, `make_node`), keeps the loader's maps of the entries, and builds the main thread
+  with the loader's own `_build_thread`: a step is live when that thread is the last step's with
+  the new message entries appended;
 - `new_rows` turns the appended message entries into block rows with the loader's own code
   (`_messages`, `threads_to_blocks`), at the positions and call numbers the whole file gives them;
 - one check per built-in stage (`QUIET`) says, in plain Python over those rows and a few figures the
