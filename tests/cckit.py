@@ -9,7 +9,11 @@ names an older parent) or just chain.
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -64,3 +68,18 @@ class CCSession:
 def _assistant(k: int, content: list[dict[str, Any]], stop: str) -> dict[str, Any]:
     return {"id": f"msg_{k:06d}", "type": "message", "role": "assistant", "model": "claude-x", "content": content,
             "stop_reason": stop, "usage": {"input_tokens": 10, "output_tokens": 5}}
+
+
+@contextmanager
+def shout_plugin() -> Iterator[None]:
+    """The test plug-in stage `shout` (tests/plugins/misbehaving.py) registered for the block, and
+    unregistered after it."""
+    from pipeline.registry import STAGES
+
+    sys.modules.pop("tests.plugins.misbehaving", None)
+    importlib.import_module("tests.plugins.misbehaving")
+    try:
+        yield
+    finally:
+        STAGES.pop("shout", None)
+        sys.modules.pop("tests.plugins.misbehaving", None)

@@ -18,7 +18,7 @@ from pipeline.ledger import Ledger
 from pipeline.runner import RunOptions, run
 from pipeline.spec import parse_spec
 from pipeline.tokens import CHARS4_COUNTER
-from tests.cckit import CCSession
+from tests.cckit import CCSession, shout_plugin
 
 SID = "7c2e9a10-4b3d-4e5f-8a6b-1c2d3e4f5a6b"
 T0 = datetime(2026, 5, 1, 8, 0, tzinfo=UTC)
@@ -223,14 +223,7 @@ def test_a_session_of_bad_entries_only_still_assembles(tmp_path: Path) -> None:
 
 
 def test_a_failing_plugin_is_isolated(tmp_path: Path) -> None:
-    import importlib
-    import sys
-
-    from pipeline.registry import STAGES
-
-    sys.modules.pop("tests.plugins.misbehaving", None)
-    importlib.import_module("tests.plugins.misbehaving")
-    try:
+    with shout_plugin():
         spec = parse_spec('[pipeline]\nname = "p"\n[[stage]]\nuse = "sanitize"\n[[stage]]\nuse = "shout"\n'
                           'mode = "raise"\n', source="test")
         ok = parse_spec('[pipeline]\nname = "p"\n[[stage]]\nuse = "sanitize"\n', source="test")
@@ -241,9 +234,6 @@ def test_a_failing_plugin_is_isolated(tmp_path: Path) -> None:
         with Engine.open(ok, tmp_path / "ok.duckdb", token_counter=CHARS4_COUNTER) as eng:
             eng.ingest(SID, s.entries)
             without = eng.assemble(SID)
-    finally:
-        STAGES.pop("shout", None)
-        sys.modules.pop("tests.plugins.misbehaving", None)
     assert [(f.stage, f.kind) for f in res.stage_failures] == [("shout", "raised")]
     assert res.request_json == without.request_json  # the request without the failed stage's effect
 

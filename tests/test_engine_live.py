@@ -19,7 +19,7 @@ from pipeline.engine import AssembleResult, Engine
 from pipeline.runner import RunOptions, run
 from pipeline.spec import PipelineSpec, load_spec, parse_spec
 from pipeline.tokens import CHARS4_COUNTER
-from tests.cckit import CCSession, _assistant
+from tests.cckit import CCSession, _assistant, shout_plugin
 
 SID = "5d1e2f30-4b3d-4e5f-8a6b-1c2d3e4f5a6b"
 T0 = datetime(2026, 6, 1, 8, 0, tzinfo=UTC)
@@ -292,20 +292,10 @@ def test_a_branch_takes_a_full_pass(tmp_path: Path) -> None:
 
 
 def test_a_plugin_stage_means_a_full_pass_every_call(tmp_path: Path) -> None:
-    import importlib
-    import sys
-
-    from pipeline.registry import STAGES
-
-    sys.modules.pop("tests.plugins.misbehaving", None)
-    importlib.import_module("tests.plugins.misbehaving")
-    try:
+    with shout_plugin():
         sp = parse_spec('[pipeline]\nname = "p"\n[[stage]]\nuse = "sanitize"\n[[stage]]\nuse = "shout"\n'
                         'mode = "ok"\n', source="test")
         got = feed(build(4).entries, sp, tmp_path)
-    finally:
-        STAGES.pop("shout", None)
-        sys.modules.pop("tests.plugins.misbehaving", None)
     assert not any(r.incremental for r in got)
     assert any("shout has no live check" in (r.full_pass_reason or "") for r in got)
 
