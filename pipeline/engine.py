@@ -504,9 +504,11 @@ class Engine:
             if s.facts is not None and (s.scan is None or s.scan.thread != livepath.thread_entries(loaded_blocks,
                                                                                                   main_sid)):
                 s.facts = None  # the live path's reading of the file is not the loader's: no live step
-            if s.facts is not None and "snip" in snip_out and any(
-                    k.startswith("tombstone") for k in s.facts.decided):
-                # tombstone has acted: snip's dry run of it clears too; measure that run's output
+            names = [n for n, _, _ in self._live_spec.positions]
+            later = names[names.index("snip") + 1:] if "snip" in names else []
+            if s.facts is not None and "snip" in snip_out and any(s.facts.decided.get(n) for n in later):
+                # a stage after snip has acted (tombstone): snip's dry run of tombstone may clear
+                # too, and its input is not tombstone's; measure that run's output
                 s.facts.measures["snip"] = livepath.measure(
                     self._snip_dry_run(snip_out["snip"]), main_sid, counts[(main_sid, livepath.MAIN)], self.counter,
                     min_chars)
