@@ -303,6 +303,8 @@ class Engine:
                                                                                                strict=True)))
         self._builtin = {n: bool(rs.stage.is_builtin) for n, rs in zip(names, spec.stages, strict=True)}
         self.live_path = True  # False: every step is a full pass (tests compare both)
+        tomb = self._live_spec.params_of("tombstone")
+        self._min_result_chars = tomb.min_result_chars if tomb is not None else 0  # what tombstone may clear
 
     # ------------------------------------------------------------------ life cycle
 
@@ -456,8 +458,7 @@ class Engine:
         if main_sid is not None and (main_sid, livepath.MAIN) not in counts:
             main_sid = None  # a sub-agent's file alone: no main thread to follow
         measures: dict[str, livepath.Measure] = {}
-        tomb = self._live_spec.params_of("tombstone")
-        min_chars = tomb.min_result_chars if tomb is not None else 0
+        min_chars = self._min_result_chars
 
         snip_out: dict[str, pl.DataFrame] = {}
 
@@ -587,16 +588,8 @@ class Engine:
         p.skeleton = pl.concat([p.skeleton, call_skeleton(new.frame)], how="diagonal_relaxed")
         p.counts[key] = new.calls
         p.new_decisions, p.full_pass_reason = committed, None
-        facts.pending_decisions = 0
         p.written = pl.DataFrame()
-        facts.messages += len(new.messages)
-        facts.calls = new.calls
-        facts.tool_ids.update(r["tool_use_id"] for r in new.rows if r["tool_use_id"] is not None)
-        facts.has_thinking = facts.has_thinking or any(r["block_type"] == "thinking" for r in new.rows)
-        facts.unsettled_tail = livepath._unsettled_tail(new.frame)
-        tomb = self._live_spec.params_of("tombstone")
-        for name, m in facts.measures.items():
-            facts.measures[name] = m.grown(new, tomb.min_result_chars if tomb is not None else 0)
+        facts.grow(new, self._min_result_chars)
         s.unshaped.append(new)
         p.seconds = {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2}
         s.dirty = False
@@ -727,8 +720,8 @@ class Engine:
         """The main thread's request after live steps: the kept replay state extended by their rows
         (None: the state is not the one they extend; the caller shapes from the visible rows)."""
         live, last, facts = s.live.get(livepath.MAIN), s.assembled.get(livepath.MAIN), s.facts
-        if live is None or last is None or facts is None or last.call != facts.calls - sum(
-                1 for n in s.unshaped for m in n.messages if m[0]["role"] == "assistant"):
+        # the kept state is the one the first unshaped step extends: the call before its answer
+        if live is None or last is None or facts is None or last.call != s.unshaped[0].rows[0]["first_call"] - 1:
             s.unshaped.clear()
             return None
         new = s.unshaped[0].frame if len(s.unshaped) == 1 else pl.concat([n.frame for n in s.unshaped])

@@ -203,6 +203,17 @@ class ThreadFacts:
     measures: dict[str, Measure]  # what each token-triggered position sees at the pending call
     schema: dict[str, pl.DataType]  # the final blocks' columns
 
+    def grow(self, new: NewRows, min_chars: int) -> None:
+        """The facts after a live step appended `new` (no stage decided anything about it)."""
+        self.messages += len(new.messages)
+        self.calls = new.calls
+        self.tool_ids.update(r["tool_use_id"] for r in new.rows if r["tool_use_id"] is not None)
+        self.has_thinking = self.has_thinking or any(r["block_type"] == "thinking" for r in new.rows)
+        self.unsettled_tail = unsettled_tail(new.frame)
+        self.pending_decisions = 0
+        for name, m in self.measures.items():
+            self.measures[name] = m.grown(new, min_chars)
+
 
 MEASURED = ("snip", "tombstone")  # stages whose trigger is the request's token count
 
@@ -265,8 +276,9 @@ def measure(blocks: pl.DataFrame, session_id: str, call: int, counter: TokenCoun
     message visible there); the latest real user message as pipeline.calls.messages finds it; what
     tombstone cleared as its own walk reads it (part 0 of a result replaced by the placeholder)."""
     t = blocks.filter((pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN))
+    t = t.with_columns(_tok=row_tokens(t, counter))
     vis = t.filter((pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call)))
-    rows = int(row_tokens(vis, counter).sum()) if vis.height else 0
+    rows = int(vis.get_column("_tok").sum() or 0)
     msgs = t.group_by("msg_key").agg(
         order=pl.col("order_key").min(), first=pl.col("first_call").min(),
         last=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()),
@@ -276,7 +288,7 @@ def measure(blocks: pl.DataFrame, session_id: str, call: int, counter: TokenCoun
     u = msgs.filter(pl.col("real") & (pl.col("first") <= call)).get_column("order").max()
     res = t.filter(pl.col("block_type") == "tool_result")
     cleared = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED_TEXT)
-    res = res.with_columns(_tok=row_tokens(res, counter)).group_by("entry_id", "block_pos").agg(
+    res = res.group_by("entry_id", "block_pos").agg(
         order=pl.col("order_key").min(), a=pl.col("first_call").min(), tok=pl.col("_tok").sum(),
         size=pl.col("text").str.len_chars().fill_null(0).sum(), img=is_image_expr().fill_null(False).any(),
         done_call=pl.col("first_call").filter(cleared).min(),
@@ -314,7 +326,7 @@ def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFram
         messages=int(rows.get_column("entry_order").max()) + 1,  # type: ignore[arg-type,operator]
         calls=calls, tool_ids=ids, images=rows.filter(image.fill_null(False)).height,
         has_thinking=bool(rows.get_column("block_type").is_in(["thinking", "redacted_thinking"]).any()),
-        unsettled_tail=_unsettled_tail(rows), decided=decided,
+        unsettled_tail=unsettled_tail(rows), decided=decided,
         pending_decisions=dec.filter(pl.col("from_call") >= calls).height if dec.height else 0, keyed=keyed,
         measures=dict(measures), schema=dict(final.schema))
 
@@ -336,17 +348,18 @@ def thread_entries(loaded: pl.DataFrame, session_id: str) -> list[str]:
     return rows.sort("entry_order", "block_pos", "part_pos").get_column("entry_id").unique(maintain_order=True).to_list()
 
 
-def _unsettled_tail(rows: pl.DataFrame) -> bool:
+def unsettled_tail(rows: pl.DataFrame) -> bool:
     """Sanitize decides a failed (empty) assistant turn from the first call that sees a later
-    message with content: true when such a message could still come for one."""
-    empty = {"null", "none", "", "empty"}
-    per_msg = rows.sort("entry_order", "block_pos", "part_pos").select("entry_order", "role", "block_type", "text")
-    last_content, roles = -1, {}
-    for order, role, bt, text in per_msg.iter_rows():
-        roles[order] = role
-        if (bt or "").lower() not in empty and not (bt == "text" and not _nonblank(text)):
-            last_content = max(last_content, order)
-    return any(r == "assistant" for o, r in roles.items() if o > last_content)
+    message with content: true when such a message could still come for one (an assistant message
+    after the last message with content; content as sanitize counts it, blank texts and
+    placeholders not)."""
+    content = ~pl.col("block_type").str.to_lowercase().is_in(["null", "none", "", "empty"]) & ~(
+        (pl.col("block_type") == "text") & (pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")))
+    msgs = rows.group_by("entry_order").agg(content=content.fill_null(False).any(),
+                                            assistant=(pl.col("role") == "assistant").any())
+    last = msgs.filter("content").get_column("entry_order").max()
+    after = msgs if last is None else msgs.filter(pl.col("entry_order") > last)
+    return bool(after.get_column("assistant").any())
 
 
 # ---------------------------------------------------------------------------------------------
