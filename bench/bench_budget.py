@@ -23,9 +23,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec, parse_spec
-from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec, parse_spec
 
 SID = "5e551011-0000-4000-8000-0000000b0d6e"
 PRESETS = ["minimal", "claude-code", "openclaw", "context-editing", "default", "stress-5-6"]

@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import polars as pl
 
-    from pipeline.cachesim import SimStore, prepare, simulate
-    from pipeline.loaders import load_paths
-    from pipeline.prices import PriceBook
-    from pipeline.runner import RunOptions, run
-    from pipeline.spec import load_spec
-    from pipeline.tokens import TIKTOKEN_COUNTER, TokenCounter
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
+    from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER, TokenCounter
+    from ctxreplay.pipeline.cost.cachesim import SimStore, prepare, simulate
+    from ctxreplay.pipeline.cost.prices import PriceBook
+    from ctxreplay.pipeline.loaders import load_paths
+    from ctxreplay.pipeline.staging.spec import load_spec
 
     if not tree.is_dir():
         t0 = time.perf_counter()

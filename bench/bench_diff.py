@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CTXREPLAY = [sys.executable, "-m", "pipeline.cli"]
+CTXREPLAY = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli"]
 
 
 def timed(args: list[str], ok: tuple[int, ...] = (0,)) -> tuple[float, float]:

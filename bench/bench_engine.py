@@ -6,7 +6,7 @@ calls, assembles once (the warm-up: the whole session goes through load + stages
 --steps times "ingest the entries of one more call, assemble its request" at call N, N+1, ...
 Prints the per-call latency of `assemble` in ms (median; CPU seconds too, less disturbed by other
 processes on a shared machine, polars' threads added up), how many of the timed calls took the
-live path (pipeline/live.py: the appended rows, no pipeline pass) and why the others did not, where
+live path (pipeline/engine/live.py: the appended rows, no pipeline pass) and why the others did not, where
 the time goes (load / stages / commit / shaping the request), and its share of the whole replay
 (the issue's target: at most 5 %). Then the same with the live path off (every call a full pass:
 load + every stage over the session), and on a session of --floor calls (default 10): what a step
@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_replay import SID, generate
 
-from pipeline.engine import Engine, iter_lines
-from pipeline.runner import RunOptions, run
-from pipeline.spec import PipelineSpec, load_spec
-from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+from ctxreplay.pipeline.engine.engine import Engine, iter_lines
+from ctxreplay.pipeline.staging.spec import PipelineSpec, load_spec
 
 
 def main() -> None:

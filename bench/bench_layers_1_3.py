@@ -27,11 +27,11 @@ import polars as pl
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.blockops import empty_decisions
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks
-from stages.images import ENCODER_VERSION, MEMO
+from ctxreplay.pipeline.core.blockops import empty_decisions
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.images import ENCODER_VERSION, MEMO
+from ctxreplay.testkit import make_blocks
 
 LAYERS = ("sanitize", "inter_session", "images")
 
@@ -57,9 +57,9 @@ def run_layer_cpu(name: str, blocks: pl.DataFrame, params: dict[str, Any] | None
 
 def bench_corpus(corpus: Path, repeat: int) -> None:
     try:
-        from pipeline.loaders import load_paths
+        from ctxreplay.pipeline.loaders import load_paths
     except ImportError:
-        print("corpus: skipped (pipeline.loaders.load_paths is not available yet)")
+        print("corpus: skipped (ctxreplay.pipeline.loaders.load_paths is not available yet)")
         return
     if not corpus.is_dir():
         print(f"corpus: skipped ({corpus} not found)")

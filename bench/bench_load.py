@@ -46,7 +46,7 @@ def child(engine: str, tree: Path, table_out: Path | None, calls: int = 1) -> No
     """One timed load in this process (`calls` > 1: that many, the best kept); prints one JSON object."""
     import pyarrow as pa
 
-    from pipeline.loaders import load_paths
+    from ctxreplay.pipeline.loaders import load_paths
 
     base = _rss_mb()
     wall = cpu = float("inf")
@@ -103,7 +103,7 @@ def _duckdb_reader(text: Any) -> int:
     import duckdb
     import pyarrow as pa
 
-    from pipeline.loaders import cc_columnar as m
+    from ctxreplay.pipeline.loaders import cc_columnar as m
 
     con = duckdb.connect()
     try:

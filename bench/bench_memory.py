@@ -1,6 +1,6 @@
 """Where the memory of `ctxreplay run` goes (issue 10's memory goal): one run in this process, its
 resident memory sampled every 20 ms and kept as a peak per batch and phase (load, stages, replay,
-write: pipeline/crashpoints.py names them), with the memory left after each batch and the cache
+write: pipeline/core/crashpoints.py names them), with the memory left after each batch and the cache
 simulation's store at the end.
 
     python bench/bench_memory.py TREE [--batch-bytes N] [--preset default] [--out DIR]
@@ -29,9 +29,10 @@ def rss_mib() -> float:
 
 
 def main() -> None:
-    from pipeline import crashpoints, runner
-    from pipeline.batches import DEFAULT_BATCH_BYTES
-    from pipeline.spec import load_spec
+    from ctxreplay.pipeline.batch import runner
+    from ctxreplay.pipeline.batch.batches import DEFAULT_BATCH_BYTES
+    from ctxreplay.pipeline.core import crashpoints
+    from ctxreplay.pipeline.staging.spec import load_spec
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tree", type=Path)

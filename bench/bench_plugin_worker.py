@@ -30,11 +30,11 @@ def main() -> None:
     import polars as pl
     import redact_secrets  # noqa: F401  (registers the stage)
 
-    from pipeline.isolation import invoke_in_worker
-    from pipeline.loaders import load_paths
-    from pipeline.registry import StageContext, get_stage
-    from pipeline.stagerun import DECISION_SCHEMA, invoke_inline
-    from pipeline.testkit import run_stage
+    from ctxreplay.pipeline.loaders import load_paths
+    from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+    from ctxreplay.pipeline.staging.isolation import invoke_in_worker
+    from ctxreplay.pipeline.staging.stagerun import DECISION_SCHEMA, invoke_inline
+    from ctxreplay.testkit import run_stage
 
     blocks = pl.from_arrow(load_paths([args.corpus]).blocks)
     blocks = run_stage("sanitize", blocks.lazy()).blocks.collect()  # type: ignore[union-attr]

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 import polars as pl
 
 from bench.sessiongen import SessionLines
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 
 SID = "9b1f0000-0000-4000-8000-0000000b4eac"
 

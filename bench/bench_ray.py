@@ -35,7 +35,7 @@ from bench_scale import given_or_generated_tree, tree_bytes  # the same tree han
 
 def timed_run(args: list[str]) -> tuple[float, dict]:
     """(wall seconds, summary) of one `ctxreplay run ... --json -q` in its own process."""
-    exe = [sys.executable, "-m", "pipeline.cli"]
+    exe = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli"]
     t0 = time.perf_counter()
     r = subprocess.run([*exe, "run", *args, "--json", "-q"], capture_output=True, text=True, cwd=ROOT, check=False)
     wall = time.perf_counter() - t0

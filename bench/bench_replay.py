@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.sessiongen import SessionLines
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.store import iter_request_json
-from pipeline.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+from ctxreplay.pipeline.assembly.store import iter_request_json
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 
 SID = "9b1f0000-0000-4000-8000-00000000beef"
 

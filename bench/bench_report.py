@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 
 def _ctxreplay() -> list[str]:
     exe = Path(sys.executable).parent / "ctxreplay"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "pipeline.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "ctxreplay.pipeline.commands.cli"]
 
 
 CPU: dict[str, list[float]] = {}
@@ -130,14 +130,14 @@ def alternatives(tree: Path) -> None:
         res = py_scan(needle)
         rows.append((f"python bytes.find({needle.decode()}) + orjson, 1 process", time.perf_counter() - t,
                      cpu() - c, res))
-    from pipeline.report import scan_files
+    from ctxreplay.pipeline.reporting.report import scan_files
 
     for w in (1, 2):
         t, c = time.perf_counter(), cpu()
         scans = scan_files(files, workers=w)
         dt, dc = time.perf_counter() - t, cpu() - c
         recs = [r for s in scans for r in s.records]
-        rows.append((f"pipeline.report.scan_files, {w} process(es) (per-file dedupe)", dt, dc,
+        rows.append((f"ctxreplay.pipeline.reporting.report.scan_files, {w} process(es) (per-file dedupe)", dt, dc,
                      (len(recs), sum(r[9] for r in recs))))
     t = time.perf_counter()
     import duckdb

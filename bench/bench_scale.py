@@ -55,7 +55,7 @@ def given_or_generated_tree(tree: Path | None, work: Path, size: str) -> Path:
 
 def timed_run(args: list[str]) -> tuple[float, int, dict]:
     """(wall seconds, peak RSS bytes, summary) of one `ctxreplay run ... --json -q`."""
-    exe = [sys.executable, "-m", "pipeline.cli"] if not shutil.which("ctxreplay") else ["ctxreplay"]
+    exe = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli"] if not shutil.which("ctxreplay") else ["ctxreplay"]
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
         t0 = time.perf_counter()
         r = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", tf.name, *exe, "run", *args, "--json", "-q"],
@@ -99,7 +99,7 @@ def tokenizer_bound(out: Path) -> tuple[float, int, float, int]:
     a text once) and over every block row."""
     import polars as pl
 
-    from pipeline.tokens import tiktoken_counts, token_text_expr
+    from ctxreplay.pipeline.core.tokens import tiktoken_counts, token_text_expr
 
     rows = pl.read_parquet(out / "blocks.parquet").select(t=token_text_expr()).get_column("t").drop_nulls()
     distinct, every = rows.unique().to_list(), rows.to_list()

@@ -19,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 import polars as pl
 
-from pipeline.engine import Engine
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.engine.engine import Engine
+from ctxreplay.pipeline.staging.spec import load_spec
 
 SESSION = "5f0c1d2e-3a4b-4c5d-8e9f-0a1b2c3d4e5f"
 TRANSCRIPT = ROOT / "data" / "samples" / "claude-projects" / "-home-dev-demo" / f"{SESSION}.jsonl"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from schemas.blocks import TS
+from ctxreplay.schemas.blocks import TS
 
 CALLS = pa.schema(
     [
@@ -30,7 +30,7 @@ CALLS = pa.schema(
         pa.field("recorded_cache_write_tokens", pa.int64()),
         pa.field("recorded_cache_write_5m_tokens", pa.int64()),
         pa.field("recorded_cache_write_1h_tokens", pa.int64()),
-        # cost and prompt cache (pipeline/cachesim.py, pipeline/calibrate.py, pipeline/breaks.py);
+        # cost and prompt cache (pipeline/cost/cachesim.py, pipeline/cost/calibrate.py, pipeline/cost/breaks.py);
         # null for the pending call; costs null where the model has no price
         pa.field("preamble_tokens", pa.int64()),  # calibrated tokens the transcript does not hold (system, tools, injected)
         pa.field("calibrated_prompt_tokens", pa.int64()),  # preamble + ratio × prompt_tokens: the provider's count

@@ -7,7 +7,7 @@ import functools
 import polars as pl
 import pyarrow as pa
 
-from pipeline.errors import CtxReplayError
+from ctxreplay.errors import CtxReplayError
 
 
 class SchemaMismatch(CtxReplayError):

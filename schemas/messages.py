@@ -2,7 +2,7 @@
 place of which call's request (CALL_MESSAGES, one row per stretch of calls). Call k's request is
 rebuilt byte-identically from them: `{"<list_key>":[` + the canonical JSON of the messages whose
 rows hold call k (first_call <= k < last_call), by slot, joined by `,` + `],` + its envelope's
-canonical JSON without the opening `{` (or `]}` for an empty envelope); see pipeline/store.py."""
+canonical JSON without the opening `{` (or `]}` for an empty envelope); see pipeline/assembly/store.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `raw` is always displayable text: a line holding bytes that are not UTF-8 shows each of them as a
 `\\xNN` escape, and its exact bytes are kept (base64) in `raw_base64`, null for every other line.
 `code` is a stable short name of the reason (e.g. `invalid_utf8`, `truncated_json`, `no_type`; the
-list is `pipeline.loaders.base.QUARANTINE_CODES`); `reason` says it in a sentence.
+list is `ctxreplay.pipeline.loaders.base.QUARANTINE_CODES`); `reason` says it in a sentence.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ call's request would pass `threshold_tokens`, the conversation before the curren
 by a summary. The summary a model would write cannot be replayed, so a placeholder of the
 configured size (`summary_tokens`, by the run's token counter) stands for it, marked as simulated
 in its text and its decision; the cache simulator prices the summarisation request itself (the
-history it reads plus `summary_tokens` of output, pipeline/cachesim.py). Compactions the
+history it reads plus `summary_tokens` of output, pipeline/cost/cachesim.py). Compactions the
 transcript recorded stay as recorded.
 
 Per thread, a forward walk over the calls (inside `map_batches`; O((calls + rows) log rows): a
@@ -23,8 +23,19 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.blockops import BLOCK_SCHEMA, null_columns, synthetic_id_expr
-from pipeline.calls import (
+from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, null_columns, synthetic_id_expr
+from ctxreplay.pipeline.core.constants import (
+    AUTO_COMPACT_FILLER,
+    AUTO_COMPACT_RE,
+    AUTO_COMPACT_TEXT,
+    BLOCK_KEY,
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    POLARS_ENGINE,
+    THREAD,
+)
+from ctxreplay.pipeline.core.fenwick import Fenwick
+from ctxreplay.pipeline.stageapi.calls import (
     call_grid,
     firing_epoch,
     forward_by_call,
@@ -35,20 +46,9 @@ from pipeline.calls import (
     row_tokens_expr,
     text_tokens,
 )
-from pipeline.constants import (
-    AUTO_COMPACT_FILLER,
-    AUTO_COMPACT_RE,
-    AUTO_COMPACT_TEXT,
-    BLOCK_KEY,
-    MESSAGE_OVERHEAD_TOKENS,
-    NO_CALL,
-    POLARS_ENGINE,
-    THREAD,
-)
-from pipeline.fenwick import Fenwick
-from pipeline.marks import Insert, finish, mark_drop, start_marks
-from pipeline.registry import StageContext, StageResult, stage
-from schemas.blocks import CONTENT_COLUMNS
+from ctxreplay.pipeline.stageapi.marks import Insert, finish, mark_drop, start_marks
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.schemas.blocks import CONTENT_COLUMNS
 
 ORIGIN = "auto_compact"
 SUMMARY_HEADER = AUTO_COMPACT_TEXT

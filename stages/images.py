@@ -42,12 +42,12 @@ import PIL
 import polars as pl
 from PIL import Image, ImageOps
 
-from pipeline.blockops import sha256_hex
-from pipeline.constants import IMAGE_OMITTED_TEXT as OMITTED
-from pipeline.constants import IMAGE_STALE_TEXT as STALE
-from pipeline.constants import NO_IMAGE_INPUT_TEXT as NO_IMAGE_INPUT
-from pipeline.constants import polars_format
-from pipeline.marks import (
+from ctxreplay.pipeline.core.blockops import sha256_hex
+from ctxreplay.pipeline.core.constants import IMAGE_OMITTED_TEXT as OMITTED
+from ctxreplay.pipeline.core.constants import IMAGE_STALE_TEXT as STALE
+from ctxreplay.pipeline.core.constants import NO_IMAGE_INPUT_TEXT as NO_IMAGE_INPUT
+from ctxreplay.pipeline.core.constants import polars_format
+from ctxreplay.pipeline.stageapi.marks import (
     MSG_NO,
     THREAD_NO,
     alive,
@@ -57,7 +57,7 @@ from pipeline.marks import (
     mark_replace_from,
     start_marks,
 )
-from pipeline.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 SIDES = (1800, 1600, 1400, 1200, 1000, 800)
 QUALITIES = (85, 75, 65, 55, 45, 35)

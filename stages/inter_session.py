@@ -13,8 +13,12 @@ from typing import Literal
 
 import polars as pl
 
-from pipeline.constants import INTER_SESSION_EXPLANATION, INTER_SESSION_HEADER, INTER_SESSION_NO_TEXT_BODY
-from pipeline.marks import (
+from ctxreplay.pipeline.core.constants import (
+    INTER_SESSION_EXPLANATION,
+    INTER_SESSION_HEADER,
+    INTER_SESSION_NO_TEXT_BODY,
+)
+from ctxreplay.pipeline.stageapi.marks import (
     MSG_NO,
     Insert,
     alive,
@@ -24,7 +28,7 @@ from pipeline.marks import (
     start_marks,
     text_row,
 )
-from pipeline.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 HEADER_BASE = INTER_SESSION_HEADER
 EXPLANATION = INTER_SESSION_EXPLANATION

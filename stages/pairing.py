@@ -40,7 +40,7 @@ ids map to themselves.
 Each step is a named function below (`_calls`, `_call_ids`, `_results`, `_match_by_id`,
 `_reattach_orphans`, `_fates`, `_answers`, `_slots`, `_mark_rows`, `_synthetic_results`), working on
 one row per call and one row per result; the changes are marked on the working frame of
-`pipeline.marks` (`mark_replace`, `mark_drop`, an `Insert` for synthetic results) and `finish` turns
+`ctxreplay.pipeline.stageapi.marks` (`mark_replace`, `mark_drop`, an `Insert` for synthetic results) and `finish` turns
 them into blocks and decisions. A move alone changes no content, so its `move` decision is written
 here (`_move_decisions`); a move with a content change is one `replace` decision (`tool_id+displaced`).
 """
@@ -53,7 +53,7 @@ from typing import Literal
 
 import polars as pl
 
-from pipeline.blockops import (
+from ctxreplay.pipeline.core.blockops import (
     BLOCK_SCHEMA,
     content_len_expr,
     content_sha_expr,
@@ -62,12 +62,12 @@ from pipeline.blockops import (
     sha256_hex,
     synthetic_id_expr,
 )
-from pipeline.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
-from pipeline.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
-from pipeline.registry import StageContext, StageResult, stage
-from pipeline.targets import target_family
-from schemas.blocks import CONTENT_COLUMNS
-from schemas.decisions import DECISION_KEY
+from ctxreplay.pipeline.stageapi.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
+from ctxreplay.pipeline.stageapi.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.targets import target_family
+from ctxreplay.schemas.blocks import CONTENT_COLUMNS
+from ctxreplay.schemas.decisions import DECISION_KEY
 
 MISSING_TEXT_OPENAI = "aborted"
 MISSING_TEXT = "[tool result missing: the call was interrupted or its result was not recorded]"

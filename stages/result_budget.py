@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from pipeline.blockops import sha256_expr
-from pipeline.calls import materialize, visible_at
-from pipeline.constants import BLOCK_KEY, PART_KEY, SPILL_PREFIX, SPILL_URI, THREAD
-from pipeline.constants import TRUNCATION_MARKER_RE as MARKER_RE
-from pipeline.marks import finish, mark_replace, start_marks
-from pipeline.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.core.blockops import sha256_expr
+from ctxreplay.pipeline.core.constants import BLOCK_KEY, PART_KEY, SPILL_PREFIX, SPILL_URI, THREAD
+from ctxreplay.pipeline.core.constants import TRUNCATION_MARKER_RE as MARKER_RE
+from ctxreplay.pipeline.stageapi.calls import materialize, visible_at
+from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 MARKER_FIXED_CHARS = 20  # "\n…" + " chars truncated…\n"; plus the digits of the count
 SPILL_WRAPPER_CHARS = 160  # upper bound of the <persisted-output …> wrapper around a preview

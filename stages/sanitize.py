@@ -10,7 +10,7 @@ Nine sub-steps, in the documented order, each a set of column expressions over t
    except for the calls where such a row is the last row of the request (there it is dropped);
 5a. foreign items: blocks of a type the target cannot carry (another provider's server-side tool
    calls and results, hosted-tool items such as `web_search_call`, refusals, files; see
-   `pipeline.targets.NATIVE_BLOCK_TYPES`) become text when they hold text (`foreign_items =
+   `ctxreplay.pipeline.targets.NATIVE_BLOCK_TYPES`) become text when they hold text (`foreign_items =
    "to_text"`), else are dropped; for Anthropic, tool-result parts of a foreign type become text;
 5. thinking policy and foreign-provider thinking; a row left empty gets
    `[assistant reasoning omitted]`; a kept thinking block is never edited;
@@ -38,8 +38,8 @@ from typing import Literal
 import orjson
 import polars as pl
 
-from pipeline.blockops import BLOCK_SCHEMA
-from pipeline.constants import (
+from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA
+from ctxreplay.pipeline.core.constants import (
     FAILED_TURN_TEXT,
     MAGIC_STRING_PATTERN,
     REASONING_OMITTED_TEXT,
@@ -51,7 +51,7 @@ from pipeline.constants import (
     UNAVAILABLE_TOOL_TEXT,
     polars_format,
 )
-from pipeline.marks import (
+from ctxreplay.pipeline.stageapi.marks import (
     MSG_NO,
     OPEN,
     THREAD_NO,
@@ -65,8 +65,8 @@ from pipeline.marks import (
     start_marks,
     text_row,
 )
-from pipeline.registry import StageContext, StageResult, stage
-from pipeline.targets import (
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.targets import (
     ANTHROPIC_RESULT_PART_TYPES,
     PORTABLE_BLOCK_TYPES,
     native_block_types,

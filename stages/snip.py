@@ -2,7 +2,7 @@
 
 Time in the blocks table: call k's request = the versions with first_call <= k < last_call. The
 per-call quantities (request tokens, latest user row, request time) are built columnar from
-first_call / last_call deltas (pipeline.calls); the watermark walk itself is a forward scan over
+first_call / last_call deltas (ctxreplay.pipeline.stageapi.calls); the watermark walk itself is a forward scan over
 the calls of one thread (its state, the snip frontier, only moves forward), run inside
 `map_batches`: linear in calls plus the rows it removes.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.blockops import (
+from ctxreplay.pipeline.core.blockops import (
     BLOCK_SCHEMA,
     block_json_expr,
     content_len_expr,
@@ -28,7 +28,18 @@ from pipeline.blockops import (
     rehash,
     synthetic_id_expr,
 )
-from pipeline.calls import (
+from ctxreplay.pipeline.core.constants import (
+    MESSAGE_OVERHEAD_TOKENS,
+    NO_CALL,
+    PART_KEY,
+    POLARS_ENGINE,
+    SNIP_MARKER_RE,
+    SNIP_MARKER_TEXT,
+    THREAD,
+    VERSION_KEY,
+    polars_format,
+)
+from ctxreplay.pipeline.stageapi.calls import (
     call_grid,
     firing_epoch,
     forward_by_call,
@@ -40,21 +51,10 @@ from pipeline.calls import (
     text_tokens,
     visible_at,
 )
-from pipeline.constants import (
-    MESSAGE_OVERHEAD_TOKENS,
-    NO_CALL,
-    PART_KEY,
-    POLARS_ENGINE,
-    SNIP_MARKER_RE,
-    SNIP_MARKER_TEXT,
-    THREAD,
-    VERSION_KEY,
-    polars_format,
-)
-from pipeline.marks import finish, mark_drop, start_marks
-from pipeline.registry import StageContext, StageResult, stage
-from schemas.blocks import BLOCKS as _BLOCKS_ARROW
-from schemas.check import conform
+from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, start_marks
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.schemas.blocks import BLOCKS as _BLOCKS_ARROW
+from ctxreplay.schemas.check import conform
 
 SNIP_TEMPLATE = SNIP_MARKER_TEXT
 SNIP_RE = re.compile(SNIP_MARKER_RE)

@@ -19,8 +19,20 @@ from typing import Any, Literal
 
 import polars as pl
 
-from pipeline.blockops import null_columns
-from pipeline.calls import (
+from ctxreplay.pipeline.core.blockops import null_columns
+from ctxreplay.pipeline.core.constants import (
+    BLOCK_KEY,
+    NO_CALL,
+    PART_KEY,
+    THINKING_TYPES,
+    THREAD,
+    TOOL_CALL_TYPES,
+)
+from ctxreplay.pipeline.core.constants import CLEARED_TEXT as CLEARED
+from ctxreplay.pipeline.core.constants import REASONING_OMITTED_TEXT as REASONING_OMITTED
+from ctxreplay.pipeline.core.fenwick import Fenwick
+from ctxreplay.pipeline.core.tokens import is_image_expr, tokens_expr
+from ctxreplay.pipeline.stageapi.calls import (
     call_grid,
     firing_epoch,
     forward_by_call,
@@ -31,20 +43,8 @@ from pipeline.calls import (
     row_tokens_expr,
     text_tokens,
 )
-from pipeline.constants import (
-    BLOCK_KEY,
-    NO_CALL,
-    PART_KEY,
-    THINKING_TYPES,
-    THREAD,
-    TOOL_CALL_TYPES,
-)
-from pipeline.constants import CLEARED_TEXT as CLEARED
-from pipeline.constants import REASONING_OMITTED_TEXT as REASONING_OMITTED
-from pipeline.fenwick import Fenwick
-from pipeline.marks import finish, mark_drop, mark_replace_from, start_marks
-from pipeline.registry import StageContext, StageResult, stage
-from pipeline.tokens import is_image_expr, tokens_expr
+from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 
 def _default_tools() -> dict[str, tuple[str, ...]]:

@@ -74,7 +74,7 @@ def _assistant(k: int, content: list[dict[str, Any]], stop: str) -> dict[str, An
 def shout_plugin() -> Iterator[None]:
     """The test plug-in stage `shout` (tests/plugins/misbehaving.py) registered for the block, and
     unregistered after it."""
-    from pipeline.registry import STAGES
+    from ctxreplay.pipeline.stageapi.registry import STAGES
 
     sys.modules.pop("tests.plugins.misbehaving", None)
     importlib.import_module("tests.plugins.misbehaving")

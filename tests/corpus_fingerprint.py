@@ -58,7 +58,7 @@ def _per_thread(df: pl.DataFrame, cols: list[str], sort: list[str]) -> dict[str,
 
 
 def spec_for(preset: str) -> Any:
-    from pipeline.spec import load_spec, parse_spec
+    from ctxreplay.pipeline.staging.spec import load_spec, parse_spec
 
     if preset == "stress":
         from tests.test_properties_layers_5_6 import STRESS_SPEC
@@ -71,7 +71,7 @@ def fingerprint(preset: str, corpus: Path = CORPUS) -> dict[str, Any]:
     """Replay the corpus under one pipeline and digest its outputs per thread."""
     import duckdb
 
-    from pipeline.runner import RunOptions, run
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"

@@ -65,13 +65,13 @@ def generate_session(path: Path, calls: int = 240, *, huge_every: int = 80) -> N
 def cli(args: list[str | Path], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
     """`ctxreplay ARGS` in a fresh Python process (so that it can be killed)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *[str(a) for a in args]], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "ctxreplay.pipeline.commands.cli", *[str(a) for a in args]], cwd=ROOT,
                           env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def popen(args: list[str | Path], env: dict[str, str] | None = None) -> subprocess.Popen:
     full_env = {**os.environ, **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *[str(a) for a in args]], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "ctxreplay.pipeline.commands.cli", *[str(a) for a in args]], cwd=ROOT,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -88,7 +88,7 @@ class LedgerState:
 def ledger_state(path: Path) -> LedgerState:
     """The ledger's decisions (every column), its runs (seq, spec, counts) and its token cache size,
     opened the way a run opens it (read-write: a WAL left by a crash is replayed)."""
-    from pipeline.ledger import Ledger
+    from ctxreplay.pipeline.staging.ledger import Ledger
 
     led = Ledger(path)
     try:

@@ -13,7 +13,7 @@ import orjson
 import polars as pl
 from click.testing import CliRunner, Result
 
-from pipeline.cli import main
+from ctxreplay.pipeline.commands.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for message lists in the `pipeline.testkit.make_blocks` form.
+"""Hypothesis strategies for message lists in the `ctxreplay.testkit.make_blocks` form.
 
 General on purpose (any layer may use them): user / assistant / tool rows with text (blank,
 magic strings, plain), signed / unsigned / foreign thinking, valid and invalid tool calls, tool

@@ -18,9 +18,9 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.runner import RunOptions, RunResult, run
-from pipeline.spec import load_spec, parse_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, RunResult, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec, parse_spec
 from tests.cckit import CCSession
 
 SESSION = "6b1f9a4e-0c1d-4e2f-9a3b-5c6d7e8f9a0b"
@@ -154,7 +154,7 @@ def test_the_regression_case_fires_tombstone_in_the_shared_history(tmp_path: Pat
 def test_a_branch_reports_only_its_own_calls_and_request_refuses_inherited_ones(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from pipeline.cli import main as cli
+    from ctxreplay.pipeline.commands.cli import main as cli
 
     w, _ = rewind_session(1)
     out = tmp_path / "o"

@@ -7,7 +7,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline import breaks
+from ctxreplay.pipeline.cost import breaks
 
 T0 = datetime(2026, 2, 10, 12, 0, tzinfo=UTC)
 OPUS, HAIKU = "claude-opus-4-6", "claude-haiku-4-5-20251001"

@@ -9,8 +9,16 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline import calibrate
-from pipeline.cachesim import CacheState, Policy, Prepared, SimError, SimStore, min_cacheable_tokens, simulate
+from ctxreplay.pipeline.cost import calibrate
+from ctxreplay.pipeline.cost.cachesim import (
+    CacheState,
+    Policy,
+    Prepared,
+    SimError,
+    SimStore,
+    min_cacheable_tokens,
+    simulate,
+)
 
 T0 = datetime(2026, 2, 10, 12, 0, tzinfo=UTC)
 SONNET = "claude-sonnet-4-5-20250929"   # minimum cacheable prompt 1,024
@@ -474,7 +482,7 @@ def test_a_shared_state_carries_the_cache_across_calls_of_simulate() -> None:
 
 
 def test_costs_from_the_price_book_and_unpriced_models_are_null() -> None:
-    from pipeline.prices import PriceBook
+    from ctxreplay.pipeline.cost.prices import PriceBook
 
     book = PriceBook.load(cache_dir=None)
     s, _ = two_calls(10, usage=[{"input": 3, "read": 0, "write": 2003, "w5": 2003, "w1": 0, "output": 100},
@@ -492,7 +500,7 @@ def test_costs_from_the_price_book_and_unpriced_models_are_null() -> None:
 
 
 def test_break_cost_is_the_write_premium_over_a_read() -> None:
-    from pipeline.prices import PriceBook
+    from ctxreplay.pipeline.cost.prices import PriceBook
 
     book = PriceBook.load(cache_dir=None)
     s, _ = two_calls(400)      # 5-minute TTL expired: call 1 re-writes u0
@@ -504,7 +512,7 @@ def test_break_cost_is_the_write_premium_over_a_read() -> None:
 
 
 def test_a_call_without_a_model_is_simulated_and_left_unpriced() -> None:
-    from pipeline.prices import PriceBook
+    from ctxreplay.pipeline.cost.prices import PriceBook
 
     s, _ = two_calls(10)
     for r in s.rows:
@@ -554,7 +562,7 @@ def _chain_store(n: int) -> SimStore:
 def _chain(st: SimStore, ids: list[int], steps: list[tuple[int, int]], vector_from: int,
            monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int], list[int]]:
     """The walk's nodes / cumulative tokens / blocks after extending it by `steps` (valid from, horizon)."""
-    from pipeline import cachesim as cs
+    from ctxreplay.pipeline.cost import cachesim as cs
 
     monkeypatch.setattr(cs, "_VECTOR_FROM", vector_from)
     w = cs._Walk("k", cs._ThreadEvents())
@@ -585,7 +593,7 @@ def test_chain_numpy_equals_python(steps: list[tuple[int, int]], monkeypatch: py
 def test_chain_threshold_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
     """An extension one message shorter than _VECTOR_FROM stays in Python, one of _VECTOR_FROM goes to
     numpy; both continue the chain that the other path started."""
-    from pipeline import cachesim as cs
+    from ctxreplay.pipeline.cost import cachesim as cs
 
     st = _chain_store(200)
     ids = list(range(200))
@@ -603,7 +611,7 @@ def test_chain_threshold_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_layer_detail_takes_the_decisions_of_calls_after_lo_up_to_hi() -> None:
     """The break's detail names the decisions from calls lo+1 .. hi: not lo's, not hi+1's (the lookup
     bisects both ends of the sorted list)."""
-    from pipeline.cachesim import _layer_detail
+    from ctxreplay.pipeline.cost.cachesim import _layer_detail
 
     decs = sorted([(3, "a/x:r@1"), (4, "b/x:r@2"), (6, "c/x:r@3"), (6, "d/x:r@3"), (7, "e/x:r@4")])
     assert _layer_detail(decs, 3, 6) == "b/x:r@2, c/x:r@3, d/x:r@3"
@@ -617,7 +625,7 @@ def test_layer_detail_takes_the_decisions_of_calls_after_lo_up_to_hi() -> None:
 def test_chain_power_tables_grow_for_long_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request longer than the first power tables (4,096 messages) grows them; the numpy chain still
     equals the Python one over the whole length."""
-    from pipeline import cachesim as cs
+    from ctxreplay.pipeline.cost import cachesim as cs
 
     monkeypatch.setattr(cs, "_POWERS", [])
     st = _chain_store(300)

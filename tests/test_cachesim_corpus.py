@@ -12,9 +12,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline import breaks
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.cost import breaks
+from ctxreplay.pipeline.staging.spec import load_spec
 
 pytestmark = pytest.mark.corpus
 

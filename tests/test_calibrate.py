@@ -9,8 +9,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline import calibrate
-from pipeline.loaders import load_paths
+from ctxreplay.pipeline.cost import calibrate
+from ctxreplay.pipeline.loaders import load_paths
 
 SID = "11111111-0000-4000-8000-000000000001"
 SID2 = "22222222-0000-4000-8000-000000000002"

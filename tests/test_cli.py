@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from ctxreplay.pipeline.commands.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -57,7 +57,7 @@ def test_all_calls_and_request_command_agree(tmp_path: Path) -> None:
     calls = pl.read_parquet(out / "calls.parquet").filter(pl.col("thread_id") == "main").sort("call")
     import hashlib
 
-    from pipeline.blockops import canonical_json
+    from ctxreplay.pipeline.core.blockops import canonical_json
 
     assert [hashlib.sha256(canonical_json(x["request"])).hexdigest() for x in lines] == calls["request_sha256"].to_list()
     r = _run("request", out, SID, "--call", "2")
@@ -196,7 +196,7 @@ def test_request_uses_the_runs_own_target_8(tmp_path: Path) -> None:
     calls = pl.read_parquet(out / "calls.parquet").filter(pl.col("thread_id") == "main").sort("call")
     r = _run("request", out, SID, "--call", "2")
     assert r.exit_code == 0
-    from pipeline.blockops import canonical_json
+    from ctxreplay.pipeline.core.blockops import canonical_json
 
     req = json.loads(r.stdout)
     assert hashlib.sha256(canonical_json(req)).hexdigest() == calls["request_sha256"][2]
@@ -257,7 +257,7 @@ def test_bad_window_tokens_is_refused_before_any_data_is_read_8(tmp_path: Path, 
 def _register(name: str, fn: object) -> None:
     import dataclasses
 
-    from pipeline.registry import stage
+    from ctxreplay.pipeline.stageapi.registry import stage
 
     @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
     class NoParams:
@@ -269,7 +269,7 @@ def _register(name: str, fn: object) -> None:
 @pytest.fixture
 def plugin_stage(tmp_path: Path):
     """Register a third-party-like stage named `plugin_probe`; yields a function that sets its body."""
-    from pipeline.registry import STAGES, StageResult
+    from ctxreplay.pipeline.stageapi.registry import STAGES, StageResult
 
     body = {}
 
@@ -335,7 +335,7 @@ def test_a_builtin_stage_that_fails_stops_the_run_as_a_bug_9(tmp_path: Path, mon
     import dataclasses
     import tempfile
 
-    from pipeline.registry import STAGES
+    from ctxreplay.pipeline.stageapi.registry import STAGES
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     st = STAGES["sanitize"]
@@ -346,7 +346,7 @@ def test_a_builtin_stage_that_fails_stops_the_run_as_a_bug_9(tmp_path: Path, mon
     monkeypatch.setitem(STAGES, "sanitize", dataclasses.replace(st, fn=broken))
     r = _run("run", CC_SAMPLE, "--preset", "minimal", "--out", tmp_path / "o", "--fast-tokens")
     assert r.exit_code == 2
-    assert _no_traceback(r).startswith("ctxreplay: stage 'sanitize' (#1, from stages.sanitize) failed with "
+    assert _no_traceback(r).startswith("ctxreplay: stage 'sanitize' (#1, from ctxreplay.stages.sanitize) failed with "
                                        "ZeroDivisionError: division by zero. Nothing was written; this is a bug in "
                                        "ctxreplay; please report it")
     assert not (tmp_path / "o" / "current").exists()
@@ -356,8 +356,8 @@ def test_an_unexpected_exception_is_an_internal_error_with_a_traceback_file_8(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import tempfile
 
-    import pipeline.batchrun as batchrun_mod
-    import pipeline.runner as runner_mod
+    import ctxreplay.pipeline.batch.batchrun as batchrun_mod
+    import ctxreplay.pipeline.batch.runner as runner_mod
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 

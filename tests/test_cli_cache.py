@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from schemas.calls import CALLS
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.schemas.calls import CALLS
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples" / "claude-projects"

@@ -16,8 +16,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.registry import load_stages, params_doc
-from pipeline.spec import preset_names
+from ctxreplay.pipeline.stageapi.registry import load_stages, params_doc
+from ctxreplay.pipeline.staging.spec import preset_names
 from tests.inspectkit import SAMPLES, SYN_SID, cli, one_error_line, write_session
 
 CC = SAMPLES / "claude-projects"
@@ -98,7 +98,7 @@ def test_ledger_without_a_run_shows_the_ledger(syn_out: Path, tmp_path: Path) ->
 
 
 def test_help_lists_targets_and_presets_from_the_registries() -> None:
-    from pipeline.targets import TARGETS, get_target, register
+    from ctxreplay.pipeline.targets import TARGETS, get_target, register
 
     presets = "|".join(preset_names())
     assert presets == "claude-code|context-editing|default|identity|minimal|openclaw"
@@ -179,7 +179,7 @@ def test_init_blocks_left_out_can_be_switched_on(tmp_path: Path) -> None:
 
 
 def test_toml_values() -> None:
-    from pipeline.spec_init import NotToml, toml_value
+    from ctxreplay.pipeline.staging.spec_init import NotToml, toml_value
 
     assert [toml_value(v) for v in (True, 3, 0.3, 1.0, 1e20, "a\"b\n", [1, "x"], ("*",), {"allow": ["*"], "a b": 1})] == \
         ["true", "3", "0.3", "1.0", "1e+20", '"a\\"b\\n"', '[1, "x"]', '["*"]', '{ allow = ["*"], "a b" = 1 }']
@@ -239,7 +239,7 @@ def test_plurals(tmp_path: Path) -> None:
 
 
 def test_plural_words() -> None:
-    from pipeline.words import plural
+    from ctxreplay.pipeline.core.words import plural
 
     assert [plural(n, "line") for n in (0, 1, 2, 1234)] == ["0 lines", "1 line", "2 lines", "1,234 lines"]
     assert plural(1, "match") == "1 match" and plural(2, "match") == "2 matches"

@@ -19,9 +19,9 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.runner import RunOptions, run
-from pipeline.spec import parse_spec
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.staging.spec import parse_spec
 
 SID = "c0ffee00-0000-4000-8000-0000000c0de5"
 SPEC = """
@@ -166,7 +166,7 @@ def test_a_rewrite_breaks_the_cached_prefix_and_a_cache_edit_keeps_it(runs: dict
 
 
 def test_cache_edit_aliases_resolve_to_the_first_cached_version() -> None:
-    from pipeline.cachesim import cache_edit_aliases
+    from ctxreplay.pipeline.cost.cachesim import cache_edit_aliases
 
     cm = pl.DataFrame({"thread_key": ["t"] * 5, "slot": [0, 1, 1, 1, 2], "first_call": [0, 0, 3, 5, 1],
                        "last_call": [None, 3, 5, None, None], "sha256": ["m0", "a", "a1", "a2", "x"]},
@@ -176,7 +176,7 @@ def test_cache_edit_aliases_resolve_to_the_first_cached_version() -> None:
                         "action": ["tombstone", "tombstone", "conflict"],
                         "reason": ["token:cache_edit", "token:cache_edit", "token:cache_edit"]})
     # the thread key of (t, main) is "t": compute it as the runner does
-    from pipeline.replay import thread_key
+    from ctxreplay.pipeline.assembly.replay import thread_key
 
     cm = cm.with_columns(thread_key=pl.lit(thread_key("t", "main")))
     assert cache_edit_aliases(dec, cm) == {"a1": "a", "a2": "a"}
@@ -190,7 +190,7 @@ def test_cache_edit_aliases_resolve_to_the_first_cached_version() -> None:
 
 
 def test_mode_keeps_the_spec_hash_of_existing_specs_and_is_checked(tmp_path: Path) -> None:
-    from pipeline.spec import SpecError, load_spec
+    from ctxreplay.pipeline.staging.spec import SpecError, load_spec
 
     base = load_spec(spec_file(tmp_path, None))
     rw = load_spec(spec_file(tmp_path, "rewrite"))

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import LockError
-from pipeline.ledger import Ledger
-from pipeline.outdir import RunLock
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.errors import LockError
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.outdir import RunLock
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.ledger import Ledger
+from ctxreplay.pipeline.staging.spec import load_spec
 from tests.crashkit import SAMPLES, cli, out_state, popen
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="flock and SIGKILL: Linux only")

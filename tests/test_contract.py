@@ -8,11 +8,11 @@ import dataclasses
 import polars as pl
 import pytest
 
-from pipeline.errors import CtxReplayError, SpecError, StageFailed
-from pipeline.registry import StageContext, get_stage, load_stages
-from pipeline.spec import parse_spec
-from pipeline.stagerun import CallMap, LedgerView, StagesResult, run_stages
-from pipeline.testkit import make_blocks
+from ctxreplay.errors import CtxReplayError, SpecError, StageFailed
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage, load_stages
+from ctxreplay.pipeline.staging.spec import parse_spec
+from ctxreplay.pipeline.staging.stagerun import CallMap, LedgerView, StagesResult, run_stages
+from ctxreplay.testkit import make_blocks
 
 
 def test_the_context_declares_every_field_and_has_no_side_channel() -> None:
@@ -89,13 +89,13 @@ def test_call_keys_are_the_messages_that_answer_each_call() -> None:
 
 def test_every_placeholder_string_is_documented_and_used_as_written() -> None:
     """docs/layers.md lists the exact strings; the modules that write them use the same text (the
-    ones not yet importing pipeline.constants are checked for drift)."""
+    ones not yet importing ctxreplay.pipeline.core.constants are checked for drift)."""
     import re
     from pathlib import Path
 
-    from pipeline import constants as c
-    from pipeline.targets import _wire
-    from stages import pairing
+    from ctxreplay.pipeline.core import constants as c
+    from ctxreplay.pipeline.targets import _wire
+    from ctxreplay.stages import pairing
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "layers.md").read_text()
     strings = [c.FAILED_TURN_TEXT, c.REASONING_OMITTED_TEXT, c.UNAVAILABLE_TOOL_TEXT, c.REDACTED_TEXT,

@@ -10,9 +10,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 
 pytestmark = pytest.mark.corpus
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 from tests.crashkit import (
     SAMPLES,
     LedgerState,
@@ -230,7 +230,7 @@ def test_a_crash_then_a_run_of_another_preset_publishes_that_one(world: World, t
 def interrupt_once(w: World, point: str, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Ctrl-C (KeyboardInterrupt) at a named point, in this process: `finally` blocks run, unlike
     after SIGKILL, and must never remove the run that was just published."""
-    import pipeline.crashpoints as cp
+    import ctxreplay.pipeline.core.crashpoints as cp
 
     case = tmp / f"int_{point.replace(':', '_')}"
     shutil.copytree(w.base, case, symlinks=True)
@@ -300,8 +300,8 @@ def test_ctrl_c_at_every_named_point_leaves_one_complete_run(world: World, tmp_p
 @pytest.mark.parametrize("point", ["stage:3", "ledger:3", "ledger:8", "publish:1", "publish:8"])
 def test_a_crash_of_the_first_run_leaves_nothing_or_one_complete_run(world: World, tmp_path: Path, point: str) -> None:
     """Into a fresh OUT: no run shown and an empty ledger, or the complete run and its ledger."""
-    from pipeline.errors import CtxReplayError
-    from pipeline.outdir import resolve_run
+    from ctxreplay.errors import CtxReplayError
+    from ctxreplay.pipeline.core.outdir import resolve_run
 
     out = tmp_path / "o"
     r = cli(["run", *world.inputs, "--out", out, "--preset", CRASH_PRESET, "--fast-tokens", "-q"],

@@ -17,11 +17,11 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.diff import block_diff, compare, render_markdown, spec_changes
-from pipeline.snapshot import SIM_COST, Golden, replay, write_golden
-from pipeline.spec import load_spec, parse_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.regress.diff import block_diff, compare, render_markdown, spec_changes
+from ctxreplay.pipeline.regress.snapshot import SIM_COST, Golden, replay, write_golden
+from ctxreplay.pipeline.staging.spec import load_spec, parse_spec
 from tests.goldenkit import POLICY, write_policy
 
 ROOT = Path(__file__).resolve().parent.parent

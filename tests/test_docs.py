@@ -6,9 +6,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.registry import load_stages, params_doc
-from pipeline.spec import preset_names
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.stageapi.registry import load_stages, params_doc
+from ctxreplay.pipeline.staging.spec import preset_names
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -12,12 +12,12 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.engine import Engine
-from pipeline.errors import CtxReplayError, InputError, LockError
-from pipeline.ledger import Ledger
-from pipeline.runner import RunOptions, run
-from pipeline.spec import parse_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.errors import CtxReplayError, InputError, LockError
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.engine.engine import Engine
+from ctxreplay.pipeline.staging.ledger import Ledger
+from ctxreplay.pipeline.staging.spec import parse_spec
 from tests.cckit import CCSession, shout_plugin
 
 SID = "7c2e9a10-4b3d-4e5f-8a6b-1c2d3e4f5a6b"

@@ -25,11 +25,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.engine import Engine, iter_lines
-from pipeline.loaders import load_paths
-from pipeline.runner import RunOptions, run
-from pipeline.spec import PipelineSpec, load_spec, preset_names
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.engine.engine import Engine, iter_lines
+from ctxreplay.pipeline.loaders import load_paths
+from ctxreplay.pipeline.staging.spec import PipelineSpec, load_spec, preset_names
 
 SMALL = [
     "claude-code/daaain__claude-code-log__-src-experiments-claude_p__29ccd257-68b1-427f-ae5f-6524b7cb6f20.jsonl",
@@ -131,8 +131,8 @@ def test_engine_call_by_call_equals_the_batch_replay_for_other_targets(corpus: P
 
 def test_engine_call_by_call_equals_the_batch_replay_with_simulated_auto_compaction(corpus: Path,
                                                                                     tmp_path: Path) -> None:
-    from pipeline.runner import run as batch_run
-    from pipeline.spec import parse_spec
+    from ctxreplay.pipeline.batch.runner import run as batch_run
+    from ctxreplay.pipeline.staging.spec import parse_spec
 
     spec = parse_spec('[pipeline]\nname = "ac"\n[[stage]]\nuse = "sanitize"\n[[stage]]\nuse = "pairing"\n'
                       '[[stage]]\nuse = "auto_compact"\nthreshold_tokens = 1500\nsummary_tokens = 200\n',

@@ -1,4 +1,4 @@
-"""The engine's live path (pipeline/live.py): a call appended without a pipeline pass.
+"""The engine's live path (pipeline/engine/live.py): a call appended without a pipeline pass.
 
 Every test feeds a generated Claude Code session to the engine call by call and compares each
 request with the batch replay (`ctxreplay run` on the same file). The threshold tests put each
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.engine import AssembleResult, Engine
-from pipeline.runner import RunOptions, run
-from pipeline.spec import PipelineSpec, load_spec, parse_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.engine.engine import AssembleResult, Engine
+from ctxreplay.pipeline.staging.spec import PipelineSpec, load_spec, parse_spec
 from tests.cckit import CCSession, _assistant, shout_plugin
 
 SID = "5d1e2f30-4b3d-4e5f-8a6b-1c2d3e4f5a6b"

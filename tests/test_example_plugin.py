@@ -20,9 +20,9 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main as cli
-from pipeline.registry import PLUGIN_ERRORS, STAGES, get_stage, reload_plugins
-from pipeline.testkit import check_golden
+from ctxreplay.pipeline.commands.cli import main as cli
+from ctxreplay.pipeline.stageapi.registry import PLUGIN_ERRORS, STAGES, get_stage, reload_plugins
+from ctxreplay.testkit import check_golden
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "redact-secrets"

@@ -14,9 +14,9 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.runner import RunOptions, RunResult, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, RunResult, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "failures"
 TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
@@ -40,7 +40,7 @@ def outcome(res: RunResult, name: str, stage: str = "pairing") -> tuple[list[Any
     calls = res.calls.filter(pl.col("session_id") == sessions[0])
     keys = set(calls["thread_key"].to_list())
     violations = [v for v in res.violations if v.thread_key in keys]
-    from pipeline.ledger import Ledger
+    from ctxreplay.pipeline.staging.ledger import Ledger
 
     led = Ledger(Path(res.summary["ledger"]), read_only=True)
     try:

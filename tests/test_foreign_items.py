@@ -20,18 +20,18 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.registry import StageContext
-from pipeline.runner import RunOptions, RunResult, run
-from pipeline.spec import load_spec
-from pipeline.targets import get_target
-from pipeline.testkit import make_blocks, run_stage
-from pipeline.tokens import CHARS4_COUNTER
-from pipeline.validate import (
+from ctxreplay.pipeline.batch.runner import RunOptions, RunResult, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.stageapi.registry import StageContext
+from ctxreplay.pipeline.staging.spec import load_spec
+from ctxreplay.pipeline.targets import get_target
+from ctxreplay.pipeline.targets.validate import (
     validate_anthropic,
     validate_gemini,
     validate_openai_chat,
     validate_openai_responses,
 )
+from ctxreplay.testkit import make_blocks, run_stage
 
 TARGETS = ["anthropic", "openai-chat", "openai-responses", "gemini"]
 CODEX_ID = "019b0000-aaaa-7bbb-8ccc-0123456789ab"

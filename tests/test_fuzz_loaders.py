@@ -45,10 +45,10 @@ from bench.make_hostile_inputs import (
     render,
     seed_files,
 )
-from pipeline.loaders import LoadResult, load_paths
-from pipeline.loaders.base import QUARANTINE_CODES
-from schemas.blocks import BLOCKS
-from schemas.check import check_frame
+from ctxreplay.pipeline.loaders import LoadResult, load_paths
+from ctxreplay.pipeline.loaders.base import QUARANTINE_CODES
+from ctxreplay.schemas.blocks import BLOCKS
+from ctxreplay.schemas.check import check_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = seed_files()
@@ -248,7 +248,7 @@ def test_fuzz_long(corpus: Path) -> None:
     on the fuzzed files (its failures are collected and reported at the end, not shrunk)."""
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from ctxreplay.pipeline.commands.cli import main
 
     examples = int(os.environ.get("CTXREPLAY_FUZZ_EXAMPLES", "2000"))
     cli_every = int(os.environ.get("CTXREPLAY_FUZZ_CLI_EVERY", "50"))

@@ -1,5 +1,5 @@
 """Golden cases: tests/golden/<stage>/<case>/ with input.jsonl (messages, one per line, in the
-`pipeline.testkit.make_thread` form), params.toml (a comment says what the case shows),
+`ctxreplay.testkit.make_thread` form), params.toml (a comment says what the case shows),
 expected_blocks.jsonl and expected_decisions.jsonl (sorted by key). `pytest --update-goldens`
 rewrites the expected files; review the diff like code. Re-running the stage on its own output
 must decide nothing (idempotence)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.testkit import check_golden
+from ctxreplay.testkit import check_golden
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p for p in GOLDEN.glob("*/*") if (p / "input.jsonl").is_file())

@@ -19,11 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.make_hostile_inputs import animated_gif, bomb_png, cc_entry, cc_session, dump, write_hostile_inputs
-from pipeline.cli import main
-from pipeline.loaders import load_paths
-from pipeline.replay import KEY_MAX, thread_key, thread_key_expr
-from schemas.blocks import BLOCKS
-from schemas.check import check_frame
+from ctxreplay.pipeline.assembly.replay import KEY_MAX, thread_key, thread_key_expr
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.loaders import load_paths
+from ctxreplay.schemas.blocks import BLOCKS
+from ctxreplay.schemas.check import check_frame
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "loaders"
@@ -329,7 +329,7 @@ def _image_session(tmp_path: Path, data: bytes, media: str) -> Path:
 def test_image_decisions_on_hostile_images() -> None:
     import time
 
-    from stages.images import Images, fit_image
+    from ctxreplay.stages.images import Images, fit_image
 
     p = Images()
     t = time.perf_counter()

@@ -7,10 +7,10 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.ledger import Ledger
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.ledger import Ledger
+from ctxreplay.pipeline.staging.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 CC_SAMPLE = ROOT / "data" / "samples" / "claude-projects"
@@ -61,7 +61,7 @@ def test_runs_are_recorded_with_input_hashes(tmp_path: Path) -> None:
 def test_a_locked_or_bad_ledger_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "not-a-ledger.duckdb"
     bad.write_text("this is not a database")
-    from pipeline.errors import LedgerError
+    from ctxreplay.errors import LedgerError
 
     with pytest.raises(LedgerError, match="cannot open the ledger"):
         Ledger(bad)
@@ -70,7 +70,7 @@ def test_a_locked_or_bad_ledger_is_a_clear_error(tmp_path: Path) -> None:
 def test_decisions_table_matches_the_schema(tmp_path: Path) -> None:
     led = Ledger(tmp_path / "l.duckdb")
     df = led.decisions()
-    from schemas.decisions import DECISIONS
+    from ctxreplay.schemas.decisions import DECISIONS
 
     assert df.columns == DECISIONS.names
     assert isinstance(df, pl.DataFrame)

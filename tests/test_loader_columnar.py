@@ -29,7 +29,7 @@ from bench.make_hostile_inputs import (
     seed_files,
     write_hostile_inputs,
 )
-from pipeline.loaders import LoadResult, cc_columnar, load_paths
+from ctxreplay.pipeline.loaders import LoadResult, cc_columnar, load_paths
 from tests.strategies import examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,8 +78,8 @@ def both(paths: list[Path], where: str = "") -> LoadResult:
 
 def _columnar_only(paths: list[Path]) -> cc_columnar.SessionsLoad:
     """The columnar loader without the fallback (to prove it, not the reference, did the work)."""
-    from pipeline.loaders import _first_objects, discover
-    from pipeline.loaders.claude_code import group_sessions, sniff
+    from ctxreplay.pipeline.loaders import _first_objects, discover
+    from ctxreplay.pipeline.loaders.claude_code import group_sessions, sniff
 
     files, _ = discover(paths)
     first = {f: _first_objects(f) for f in files}

@@ -9,9 +9,9 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.loaders import request
-from pipeline.loaders.base import call_ranges, threads_to_blocks
-from pipeline.testkit import visible
+from ctxreplay.pipeline.loaders import request
+from ctxreplay.pipeline.loaders.base import call_ranges, threads_to_blocks
+from ctxreplay.testkit import visible
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"

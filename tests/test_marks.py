@@ -1,11 +1,19 @@
-"""The block-edit API (pipeline.marks): drops, replacements in place and from a later call, inserts."""
+"""The block-edit API (ctxreplay.pipeline.stageapi.marks): drops, replacements in place and from a later call, inserts."""
 
 from __future__ import annotations
 
 import polars as pl
 
-from pipeline.marks import Insert, finish, mark_drop, mark_replace, mark_replace_from, start_marks, text_row
-from pipeline.testkit import make_blocks
+from ctxreplay.pipeline.stageapi.marks import (
+    Insert,
+    finish,
+    mark_drop,
+    mark_replace,
+    mark_replace_from,
+    start_marks,
+    text_row,
+)
+from ctxreplay.testkit import make_blocks
 
 MSGS = [
     {"role": "user", "text": "hello"},

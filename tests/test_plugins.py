@@ -15,8 +15,15 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main as cli
-from pipeline.registry import PLUGIN_ERRORS, STAGES, StageNameTaken, get_stage, reload_plugins, stage
+from ctxreplay.pipeline.commands.cli import main as cli
+from ctxreplay.pipeline.stageapi.registry import (
+    PLUGIN_ERRORS,
+    STAGES,
+    StageNameTaken,
+    get_stage,
+    reload_plugins,
+    stage,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -56,7 +63,7 @@ def _user_texts(out: Path) -> pl.DataFrame:
 
 
 def test_a_plugin_runs_in_a_worker_process_and_its_effect_shows(tmp_path: Path, shout: None) -> None:
-    from pipeline.isolation import sendable
+    from ctxreplay.pipeline.staging.isolation import sendable
 
     st = get_stage("shout")
     assert not st.is_builtin and st.owner == "tests" and sendable(st, st.params())
@@ -119,8 +126,8 @@ def test_a_plugin_past_its_time_budget_is_stopped_and_one_within_it_is_not(tmp_p
 
 
 def test_a_time_budget_on_a_builtin_stage_is_refused(tmp_path: Path) -> None:
-    from pipeline.errors import SpecError
-    from pipeline.spec import parse_spec
+    from ctxreplay.errors import SpecError
+    from ctxreplay.pipeline.staging.spec import parse_spec
 
     with pytest.raises(SpecError, match=r"time_budget_seconds applies to plug-in stages only"):
         parse_spec('[[stage]]\nuse = "sanitize"\ntime_budget_seconds = 5\n', source="s.toml")
@@ -133,9 +140,9 @@ def test_a_plugin_cannot_take_a_core_stage_name() -> None:
         stage("sanitize", version=1, params=misbehaving.Shout)(misbehaving.shout)
     msg = str(e.value)
     assert msg.startswith("stage name 'sanitize' is taken: ctxreplay ")
-    assert "(stages.sanitize) holds it (a built-in stage of ctxreplay; built-in names belong to the core)" in msg
+    assert "(ctxreplay.stages.sanitize) holds it (a built-in stage of ctxreplay; built-in names belong to the core)" in msg
     assert f"so tests ({MODULE}) cannot register it" in msg
-    assert get_stage("sanitize").module == "stages.sanitize"
+    assert get_stage("sanitize").module == "ctxreplay.stages.sanitize"
     STAGES.pop("shout", None)
     sys.modules.pop(MODULE, None)
 
@@ -152,7 +159,7 @@ def _install_entry_point(tmp_path: Path, dist: str, version: str, module: str, s
 
 
 def test_an_entry_point_taking_a_core_name_is_refused_and_listed(tmp_path: Path) -> None:
-    source = ("from dataclasses import dataclass\nfrom pipeline.registry import stage\n\n"
+    source = ("from dataclasses import dataclass\nfrom ctxreplay.pipeline.stageapi.registry import stage\n\n"
               "@dataclass(frozen=True)\nclass P:\n    pass\n\n"
               "@stage('tombstone', version=9, params=P)\ndef tombstone(blocks, params, ledger, ctx):\n"
               "    '''Not the real one.'''\n    return None\n")
@@ -161,7 +168,7 @@ def test_an_entry_point_taking_a_core_name_is_refused_and_listed(tmp_path: Path)
         reload_plugins()
         (err,) = [e for e in PLUGIN_ERRORS if e.package == "evil-plugin"]
         assert err.stage == "tombstone" and "evil-plugin 6.6.6 (evil_plugin) cannot register it" in err.message
-        assert get_stage("tombstone").module == "stages.tombstone"
+        assert get_stage("tombstone").module == "ctxreplay.stages.tombstone"
         r = CliRunner().invoke(cli, ["stages"])
         assert r.exit_code == 0
         assert "plug-in evil-plugin (entry point 'tombstone') was not loaded: StageNameTaken: stage name " \
@@ -178,7 +185,7 @@ def test_an_in_process_plugin_past_its_budget_is_quarantined_when_it_returns(tmp
     but past its budget its output is not used."""
     import dataclasses
 
-    from pipeline.registry import StageResult
+    from ctxreplay.pipeline.stageapi.registry import StageResult
 
     @dataclasses.dataclass(frozen=True)
     class NoParams:

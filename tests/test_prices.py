@@ -1,4 +1,4 @@
-"""pipeline/prices.py: genai-prices rates, overrides, modifiers, the disk cache, the vectorised forms."""
+"""pipeline/cost/prices.py: genai-prices rates, overrides, modifiers, the disk cache, the vectorised forms."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.prices import (
+from ctxreplay.pipeline.cost.prices import (
     FAST_MULTIPLIERS,
     PriceBook,
     PriceError,
@@ -277,7 +277,7 @@ def test_rate_table_and_price_frame_match_price(book: PriceBook) -> None:
     out = book.price_frame(df, modifiers="mods")
     assert out.columns == [*df.columns, "cost_usd"]
     for r, cost in zip(rows, out["cost_usd"].to_list(), strict=True):
-        from pipeline.prices import parse_modifiers_key
+        from ctxreplay.pipeline.cost.prices import parse_modifiers_key
 
         want = book.price(r[0], r[1], *r[2:7], modifiers=parse_modifiers_key(r[7]))
         assert (cost is None) == (want is None)
@@ -291,7 +291,7 @@ def test_rate_table_and_price_frame_match_price(book: PriceBook) -> None:
 def test_importing_prices_pulls_nothing_heavy() -> None:
     import subprocess
 
-    code = ("import sys, pipeline.prices; heavy = [m for m in ('genai_prices', 'pydantic', 'polars', 'pyarrow', "
+    code = ("import sys, ctxreplay.pipeline.cost.prices; heavy = [m for m in ('genai_prices', 'pydantic', 'polars', 'pyarrow', "
             "'duckdb') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
@@ -315,7 +315,7 @@ def test_rate_table_joins_in_duckdb(book: PriceBook) -> None:
     got = con.execute(f"SELECT {book.cost_sql(width)} FROM calls c LEFT JOIN rates r ON r.model = c.model "
                       f"AND r.day = c.day AND r.modifiers = c.modifiers ORDER BY c.cache_read_tokens DESC, "
                       f"c.day").fetchall()
-    from pipeline.prices import parse_modifiers_key
+    from ctxreplay.pipeline.cost.prices import parse_modifiers_key
 
     want = [book.price(m, d, *n, modifiers=parse_modifiers_key(mods)) for m, d, mods, *n in
             sorted(calls, key=lambda c: (-c[7], c[1]))]

@@ -17,7 +17,7 @@ import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.testkit import make_blocks, run_stage
+from ctxreplay.testkit import make_blocks, run_stage
 
 try:
     from tests.strategies import examples, messages, sessions_with_a_call

@@ -8,7 +8,7 @@
   decision of that call with a new cache_epoch explains it.
 
 Corpus-wide versions of these (every thread of ../shared/corpus under every preset) need the
-runner; they live at the end of this file and skip until `pipeline.runner` exists.
+runner; they live at the end of this file and skip until `ctxreplay.pipeline.batch.runner` exists.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.blockops import empty_decisions
-from pipeline.registry import StageContext, StageResult
-from pipeline.testkit import make_blocks, run_stage
+from ctxreplay.pipeline.core.blockops import empty_decisions
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult
+from ctxreplay.testkit import make_blocks, run_stage
 
 try:
     from tests.strategies import examples
@@ -390,14 +390,14 @@ def _hashes(calls: pl.DataFrame) -> dict[tuple[str, str, int], str]:
 
 
 def _spec(preset: str) -> Any:
-    from pipeline.spec import load_spec, parse_spec
+    from ctxreplay.pipeline.staging.spec import load_spec, parse_spec
 
     return parse_spec(STRESS_SPEC, source="stress-5-6") if preset == "stress" else load_spec(preset=preset)
 
 
 def _run(paths: list[Path], out: Path, preset: str, ledger: Path) -> Any:
-    from pipeline.runner import RunOptions, run
-    from pipeline.tokens import CHARS4_COUNTER
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
+    from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
 
     return run(paths, _spec(preset), RunOptions(out_dir=out, ledger_path=ledger, token_counter=CHARS4_COUNTER,
                                                    validate=False))
@@ -406,10 +406,10 @@ def _run(paths: list[Path], out: Path, preset: str, ledger: Path) -> Any:
 @pytest.fixture(scope="module")
 def identity_bounds(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> pl.DataFrame:
     """Where the transcripts themselves start and end rows (compactions), from a run without layers."""
-    pytest.importorskip("pipeline.runner", reason="the runner is not there yet")
-    from pipeline.runner import RunOptions, run
-    from pipeline.spec import load_spec
-    from pipeline.tokens import CHARS4_COUNTER
+    pytest.importorskip("ctxreplay.pipeline.batch.runner", reason="the runner is not there yet")
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
+    from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+    from ctxreplay.pipeline.staging.spec import load_spec
 
     tmp = tmp_path_factory.mktemp("identity")
     res = run([corpus], load_spec(preset="identity"),
@@ -426,7 +426,7 @@ def test_corpus_prefix_resume_and_cache_epochs(preset: str, corpus: Path, tmp_pa
     recorded calls as the whole file does; the half with a ledger, then the whole with the same
     ledger, equals a fresh whole run; every prefix break between consecutive calls is explained by
     a decision of that call with a new cache epoch."""
-    from pipeline.ledger import Ledger
+    from ctxreplay.pipeline.staging.ledger import Ledger
 
     full = _run([corpus], tmp_path / "full", preset, tmp_path / "full.duckdb")
     halves = _halves(corpus, tmp_path / "halves")

@@ -11,13 +11,13 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-import pipeline.runner as runner_mod
-from pipeline.cli import main
-from pipeline.errors import CtxReplayError, OutputError
-from pipeline.outdir import resolve_run
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+import ctxreplay.pipeline.batch.runner as runner_mod
+from ctxreplay.errors import CtxReplayError, OutputError
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.outdir import resolve_run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 from tests.crashkit import SAMPLES, leftovers, out_state
 
 CC = SAMPLES / "claude-projects"
@@ -132,7 +132,7 @@ def test_readers_see_one_run(tmp_path: Path) -> None:
 def test_a_ledger_from_before_run_ids_gets_the_column(tmp_path: Path) -> None:
     import duckdb
 
-    from pipeline.ledger import Ledger
+    from ctxreplay.pipeline.staging.ledger import Ledger
 
     path = tmp_path / "old.duckdb"
     con = duckdb.connect(str(path))

@@ -61,7 +61,7 @@ def test_goldens_written_then_checked_then_a_change_fails_with_the_report(projec
     ])
     # in a process of its own: pytester takes back the modules a test imports (polars, duckdb, ...)
     # when the test ends, and native extensions cannot be imported twice in one process
-    cli = subprocess.run([sys.executable, "-m", "pipeline.cli", "diff", "sessions", "--pipeline", "policy.toml",
+    cli = subprocess.run([sys.executable, "-m", "ctxreplay.pipeline.commands.cli", "diff", "sessions", "--pipeline", "policy.toml",
                           "--golden", str(project.path / GOLDEN), "-q"], cwd=project.path, capture_output=True,
                          text=True, check=False)
     assert cli.returncode == 1, cli.stderr
@@ -81,7 +81,7 @@ def test_plugin_loads_with_p_when_autoloading_is_off_and_not_with_no(project: py
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     r = project.runpytest_subprocess("-q")
     r.assert_outcomes(errors=1)
-    r = project.runpytest_subprocess("-q", "-p", "pipeline.pytest_plugin", "--ctxreplay-update")
+    r = project.runpytest_subprocess("-q", "-p", "ctxreplay.pipeline.regress.pytest_plugin", "--ctxreplay-update")
     r.assert_outcomes(passed=1)
 
 
@@ -113,7 +113,7 @@ def test_no_goldens_options_and_errors(project: pytest.Pytester) -> None:
 
 
 def test_plugin_module_imports_nothing_heavy() -> None:
-    code = ("import sys, pipeline.pytest_plugin; heavy = [m for m in ('polars', 'pyarrow', 'duckdb', 'tiktoken') "
+    code = ("import sys, ctxreplay.pipeline.regress.pytest_plugin; heavy = [m for m in ('polars', 'pyarrow', 'duckdb', 'tiktoken') "
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

@@ -22,10 +22,10 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 from tests.test_scale import _ledger_rows, _outputs, _same_outputs, _stage_counts, _summary_core
 
 # Ray's own modules warn about their own deprecated defaults; ctxreplay's warnings stay errors
@@ -38,7 +38,7 @@ OBJECT_STORE_MB = 200
 
 
 def _need_ray() -> Any:
-    from pipeline.rayengine import _local_only
+    from ctxreplay.pipeline.batch.rayengine import _local_only
 
     _local_only()  # before the import: a local Ray on 127.0.0.1 only
     try:
@@ -135,7 +135,7 @@ def test_the_cli_starts_a_local_ray_and_shuts_it_down(tmp_path: Path) -> None:
     before = _ray_processes()
     env = {**os.environ, "CTXREPLAY_RAY_OBJECT_STORE_MB": str(OBJECT_STORE_MB)}
     # a relative input path: the workers resolve it from the driver's directory, as the outputs name it
-    args = [sys.executable, "-m", "pipeline.cli", "run", "data/samples", "--fast-tokens", "--batch-bytes", "20000",
+    args = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli", "run", "data/samples", "--fast-tokens", "--batch-bytes", "20000",
             "--json", "-q"]
     ray = subprocess.run([*args, "--out", str(tmp_path / "ray"), "--engine", "ray", "--jobs", "2"],
                          capture_output=True, text=True, cwd=ROOT, env=env, check=False, timeout=300)
@@ -198,7 +198,7 @@ def test_address_joins_a_running_cluster_and_leaves_it_up(tmp_path: Path) -> Non
                     break
             assert head.poll() is None, head.stderr.read() if head.stderr else ""
             subprocess.run(["sleep", "0.5"], check=True)
-        args = [sys.executable, "-m", "pipeline.cli", "run", str(SAMPLES), "--fast-tokens", "--batch-bytes", "20000",
+        args = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli", "run", str(SAMPLES), "--fast-tokens", "--batch-bytes", "20000",
                 "--json", "-q"]
         joined = subprocess.run([*args, "--out", str(tmp_path / "ray"), "--engine", "ray", "--address",
                                  f"127.0.0.1:{port}"], capture_output=True, text=True, cwd=ROOT,

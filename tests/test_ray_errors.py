@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline.batches import Group
-from pipeline.batchrun import BatchCounter, Env
-from pipeline.cli import main
-from pipeline.errors import CheckFailed, CtxReplayError, InputError, OutputError, StageFailed
-from pipeline.rayengine import _check_visible, _portable, _take
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.errors import CheckFailed, CtxReplayError, InputError, OutputError, StageFailed
+from ctxreplay.pipeline.batch.batches import Group
+from ctxreplay.pipeline.batch.batchrun import BatchCounter, Env
+from ctxreplay.pipeline.batch.rayengine import _check_visible, _portable, _take
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 
 SAMPLES = Path(__file__).resolve().parent.parent / "data" / "samples"
 

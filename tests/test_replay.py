@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pipeline.replay import CallInfo, replay_thread, thread_key
-from pipeline.targets import get_target
-from pipeline.testkit import check_replay_against_naive, make_blocks, replay_rows
+from ctxreplay.pipeline.assembly.replay import CallInfo, replay_thread, thread_key
+from ctxreplay.pipeline.targets import get_target
+from ctxreplay.testkit import check_replay_against_naive, make_blocks, replay_rows
 
 CONVERSATION = [
     {"role": "system", "text": "be brief"},

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.prices import PriceBook
-from pipeline.report import ReportOptions, build_report, hit_rate, scan_files
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.cost.prices import PriceBook
+from ctxreplay.pipeline.reporting.report import ReportOptions, build_report, hit_rate, scan_files
 
 ROOT = Path(__file__).resolve().parent.parent
 SID_A = "aaaaaaaa-0000-4000-8000-000000000001"
@@ -466,9 +466,9 @@ def test_no_paths_reads_claude_config_dir(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_report_command_imports_nothing_heavy(tmp_path: Path) -> None:
     f = write(tmp_path / "p" / f"{SID_A}.jsonl", [cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z")])
-    code = ("import sys\nfrom pipeline.cli import main\n"
+    code = ("import sys\nfrom ctxreplay.pipeline.commands.cli import main\n"
             "try:\n    main(['report', sys.argv[1], '--json'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('polars', 'pyarrow', 'duckdb', 'tiktoken', 'stages', 'PIL', 'rich', 'genai_prices')"
+            "heavy = [m for m in ('polars', 'pyarrow', 'duckdb', 'tiktoken', 'ctxreplay.stages', 'PIL', 'rich', 'genai_prices')"
             " if m in sys.modules]\nprint(heavy, file=sys.stderr)\n")
     env = {**os.environ, "CTXREPLAY_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-c", code, str(f)]

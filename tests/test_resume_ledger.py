@@ -16,9 +16,9 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec, parse_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec, parse_spec
 from tests.test_corpus_replay import _files, _half
 from tests.test_properties_layers_5_6 import STRESS_SPEC
 

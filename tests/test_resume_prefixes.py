@@ -24,10 +24,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.constants import CLEARED_TEXT
-from pipeline.runner import RunOptions, RunResult, run
-from pipeline.spec import load_spec, parse_spec, preset_names
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.runner import RunOptions, RunResult, run
+from ctxreplay.pipeline.core.constants import CLEARED_TEXT
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec, parse_spec, preset_names
 from tests.strategies import examples
 from tests.test_branch_causality import SESSION, STRESS, Writer
 

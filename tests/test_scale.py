@@ -10,10 +10,10 @@ import orjson
 import polars as pl
 import pytest
 
-from pipeline.batches import Group, pack, session_groups
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.batch.batches import Group, pack, session_groups
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 from tests.crashkit import out_state
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,7 +213,7 @@ def test_the_progress_display_counts_files_groups_and_calls(tmp_path: Path) -> N
 
     from rich.console import Console
 
-    from pipeline.progress import RunProgress
+    from ctxreplay.pipeline.core.progress import RunProgress
 
     buf = io.StringIO()
     shown = RunProgress(Console(file=buf, force_terminal=True, width=200))
@@ -228,7 +228,7 @@ def test_the_progress_display_counts_files_groups_and_calls(tmp_path: Path) -> N
 def test_no_progress_without_a_terminal_or_with_q(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from ctxreplay.pipeline.commands.cli import main
 
     for flags in ([], ["-q"]):
         r = CliRunner().invoke(main, ["run", str(SAMPLES), "--out", str(tmp_path / "o"), "--fast-tokens", *flags])
@@ -278,8 +278,8 @@ def test_a_warm_re_run_does_not_import_pandas(tmp_path: Path) -> None:
 
     out = tmp_path / "o"
     _run([SAMPLES], out)
-    code = ("import sys\nfrom pathlib import Path\nfrom pipeline.runner import RunOptions, run\n"
-            "from pipeline.spec import load_spec\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom ctxreplay.pipeline.batch.runner import RunOptions, run\n"
+            "from ctxreplay.pipeline.staging.spec import load_spec\n"
             f"s = run([Path({str(SAMPLES)!r})], load_spec(preset='default'), RunOptions(out_dir=Path({str(out)!r}), "
             "token_counter='chars4-v1')).summary\n"
             "print(s['groups']['reused'] == s['groups']['total'], 'pandas' in sys.modules, "

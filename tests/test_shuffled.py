@@ -18,14 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from pipeline.blockops import empty_decisions
-from pipeline.cli import main
-from pipeline.registry import STAGES, StageContext, StageResult, stage
-from pipeline.replay import thread_rows
-from pipeline.runner import RunOptions, run
-from pipeline.spec import parse_spec
-from pipeline.testkit import make_blocks
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.assembly.replay import thread_rows
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.blockops import empty_decisions
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.stageapi.registry import STAGES, StageContext, StageResult, stage
+from ctxreplay.pipeline.staging.spec import parse_spec
+from ctxreplay.testkit import make_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"

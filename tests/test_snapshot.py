@@ -14,9 +14,10 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.replay import request_bytes
-from pipeline.snapshot import (
+from ctxreplay.pipeline.assembly.replay import request_bytes
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.regress.snapshot import (
     GOLDEN_FORMAT_VERSION,
     Golden,
     parse_messages_line,
@@ -24,8 +25,7 @@ from pipeline.snapshot import (
     snapshot,
     spans_at,
 )
-from pipeline.spec import load_spec
-from pipeline.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
 from tests.goldenkit import write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def test_messages_file_holds_only_what_no_pending_request_holds(golden: Path) ->
         assert hashlib.sha256(data).hexdigest() == sha
     g = Golden(golden)
     in_pending = set()
-    from pipeline.snapshot import pending_messages
+    from ctxreplay.pipeline.regress.snapshot import pending_messages
 
     for key in g.threads:
         in_pending |= set(pending_messages(g.pending_json(key), g.list_key))

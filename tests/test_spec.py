@@ -7,9 +7,9 @@ from typing import Literal
 
 import pytest
 
-from pipeline.errors import SpecError
-from pipeline.registry import STAGES, StageResult, stage
-from pipeline.spec import load_spec, parse_spec, preset_names
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.stageapi.registry import STAGES, StageResult, stage
+from ctxreplay.pipeline.staging.spec import load_spec, parse_spec, preset_names
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

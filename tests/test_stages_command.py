@@ -8,9 +8,9 @@ import tomllib
 
 from click.testing import CliRunner
 
-from pipeline.cli import main as cli
-from pipeline.registry import load_stages
-from pipeline.spec import ResolvedStage, parse_spec
+from ctxreplay.pipeline.commands.cli import main as cli
+from ctxreplay.pipeline.stageapi.registry import load_stages
+from ctxreplay.pipeline.staging.spec import ResolvedStage, parse_spec
 
 
 def test_json_is_one_object_with_named_keys() -> None:

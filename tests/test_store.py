@@ -23,8 +23,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.cli import main
-from pipeline.replay import (
+from ctxreplay.pipeline.assembly.replay import (
     CHUNK,
     MESSAGE_OVERHEAD_TOKENS,
     REQUEST_OVERHEAD_TOKENS,
@@ -33,9 +32,7 @@ from pipeline.replay import (
     SpanLog,
     replay_thread,
 )
-from pipeline.runner import RunOptions, run
-from pipeline.spec import load_spec
-from pipeline.store import (
+from ctxreplay.pipeline.assembly.store import (
     call_message_frame,
     iter_call_lists,
     iter_request_json,
@@ -46,8 +43,13 @@ from pipeline.store import (
     store_tables,
     write_store,
 )
-from pipeline.targets import TARGETS, get_target
-from pipeline.testkit import (
+from ctxreplay.pipeline.batch.runner import RunOptions, run
+from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+from ctxreplay.pipeline.staging.spec import load_spec
+from ctxreplay.pipeline.targets import TARGETS, get_target
+from ctxreplay.schemas.messages import CALL_MESSAGES, MESSAGES
+from ctxreplay.testkit import (
     check_replay_against_naive,
     drop_from,
     make_blocks,
@@ -55,8 +57,6 @@ from pipeline.testkit import (
     replay_all_calls,
     replay_rows,
 )
-from pipeline.tokens import CHARS4_COUNTER
-from schemas.messages import CALL_MESSAGES, MESSAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -148,7 +148,7 @@ def test_long_tails_are_hashed_off_the_main_thread_to_the_same_hashes(monkeypatc
     # requests of ~500 wire messages, changed near their start at every call from call 150 on:
     # the bytes after the change go to the worker thread; every request is materialised and its
     # full sha256 checked against the incremental one (and a few against a naive assembly)
-    import pipeline.replay as replay_mod
+    import ctxreplay.pipeline.assembly.replay as replay_mod
 
     submitted = []
 
@@ -164,7 +164,7 @@ def test_long_tails_are_hashed_off_the_main_thread_to_the_same_hashes(monkeypatc
     res = replay_all_calls(df, "anthropic")
     assert len(submitted) > 50 and max(submitted) > 4 * CHUNK
     rows = replay_rows(df)
-    from pipeline.testkit import naive_request
+    from ctxreplay.testkit import naive_request
 
     for r in res[150::20]:
         assert r.request == naive_request(rows, r.call, "anthropic", pending=r.is_pending)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.targets import get_target, target_names
-from pipeline.targets._wire import label, split
-from pipeline.testkit import (
+from ctxreplay.pipeline.targets import get_target, target_names
+from ctxreplay.pipeline.targets._wire import label, split
+from ctxreplay.testkit import (
     check_replay_against_naive,
     drop_from,
     make_blocks,

@@ -8,7 +8,14 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.threads import AmbiguousRef, ThreadRef, UnknownRef, resolve_session, resolve_thread, thread_kind
+from ctxreplay.pipeline.inspection.threads import (
+    AmbiguousRef,
+    ThreadRef,
+    UnknownRef,
+    resolve_session,
+    resolve_thread,
+    thread_kind,
+)
 from tests.inspectkit import SAMPLES, SYN_SID, cli, one_error_line, write_session
 
 THREAD_KEYS = {"session_id", "thread_id", "thread_key", "kind", "source_format", "calls", "first_own_call",

@@ -7,7 +7,7 @@ tokens were freed, idle trigger, `clear_at_least_tokens`, `keep_recent`, `min_re
 window share, the aggregate cap, truncating and spilling), images (side, payload and pixel caps, the
 resize candidates, images per request, recent image turns).
 
-Request sizes are measured with the estimate the layers share (`pipeline.calls.request_tokens`, the
+Request sizes are measured with the estimate the layers share (`ctxreplay.pipeline.stageapi.calls.request_tokens`, the
 fast ceil(chars / 4) counter), so the thresholds are set from the very numbers a layer compares.
 Time comes from transcript timestamps only: nothing here waits or reads a clock.
 """
@@ -22,12 +22,12 @@ import polars as pl
 import pytest
 from PIL import Image
 
-from pipeline.calls import request_tokens
-from pipeline.registry import StageContext
-from pipeline.testkit import make_blocks, run_stage, visible
-from stages.images import STALE, Images, fit_image
-from stages.snip import SNIP_TEMPLATE
-from stages.tombstone import CLEARED
+from ctxreplay.pipeline.stageapi.calls import request_tokens
+from ctxreplay.pipeline.stageapi.registry import StageContext
+from ctxreplay.stages.images import STALE, Images, fit_image
+from ctxreplay.stages.snip import SNIP_TEMPLATE
+from ctxreplay.stages.tombstone import CLEARED
+from ctxreplay.testkit import make_blocks, run_stage, visible
 
 CTX = StageContext()  # count_tokens None: the fast estimator
 

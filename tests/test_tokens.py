@@ -9,8 +9,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.ledger import Ledger
-from pipeline.tokens import (
+from ctxreplay.pipeline.core.tokens import (
     CHARS4_COUNTER,
     O200K_FILE,
     O200K_SHA256,
@@ -20,6 +19,7 @@ from pipeline.tokens import (
     load_o200k,
     tokens_expr,
 )
+from ctxreplay.pipeline.staging.ledger import Ledger
 
 
 def test_shipped_encoding_is_byte_identical_to_openais() -> None:

@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
-from pipeline.targets import get_target
-from pipeline.validate import (
+from ctxreplay.pipeline.targets import get_target
+from ctxreplay.pipeline.targets.validate import (
     validate_anthropic,
     validate_gemini,
     validate_openai_chat,
     validate_openai_responses,
     violation_decisions,
 )
-from schemas.decisions import STAGE_DECISION
+from ctxreplay.schemas.decisions import STAGE_DECISION
 
 
 def rules(violations: list) -> list[str]:

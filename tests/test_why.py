@@ -50,8 +50,8 @@ def _every_call_is_one_to_one(out: Path, ident: Path, *, diff_every: int = 1, in
     `in_process` builds the documents without the CLI, from one RunView (a session's transcript
     is then read once, not once per call). With `stride` > 1: every stride-th call, each call
     where a decision starts to apply, and each pending call."""
-    from pipeline.threads import RunView
-    from pipeline.why import WhyOptions, build
+    from ctxreplay.pipeline.inspection.threads import RunView
+    from ctxreplay.pipeline.inspection.why import WhyOptions, build
 
     view = RunView(out)
     calls = pl.read_parquet(out / "calls.parquet")

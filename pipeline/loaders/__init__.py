@@ -23,9 +23,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.errors import InputError
-from pipeline.loaders import cc_columnar, claude_code, codex, openclaw, request
-from pipeline.loaders.base import (
+from ctxreplay.errors import InputError
+from ctxreplay.pipeline.loaders import cc_columnar, claude_code, codex, openclaw, request
+from ctxreplay.pipeline.loaders.base import (
     FileLoad,
     QuarantineRow,
     Thread,
@@ -38,8 +38,8 @@ from pipeline.loaders.base import (
     path_str,
     threads_to_blocks,
 )
-from schemas.blocks import BLOCKS
-from schemas.check import empty_table
+from ctxreplay.schemas.blocks import BLOCKS
+from ctxreplay.schemas.check import empty_table
 
 # loaders of one file each, tried in this order before Claude Code; each exposes
 # sniff(first_objects, path) and load(path)

@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from pipeline.blockops import canonical_json, sha256_hex
-from schemas.blocks import BLOCKS, CONTENT_COLUMNS
+from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
+from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
 
 ORDER_STRIDE = 1024  # order_key = position * ORDER_STRIDE leaves room for inserted rows
 
@@ -89,7 +89,7 @@ class FileLoad:
     def check(self) -> None:
         total = self.message_lines + sum(self.other_lines.values()) + self.quarantined_lines
         if total != self.lines:
-            from pipeline.errors import CheckFailed
+            from ctxreplay.errors import CheckFailed
 
             msg = (f"{self.path}: line accounting failed: {self.message_lines} message + "
                    f"{sum(self.other_lines.values())} other + {self.quarantined_lines} quarantined "

@@ -65,9 +65,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.blockops import canonical_json
-from pipeline.loaders import claude_code as cc
-from pipeline.loaders.base import (
+from ctxreplay.pipeline.core.blockops import canonical_json
+from ctxreplay.pipeline.loaders import claude_code as cc
+from ctxreplay.pipeline.loaders.base import (
     MAX_DEPTH,
     ORDER_STRIDE,
     FileLoad,
@@ -81,8 +81,8 @@ from pipeline.loaders.base import (
     path_str,
     read_line,
 )
-from schemas.blocks import BLOCKS, CONTENT_COLUMNS, TS
-from schemas.check import empty_table
+from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS, TS
+from ctxreplay.schemas.check import empty_table
 
 FORMAT = cc.FORMAT
 # what the SQL JSON reader accepts and orjson does not (two patterns: an alternation of both is slower)

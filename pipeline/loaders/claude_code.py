@@ -27,7 +27,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from pipeline.loaders.base import (
+from ctxreplay.pipeline.loaders.base import (
     Block,
     Compaction,
     FileLoad,

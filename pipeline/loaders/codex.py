@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.loaders.base import (
+from ctxreplay.pipeline.loaders.base import (
     Block,
     Compaction,
     FileLoad,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.loaders.base import (
+from ctxreplay.pipeline.loaders.base import (
     Block,
     Compaction,
     FileLoad,

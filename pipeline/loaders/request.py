@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.loaders.base import (
+from ctxreplay.pipeline.loaders.base import (
     MAX_DEPTH,
     Block,
     FileLoad,
@@ -47,7 +47,7 @@ from pipeline.loaders.base import (
     path_str,
     session_id_from_name,
 )
-from pipeline.loaders.claude_code import anthropic_content_blocks
+from ctxreplay.pipeline.loaders.claude_code import anthropic_content_blocks
 
 FORMAT = "anthropic_request"
 FORMAT_OPENAI = "openai_chat_request"

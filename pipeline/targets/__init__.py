@@ -6,7 +6,7 @@ target exposes its list key (sorted first in the canonical JSON) and the other t
 separately. Targets register in TARGETS by name; `get_target(name)` finds one.
 
 What the replay relies on (it re-shapes only the wire messages around a change and keeps the
-canonical bytes of all the others, see pipeline/replay.py):
+canonical bytes of all the others, see pipeline/assembly/replay.py):
 - `shape(msgs, start)` is a function of `msgs` alone, and a wire message depends only on the
   logical messages it holds, the logical message that ends its run, whether it is the first wire
   message, and what `context_key` says later messages may read of earlier ones (Gemini names a
@@ -23,7 +23,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipeline.errors import CtxReplayError
+from ctxreplay.errors import CtxReplayError
 
 
 @dataclass
@@ -119,7 +119,7 @@ TARGETS: dict[str, Target] = {}
 PORTABLE_BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking",
                                   "empty"})
 
-# Provider-specific block types by API family (pipeline.targets.target_family): a target carries
+# Provider-specific block types by API family (ctxreplay.pipeline.targets.target_family): a target carries
 # them only when they come from its own family (server-side tools and their results, documents,
 # OpenAI's hosted-tool items, refusals, files). Anything else that is not portable is foreign to
 # the target: the sanitize layer converts it to text or drops it, with a decision, and the

@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from pipeline.targets._wire import BOOTSTRAP, label, split, tool_input_object
+from ctxreplay.pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
+from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, split, tool_input_object
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 
@@ -161,7 +161,7 @@ class Anthropic:
 
     def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
                  awaits_user: bool = False) -> list[Violation]:
-        from pipeline.validate import validate_anthropic
+        from ctxreplay.pipeline.targets.validate import validate_anthropic
 
         return validate_anthropic(request, thread_key=thread_key, call=call, allow_prefill=self.allow_prefill,
                                   awaits_user=awaits_user)

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
-from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split, tool_input_object
+from ctxreplay.pipeline.targets import (
+    PORTABLE_BLOCK_TYPES,
+    LogicalMessage,
+    Violation,
+    Wire,
+    group_blocks,
+    register,
+)
+from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split, tool_input_object
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:
@@ -138,7 +145,7 @@ class Gemini:
 
     def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
                  awaits_user: bool = False) -> list[Violation]:
-        from pipeline.validate import validate_gemini
+        from ctxreplay.pipeline.targets.validate import validate_gemini
 
         return validate_gemini(request, thread_key=thread_key, call=call)
 

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.targets import PORTABLE_BLOCK_TYPES, LogicalMessage, Violation, Wire, group_blocks, register
-from pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
+from ctxreplay.pipeline.targets import (
+    PORTABLE_BLOCK_TYPES,
+    LogicalMessage,
+    Violation,
+    Wire,
+    group_blocks,
+    register,
+)
+from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
 
 
 def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -122,7 +129,7 @@ class OpenAIResponses:
 
     def validate(self, request: dict[str, Any], *, thread_key: str, call: int,
                  awaits_user: bool = False) -> list[Violation]:
-        from pipeline.validate import validate_openai_responses
+        from ctxreplay.pipeline.targets.validate import validate_openai_responses
 
         return validate_openai_responses(request, thread_key=thread_key, call=call)
 

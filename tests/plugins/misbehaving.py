@@ -14,8 +14,8 @@ from typing import Literal
 
 import polars as pl
 
-from pipeline.marks import finish, mark_replace, start_marks
-from pipeline.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

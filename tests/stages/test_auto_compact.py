@@ -7,12 +7,12 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.calls import request_tokens, text_tokens
-from pipeline.errors import SpecError
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, make_context, run_stage, visible
-from stages.auto_compact import ORIGIN, parse_summary
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.stageapi.calls import request_tokens, text_tokens
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.auto_compact import ORIGIN, parse_summary
+from ctxreplay.testkit import make_blocks, make_context, run_stage, visible
 
 CTX = make_context(window_tokens=200_000)
 

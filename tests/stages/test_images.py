@@ -15,9 +15,9 @@ import polars as pl
 import pytest
 from PIL import Image
 
-from pipeline.registry import StageContext
-from pipeline.testkit import make_blocks, run_stage, view, visible
-from stages.images import MEMO, NO_IMAGE_INPUT, STALE, Images, fit_image, sniff_media_type
+from ctxreplay.pipeline.stageapi.registry import StageContext
+from ctxreplay.stages.images import MEMO, NO_IMAGE_INPUT, STALE, Images, fit_image, sniff_media_type
+from ctxreplay.testkit import make_blocks, run_stage, view, visible
 
 
 def png(w: int, h: int, color: tuple[int, ...] = (200, 30, 30), mode: str = "RGB") -> str:
@@ -206,9 +206,9 @@ def test_reencoded_bytes_are_deterministic_and_memoised() -> None:
 
 
 def test_params_are_validated() -> None:
-    from pipeline.errors import SpecError
-    from pipeline.registry import get_stage
-    from pipeline.spec import resolve_params
+    from ctxreplay.errors import SpecError
+    from ctxreplay.pipeline.stageapi.registry import get_stage
+    from ctxreplay.pipeline.staging.spec import resolve_params
 
     with pytest.raises(SpecError, match="max_side_px must be positive"):
         resolve_params(get_stage("images"), {"max_side_px": 0}, where="t")

@@ -10,8 +10,8 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.testkit import make_blocks, run_stage, view
-from stages.inter_session import EXPLANATION
+from ctxreplay.stages.inter_session import EXPLANATION
+from ctxreplay.testkit import make_blocks, run_stage, view
 
 PROV = {"kind": "inter_session", "source_session": "agent:main:subagent:2e30", "channel": "webchat",
         "tool": "subagent_announce"}
@@ -109,9 +109,9 @@ def test_a_v1_header_is_not_taken_for_a_v2_one() -> None:
 
 @pytest.mark.corpus
 def test_corpus_inter_session_rows_show_the_header_once_in_the_pending_request(corpus: Path, tmp_path: Path) -> None:
-    from pipeline.runner import RunOptions, run
-    from pipeline.spec import parse_spec
-    from pipeline.tokens import CHARS4_COUNTER
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
+    from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+    from ctxreplay.pipeline.staging.spec import parse_spec
 
     files = sorted(f for f in (corpus / "openclaw").iterdir()
                    if '"kind":"inter_session"' in f.read_text(encoding="utf-8", errors="replace"))

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import SpecError
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, run_stage, visible
-from stages.pairing import MISSING_TEXT, MISSING_TEXT_OPENAI, map_tool_id
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.pairing import MISSING_TEXT, MISSING_TEXT_OPENAI, map_tool_id
+from ctxreplay.testkit import make_blocks, run_stage, visible
 
 try:
     from tests.strategies import examples

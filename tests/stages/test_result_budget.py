@@ -9,11 +9,11 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.errors import SpecError
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, run_stage, visible
-from stages.result_budget import MARKER_RE, spilled_texts
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.result_budget import MARKER_RE, spilled_texts
+from ctxreplay.testkit import make_blocks, run_stage, visible
 
 
 def results(*bodies: str, error: bool = False, later: list[str] | None = None) -> list[dict[str, Any]]:

@@ -8,16 +8,16 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.errors import SpecError
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, run_stage, view, visible
-from stages.sanitize import (
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.sanitize import (
     FAILED_TURN_TEXT,
     REASONING_OMITTED_TEXT,
     REDACTED,
     normalized_usage,
 )
+from ctxreplay.testkit import make_blocks, run_stage, view, visible
 
 ANTHROPIC = {"provider": "anthropic", "api": "anthropic-messages"}
 OPENROUTER = {"provider": "openrouter", "api": "openai-completions"}
@@ -398,7 +398,7 @@ def test_each_changed_block_has_one_decision_with_its_hashes() -> None:
 
 @pytest.mark.corpus
 def test_signed_thinking_is_never_altered_on_the_corpus(corpus: Path) -> None:
-    from pipeline.loaders import load_paths
+    from ctxreplay.pipeline.loaders import load_paths
 
     blocks = pl.from_arrow(load_paths([corpus]).blocks)
     res = run_stage("sanitize", blocks.lazy(), {})

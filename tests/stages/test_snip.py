@@ -8,13 +8,13 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.calls import request_tokens
-from pipeline.errors import SpecError
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, make_context, run_stage, visible
-from pipeline.tokens import fast_token_estimate
-from stages.snip import SNIP_RE
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.core.tokens import fast_token_estimate
+from ctxreplay.pipeline.stageapi.calls import request_tokens
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.snip import SNIP_RE
+from ctxreplay.testkit import make_blocks, make_context, run_stage, visible
 
 NO_DRY_RUN = make_context(window_tokens=2_000, peers={})  # no tombstone in the pipeline
 PARAMS = {"reserve_output_tokens": 0}  # budget 2,000: high 1,600, low 1,200

@@ -7,11 +7,11 @@ from typing import Any
 import polars as pl
 import pytest
 
-from pipeline.errors import SpecError
-from pipeline.registry import StageContext, get_stage
-from pipeline.spec import resolve_params
-from pipeline.testkit import make_blocks, run_stage, visible
-from stages.tombstone import CLEARED, REASONING_OMITTED, glob_regex
+from ctxreplay.errors import SpecError
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.stages.tombstone import CLEARED, REASONING_OMITTED, glob_regex
+from ctxreplay.testkit import make_blocks, run_stage, visible
 
 HOUR = 3_600
 

@@ -1,4 +1,4 @@
-"""Tests of the redact_secrets stage, written with ctxreplay's pipeline.testkit.
+"""Tests of the redact_secrets stage, written with ctxreplay's ctxreplay.testkit.
 
 Run from a ctxreplay checkout with the package importable:
     PYTHONPATH=examples/redact-secrets/src pytest examples/redact-secrets/tests
@@ -14,8 +14,8 @@ import polars as pl
 import pytest
 import redact_secrets  # noqa: F401  (registers the stage)
 
-from pipeline.errors import SpecError
-from pipeline.testkit import check_golden, make_blocks, run_stage
+from ctxreplay.errors import SpecError
+from ctxreplay.testkit import check_golden, make_blocks, run_stage
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -57,8 +57,8 @@ def test_a_second_run_decides_nothing() -> None:
 
 
 def test_unknown_kind_is_a_spec_error() -> None:
-    from pipeline.registry import get_stage
-    from pipeline.spec import resolve_params
+    from ctxreplay.pipeline.stageapi.registry import get_stage
+    from ctxreplay.pipeline.staging.spec import resolve_params
 
     with pytest.raises(SpecError, match="unknown kind"):
         resolve_params(get_stage("redact_secrets"), {"kinds": ["ssh-key"]}, where="t")

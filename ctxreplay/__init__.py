@@ -1,0 +1,56 @@
+"""ctxreplay: replay, call by call, what an AI agent sent to its model, from transcripts on disk.
+
+This module is the stable API for plug-in stages and for the engine; everything else under
+`ctxreplay.pipeline` may change between releases. A plug-in stage needs:
+
+- `stage`, `StageContext`, `StageResult`, `StageRef`: declare a stage and read its context;
+- `marks` (and its functions re-exported here: `start_marks`, `mark_drop`, `mark_replace`,
+  `mark_replace_from`, `finish`, `text_row`, `Insert`, `alive`, `cover_end`,
+  `next_message_first_call`): edit blocks so that every replaced row is recorded in the ledger;
+- the errors (`CtxReplayError` and the others of `ctxreplay.errors`);
+- `ctxreplay.testkit` for its tests (`make_blocks`, `run_stage`, `check_golden`, ...).
+
+The live engine is `Engine` (docs/engine.md). Names are imported on first use, so that
+`import ctxreplay` stays cheap (the `report` command never loads polars).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ctxreplay.version import __version__ as __version__
+
+# public name -> the module that defines it
+_HOME = {
+    **dict.fromkeys(["CtxReplayError", "InputError", "LedgerError", "LockError", "NothingToDo", "OutputError",
+                     "SpecError", "StageFailed"], "ctxreplay.errors"),
+    **dict.fromkeys(["Insert", "alive", "cover_end", "finish", "mark_drop", "mark_replace", "mark_replace_from",
+                     "next_message_first_call", "start_marks", "text_row"], "ctxreplay.pipeline.stageapi.marks"),
+    **dict.fromkeys(["StageContext", "StageRef", "StageResult", "stage"], "ctxreplay.pipeline.stageapi.registry"),
+    "Engine": "ctxreplay.pipeline.engine.engine",
+}
+_MODULES = {"marks": "ctxreplay.pipeline.stageapi.marks", "testkit": "ctxreplay.testkit",
+            "errors": "ctxreplay.errors"}
+
+__all__ = [
+    "CtxReplayError", "Engine", "InputError", "Insert", "LedgerError", "LockError", "NothingToDo", "OutputError",
+    "SpecError", "StageContext", "StageFailed", "StageRef", "StageResult", "__version__", "alive", "cover_end",
+    "errors", "finish", "mark_drop", "mark_replace", "mark_replace_from", "marks", "next_message_first_call",
+    "stage", "start_marks", "testkit", "text_row",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+    else:
+        raise AttributeError(f"module 'ctxreplay' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)

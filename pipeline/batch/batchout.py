@@ -1,0 +1,266 @@
+"""What the runner keeps between batches: the output writers (one Parquet file per output, a row
+group appended per batch), and the totals and per-call facts that only make sense over the whole
+run (the summary's counts, the prompt-cache simulation). See pipeline/batch/batchrun.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ctxreplay.pipeline.assembly.store import CALL_MESSAGES_FILE, MESSAGES_FILE
+from ctxreplay.pipeline.batch.batchrun import BLOCK_ORDER, DECISION_ORDER, BatchResult, output_error
+from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.loaders import LoadResult
+from ctxreplay.pipeline.staging.stagerun import StageFailure
+from ctxreplay.pipeline.targets import Violation
+from ctxreplay.schemas.blocks import BLOCKS
+from ctxreplay.schemas.check import empty_table
+
+RUN_ID_KEY = b"ctxreplay_run_id"
+
+# output name -> file, in the order they are written
+FILES = {"blocks": "blocks.parquet", "quarantine": "quarantine.parquet", "decisions": "decisions.parquet",
+         "messages": MESSAGES_FILE, "call_messages": CALL_MESSAGES_FILE}
+
+
+class Writers:
+    """One ParquetWriter per output file in the staging directory, opened at the first batch; each
+    batch appends its rows. messages.parquet holds each distinct message once over the run."""
+
+    def __init__(self, staging: Path, run_id: str, out_dir: Path) -> None:
+        self.staging, self.run_id, self.out_dir = staging, run_id, out_dir
+        self.open: dict[str, pq.ParquetWriter] = {}
+        self.seen: set[str] = set()  # sha256 of the messages written
+        self.kinds: Counter[str] = Counter()
+        self.bytes = 0
+        # per file: the batch index of each row group written (one row group per batch that has rows),
+        # so that a re-run reads back only the row groups of the batches it reuses (manifest.json)
+        self.row_groups: dict[str, list[int]] = {}
+
+    def write_batch(self, tables: dict[str, pa.Table], batch: int) -> None:
+        crashpoints.phase("write")
+        for name in FILES:
+            table = tables[name]
+            if name == "messages":
+                table = self._new_messages(table)
+            self.append(name, table, batch)
+            crashpoints.point("write")
+
+    def _new_messages(self, t: pa.Table) -> pa.Table:
+        keep = []
+        for sha in t.column("sha256").to_pylist():  # a batch's parts may share a message: once
+            keep.append(sha not in self.seen)
+            self.seen.add(sha)
+        t = t.filter(pa.array(keep, pa.bool_()))
+        self.kinds.update(t.column("kind").to_pylist())
+        self.bytes += int(pc.sum(pc.binary_length(t.column("canonical_json"))).as_py() or 0)
+        return t
+
+    def append(self, name: str, table: pa.Table, batch: int) -> None:
+        file = FILES.get(name, f"{name}.parquet")
+        path = self.staging / file
+        try:
+            w = self.open.get(name)
+            if w is None:
+                meta = {**(table.schema.metadata or {}), RUN_ID_KEY: self.run_id.encode()}
+                schema = table.schema.with_metadata(meta)
+                # without the Arrow schema in the file, dictionary-encoded columns read back as strings
+                w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=name != "call_messages")
+            if table.num_rows or w.schema is None:
+                if not table.schema.equals(w.schema, check_metadata=False):
+                    table = table.cast(w.schema)
+                w.write_table(table.replace_schema_metadata(w.schema.metadata), row_group_size=max(table.num_rows, 1))
+                self.row_groups.setdefault(file, []).append(batch)
+        except OSError as exc:
+            raise output_error(self.out_dir, exc) from exc
+
+    def request_store(self, totals: Totals) -> dict[str, Any]:
+        """The summary's `request_store` section."""
+        n = self.kinds["message"]
+        return {"messages": n, "envelopes": sum(self.kinds.values()) - n, "call_message_rows": totals.call_message_rows,
+                "bytes": self.bytes, "token_conflicts": totals.token_conflicts}
+
+    def close(self) -> None:
+        try:
+            for w in self.open.values():
+                w.close()
+        except OSError as exc:
+            raise output_error(self.out_dir, exc) from exc
+        self.open = {}
+
+    def abort(self) -> None:
+        for w in self.open.values():
+            with contextlib.suppress(Exception):  # the run failed already; the staging dir is discarded
+                w.close()
+        self.open = {}
+
+
+def _scalar_columns(t: pa.Table, first: list[str]) -> list[str]:
+    rest = [f.name for f in t.schema if f.name not in first
+            and (pa.types.is_integer(f.type) or pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+                 or pa.types.is_boolean(f.type) or pa.types.is_floating(f.type) or pa.types.is_timestamp(f.type))]
+    return [c for c in first if c in t.column_names] + rest
+
+
+def _decoded(t: pa.Table) -> pa.Table:
+    """Dictionary-encoded columns as plain values (batches from a run and from the previous run's
+    files then concatenate; on disk they are plain strings either way)."""
+    for i, f in enumerate(t.schema):
+        if pa.types.is_dictionary(f.type):
+            t = t.set_column(i, f.name, pc.cast(t.column(i), f.type.value_type))
+    return t
+
+
+SORT_KEYS = {
+    "blocks": BLOCK_ORDER, "decisions": DECISION_ORDER, "quarantine": ["file", "line"], "messages": ["sha256"],
+    "call_messages": ["thread_key", "slot", "first_call"],
+}
+
+
+def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False) -> dict[str, pa.Table]:
+    """Each output of a batch (from one or more sources) in one order fixed by its keys and then
+    every other plain column, so that the rows come out the same whatever the run. `presorted`:
+    one source whose rows (but its messages) are in that order already (rows of one row group of
+    the previous run, pipeline/batch/reuse.py)."""
+    out: dict[str, pa.Table] = {}
+    for name, first in SORT_KEYS.items():
+        tables = [_decoded(p[name]) for p in parts if p[name].num_rows] or [_decoded(parts[0][name])]
+        t = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        if presorted and len(parts) == 1 and name != "messages":
+            out[name] = t
+            continue
+        # blocks, messages and call_messages: their keys are unique; decisions and quarantine: every column
+        keys = _scalar_columns(t, first) if name in ("decisions", "quarantine") else first
+        out[name] = t.take(pc.sort_indices(t, sort_keys=[(k, "ascending", "at_end") for k in keys])) \
+            if t.num_rows > 1 else t
+    return out
+
+
+@dataclass
+class Totals:
+    """The batches' results summed, and the per-call facts for the cache simulation."""
+
+    loads: list[Any] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    stats: Counter[str] = field(default_factory=Counter)
+    calls: list[pl.DataFrame] = field(default_factory=list)
+    facts: list[pl.DataFrame] = field(default_factory=list)
+    groups: list[dict[str, Any]] = field(default_factory=list)  # manifest records, in group order
+    applied: list[pl.DataFrame] = field(default_factory=list)
+    stage_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failures: list[StageFailure] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    threads: int = 0
+    loaded_threads: int = 0
+    call_message_rows: int = 0
+    token_conflicts: int = 0
+    seconds: Counter[str] = field(default_factory=Counter)
+    sim_store: Any = None
+    request_store: dict[str, Any] | None = None  # the summary's, when taken from the previous run
+    aliases: dict[str, str] = field(default_factory=dict)  # cache edits: message sha256 -> the one it replaces
+    # the batches' new ledger rows (rows, stage, stage_version, config_digest), queued at the end
+    new_decisions: list[tuple[pl.DataFrame, str, int, str]] = field(default_factory=list)
+
+    def add(self, b: BatchResult) -> None:
+        ld = b.loaded
+        self.loads.extend(ld.loads)
+        self.skipped.extend(ld.skipped)
+        self.stats.update(ld.stats)
+        self.loaded_threads += ld.threads
+        self.groups.extend(b.groups)
+        r = b.out
+        if r is None:
+            return
+        self.calls.append(r.calls)
+        self.facts.append(r.facts)
+        self.applied.append(r.applied)
+        for name, st in r.stage_stats.items():
+            self.stage_stats[name] = merge_stats(self.stage_stats.get(name), st)
+        self.failures = _merge_failures(self.failures, r.failures)
+        self.violations.extend(r.violations)
+        rs = r.replay_stats
+        self.threads += rs["threads"]
+        self.call_message_rows += rs["request_store"]["call_message_rows"]
+        self.token_conflicts += rs["request_store"]["token_conflicts"]
+        self.seconds.update(r.seconds)
+
+    def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame, calls: pl.DataFrame) -> None:
+        """A batch's request store into the cache simulation's (each batch once), without the
+        messages' bytes (SimStore.absorb: what the simulation needs of them is taken now, from the
+        batch's `calls`), and the aliases of its cache edits (cachesim.cache_edit_aliases: per
+        thread, so per batch)."""
+        from ctxreplay.pipeline.cost.cachesim import SimStore, cache_edit_aliases
+
+        if self.sim_store is None:
+            self.sim_store = SimStore()
+        part = SimStore()
+        _add_to_sim(part, tables["messages"], tables["call_messages"])
+        self.sim_store.absorb(part, calls)
+        del part
+        for new, old in cache_edit_aliases(applied, tables["call_messages"], tables["messages"]).items():
+            self.aliases.setdefault(new, old)
+
+    @property
+    def n_calls(self) -> int:
+        return sum(c.height for c in self.calls)
+
+    def load_result(self) -> LoadResult:
+        loads = sorted(self.loads, key=lambda ld: ld.path)
+        return LoadResult(empty_table(BLOCKS), loads, self.skipped, dict(self.stats), threads=self.loaded_threads)
+
+    @staticmethod
+    def frame(parts: list[pl.DataFrame]) -> pl.DataFrame:
+        return pl.concat(parts, how="vertical_relaxed") if len(parts) > 1 else parts[0]
+
+
+def _add_to_sim(st: Any, messages: pa.Table, call_messages: pa.Table) -> None:
+    """SimStore.from_tables, one batch at a time (messages already in the store are kept once)."""
+    cols = [messages.column(c).to_pylist() for c in ("sha256", "kind", "role", "n_blocks", "tokens",
+                                                      "canonical_json")]
+    for sha, kind, role, nb, tok, data in zip(*cols, strict=True):
+        st.add_message(sha, tok, nb, data, role=role if kind == "message" else None)
+    cm = call_messages
+    rc = [pc.cast(cm.column(c), pa.string()).to_pylist() if pa.types.is_dictionary(cm.schema.field(c).type)
+          else cm.column(c).to_pylist() for c in ("thread_key", "slot", "first_call", "last_call", "sha256")]
+    ids = st.ids
+    for key, slot, first, last, sha in zip(*rc, strict=True):
+        st.add_span(key, slot, first, last, ids[sha])
+
+
+def merge_stats(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    if a is None:
+        return dict(b)
+    out = dict(a)
+    for k, v in b.items():
+        if k == "by_reason":
+            out[k] = dict(sorted((Counter(a.get(k, {})) + Counter(v)).items()))
+        elif k == "seconds":
+            out[k] = round(a.get(k, 0) + v, 3)
+        else:
+            out[k] = a.get(k, 0) + v
+    return out
+
+
+def _merge_failures(a: list[StageFailure], b: list[StageFailure]) -> list[StageFailure]:
+    out = list(a)
+    for f in b:
+        for i, g in enumerate(out):
+            if (g.stage, g.position, g.owner, g.kind, g.message) == (f.stage, f.position, f.owner, f.kind, f.message):
+                out[i] = StageFailure(g.stage, g.position, g.owner, g.kind, g.message,
+                                      tuple(sorted(set(g.sessions) | set(f.sessions))))
+                break
+        else:
+            out.append(f)
+    return out
+
+
+__all__ = ["FILES", "RUN_ID_KEY", "Totals", "Writers"]

@@ -1,0 +1,299 @@
+"""One batch of session groups: load → stages → replay, with no ledger writes and no output files
+but the requests/ of its threads (issue 10, point 1).
+
+`run_batch` is what the runner (in-process) or a worker process (`--jobs`) runs per batch. It reads
+the ledger only through `Env.earlier` (the earlier decisions of some sessions) and the token cache
+through its counter; it returns everything the parent writes, in batch order: the new decisions
+per stage (for the ledger), the output tables (sorted by keys: the same rows in the same order
+whatever the run), the per-call facts the prompt-cache simulation needs at the end of the run,
+and the counts the summary sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ctxreplay.errors import InputError, OutputError, internal_error
+from ctxreplay.pipeline.assembly.replay import call_counts, call_skeleton
+from ctxreplay.pipeline.batch.batches import Group
+from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.core.tokens import TokenCounter, text_sha
+from ctxreplay.pipeline.core.words import plural
+from ctxreplay.pipeline.loaders import LoadResult, load_paths
+from ctxreplay.pipeline.loaders.base import path_str
+from ctxreplay.pipeline.stageapi.registry import StageContext
+from ctxreplay.pipeline.staging.spec import PipelineSpec
+from ctxreplay.pipeline.staging.stagerun import CallMap, LedgerView, StageFailure, run_stages
+from ctxreplay.pipeline.targets import Violation, get_target
+from ctxreplay.schemas.blocks import BLOCKS
+from ctxreplay.schemas.check import check_frame, empty_table, to_arrow
+from ctxreplay.schemas.quarantine import QUARANTINE
+
+Progress = Callable[[str], None]
+
+BLOCK_ORDER = ["session_id", "thread_id", "order_key", "entry_id", "block_pos", "part_pos", "first_call"]
+DECISION_ORDER = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "from_call", "stage", "action"]
+
+
+@dataclass
+class Env:
+    """What every batch of a run shares."""
+
+    spec: PipelineSpec
+    target: str
+    staging: Path
+    out_dir: Path
+    all_calls: bool
+    validate: bool
+    # sessions -> their earlier decisions in this namespace (Ledger.earlier_all's frame)
+    earlier: Callable[[list[str]], pl.DataFrame]
+    counter: TokenCounter
+    progress: Progress | None = None
+
+
+@dataclass
+class BatchResult:
+    index: int
+    loaded: LoadResult  # accounting only: its blocks are dropped
+    # None when the batch's files hold no line at all (nothing to stage, replay or write)
+    out: BatchOutputs | None = None
+    groups: list[dict[str, Any]] = field(default_factory=list)  # per group: what the manifest keeps
+    reused: bool = False  # groups taken from the previous run (pipeline/batch/reuse.py)
+    # reused rows read from one row group per output file: already in batchout.sorted_tables' order
+    presorted: bool = False
+
+
+@dataclass
+class BatchOutputs:
+    tables: dict[str, pa.Table]  # blocks, quarantine, decisions, messages, call_messages
+    calls: pl.DataFrame
+    # per call: calibrate.recorded_facts of the loaded blocks and cachesim.answer_times of the final ones
+    facts: pl.DataFrame
+    new_decisions: list[tuple[pl.DataFrame, str, int, str]]  # rows, stage, stage_version, config_digest
+    spills: pl.DataFrame
+    stage_stats: dict[str, dict[str, Any]]
+    failures: list[StageFailure]
+    violations: list[Violation]
+    replay_stats: dict[str, Any]
+    applied: pl.DataFrame
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class BatchCounter(TokenCounter):
+    """A TokenCounter whose memory of texts lasts one batch (`forget`), with the counts kept by
+    sha256 for the rest of the run: a text seen in an earlier batch is neither counted again nor
+    looked up in the cache (as when everything was one batch), and memory holds no texts."""
+
+    def __init__(self, name: str, cache: Any = None) -> None:
+        super().__init__(name, cache)
+        self.by_sha: dict[str, int] = {}
+
+    def count_many(self, texts: Any) -> dict[str, int]:
+        memo = self.by_text
+        todo = {t for t in texts if t is not None and t not in memo}
+        shas = {t: text_sha(t) for t in todo}
+        rest = []
+        for t, sha in shas.items():
+            n = self.by_sha.get(sha)
+            if n is None:
+                rest.append(t)
+            else:
+                memo[t] = n
+        out = super().count_many(rest)
+        for t in rest:
+            self.by_sha[shas[t]] = out[t]
+        return out
+
+    def forget(self) -> None:
+        self.by_text = {}
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Loading and replay build many long-lived small objects; Python's cyclic GC would rescan them
+    over and over (a cost that grows faster than the input), and they hold no cycles worth it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def load_batch(groups: list[Group], say: Progress) -> tuple[LoadResult, list[LoadResult], pl.DataFrame]:
+    """Load a batch group by group (each group as a load of all the files would read it); the
+    batch's accounting, each group's, and the blocks of the batch (checked)."""
+    say(f"loading {plural(sum(len(g.files) for g in groups), 'file')}")
+    crashpoints.phase("load")
+    try:
+        with gc_paused():
+            # one load for the batch: each load has a fixed cost (the columnar reader's SQL), which
+            # per group made the corpus load 5x slower
+            loaded = load_paths([f for g in groups for f in g.files])
+    except OSError as exc:
+        raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
+    for ld in loaded.loads:
+        ld.check()
+        ld.digests = {}  # used inside the load only
+    # a part of its own even for one group: run_batch lets go of loaded.blocks before the facts are taken
+    parts = [dataclasses.replace(loaded)] if len(groups) == 1 else [_group_part(loaded, g) for g in groups]
+    blocks = pl.from_arrow(loaded.blocks)
+    assert isinstance(blocks, pl.DataFrame)
+    check_frame(blocks, BLOCKS, where="on load")
+    return loaded, parts, blocks
+
+
+def _group_part(loaded: LoadResult, g: Group) -> LoadResult:
+    """One session group's share of a batch's load: its files' blocks, loads, skips and accounting
+    (a session never spans two groups, so this is what loading the group alone gives)."""
+    names = {path_str(f) for f in g.files}
+    blocks = loaded.blocks.filter(pc.is_in(loaded.blocks.column("source_file"), value_set=pa.array(sorted(names))))
+    stats: Counter[str] = Counter()
+    for n in names:
+        stats.update(loaded.stats_by_file.get(n, {}))
+    return LoadResult(blocks, [ld for ld in loaded.loads if ld.path in names],
+                      [s for s in loaded.skipped if s.get("file") in names], dict(stats),
+                      sum(loaded.threads_by_file.get(n, 0) for n in names))
+
+
+def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
+    """Load, run the stages and replay one batch (see the module docstring)."""
+    from ctxreplay.pipeline.cost.cachesim import answer_times
+    from ctxreplay.pipeline.cost.calibrate import recorded_facts
+
+    say = env.progress or (lambda s: None)
+    t0 = time.perf_counter()
+    loaded, parts, blocks = load_batch(groups, say)
+    if not any(ld.lines for ld in loaded.loads) and not loaded.quarantine:
+        loaded.blocks = empty_table(BLOCKS)
+        return BatchResult(index, loaded, None, [_group_facts(lr, None) for lr in parts])
+    skeleton = call_skeleton(blocks)
+    counts = call_counts(blocks)
+    calls = CallMap.from_blocks(blocks, counts)
+    t1 = time.perf_counter()
+    counter = env.counter
+    recorded = recorded_facts(blocks, counter.series_counter())
+    # rows no call ever sees (compacted away before any call) leave the table now
+    blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
+    staged = _stages(blocks, env, calls, say)
+    del blocks
+    t2 = time.perf_counter()
+    final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
+    calls_df, violations, replay_stats = _replay(final, skeleton, env, counts, say)
+    t3 = time.perf_counter()
+    facts = recorded.join(answer_times(pl.from_arrow(final)),  # type: ignore[arg-type]
+                          on=["session_id", "thread_id", "call"], how="left")
+    applied = staged.applied
+    messages, call_messages = replay_stats.pop("store_tables")
+    loaded.blocks = empty_table(BLOCKS)
+    if isinstance(counter, BatchCounter):
+        counter.forget()
+    out = BatchOutputs(
+        {"blocks": final, "quarantine": quarantine_table(loaded), "decisions": applied.to_arrow(),
+         "messages": messages, "call_messages": call_messages},
+        calls_df, facts, [(o.new, o.name, o.stage.version, o.config_digest) for o in staged.outcomes],
+        staged.spills, staged.stats(), list(staged.failures), violations, replay_stats, applied,
+        {"load": t1 - t0, "stages": t2 - t1, "replay": t3 - t2})
+    return BatchResult(index, loaded, out, [_group_facts(lr, out) for lr in parts])
+
+
+def quarantine_table(loaded: LoadResult) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
+          "raw_base64": q.raw_base64} for q in loaded.quarantine], schema=QUARANTINE)
+
+
+def _group_facts(lr: LoadResult, out: BatchOutputs | None) -> dict[str, Any]:
+    """What the manifest keeps of one group (pipeline/batch/manifest.py): its sessions, its accounting,
+    its replayed threads and violations, and its decisions counted per stage as a re-run that
+    reuses them all would count them."""
+    from ctxreplay.pipeline.batch.manifest import load_to_dict
+
+    sessions = sorted(set(lr.blocks.column("session_id").to_pylist())) if lr.blocks.num_rows else []
+    facts: dict[str, Any] = {"sessions": sessions, "loads": [load_to_dict(ld) for ld in lr.loads],
+                             "skipped": lr.skipped, "stats": dict(lr.stats), "loaded_threads": lr.threads,
+                             "threads": 0, "violations": [], "stage_stats": {}}
+    if out is None or not sessions:
+        return facts
+    mine = pl.col("session_id").is_in(sessions)
+    calls = out.calls.filter(mine)
+    facts["threads"] = calls.select("session_id", "thread_id").unique().height
+    keys = set(calls.get_column("thread_key").to_list())
+    facts["violations"] = [dataclasses.asdict(v) for v in out.violations if v.thread_key in keys]
+    d = out.applied.filter(mine)
+    for name in out.stage_stats:
+        own = d.filter(pl.col("stage") == name)
+        prov = int(own.get_column("is_provisional").sum())
+        conflicts = int((own.get_column("action") == "conflict").sum())
+        by_reason = Counter(f"{a}:{r}" for a, r in zip(own.get_column("action").to_list(),
+                                                       own.get_column("reason").to_list(), strict=True))
+        facts["stage_stats"][name] = {"decisions": own.height, "new_decisions": 0,
+                                      "reused_decisions": own.height - prov - conflicts,
+                                      "provisional_decisions": prov, "conflicts": conflicts,
+                                      "by_reason": dict(sorted(by_reason.items())), "seconds": 0.0}
+    return facts
+
+
+def _stages(blocks: pl.DataFrame, env: Env, calls: CallMap, say: Progress) -> Any:
+    """Run the stages with the ledger's view of these sessions."""
+    target = get_target(env.target)
+    counter = env.counter
+    # every target shipped today takes images; one that does not says so with `supports_images = False`
+    ctx = StageContext(target=env.target, window_tokens=env.spec.window_tokens,
+                       count_tokens=counter.series_counter(), token_counter_version=counter.name,
+                       supports_images=bool(getattr(target, "supports_images", True)))
+    sessions = sorted(blocks.get_column("session_id").unique().to_list())
+    view = LedgerView.translate(env.earlier(sessions), calls)
+    crashpoints.phase("stages")
+    return run_stages(blocks, env.spec, view, ctx, say)
+
+
+def _replay(final: pa.Table, skeleton: pl.DataFrame, env: Env, counts: dict[tuple[str, str], int],
+            say: Progress) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
+    from ctxreplay.pipeline.batch.runner import replay_all
+
+    say("replaying calls")
+    crashpoints.phase("replay")
+    try:
+        with gc_paused():
+            return replay_all(pl.from_arrow(final), skeleton, env.target, env.counter,  # type: ignore[arg-type]
+                              all_calls=env.all_calls, validate=env.validate, out_dir=env.staging,
+                              progress=env.progress, counts=counts)
+    except OSError as exc:
+        raise output_error(env.out_dir, exc) from exc
+    except AssertionError as exc:  # an internal check of the replay failed: a bug, kept in a file
+        raise internal_error(exc, "while replaying") from exc
+
+
+def output_error(out_dir: Path, exc: OSError) -> OutputError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return OutputError(f"cannot write the outputs in {out_dir}: {exc.strerror or exc}{where}. The previous "
+                       f"outputs are kept; free some space or pass an --out you can write to")
+
+
+__all__ = [
+    "BLOCK_ORDER",
+    "DECISION_ORDER",
+    "BatchCounter",
+    "BatchOutputs",
+    "BatchResult",
+    "Env",
+    "gc_paused",
+    "load_batch",
+    "output_error",
+    "quarantine_table",
+    "run_batch",
+]

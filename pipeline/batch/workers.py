@@ -1,0 +1,126 @@
+"""Batches across processes (`ctxreplay run --jobs N`, issue 10 point 5).
+
+The parent owns the ledger and the output writers. Before the workers start (spawned, not forked:
+polars' and DuckDB's threads do not survive a fork), it reads what they need from the ledger and
+hands it to each worker once: the spec, every earlier decision of this pipeline's namespace and
+the token cache of this counter. Each worker
+runs `run_batch` on the batches it is given (writing only its threads' requests/), and returns the
+BatchResult with the token counts it made; the parent takes the results in batch order (at most
+`jobs + 1` batches in flight, so memory stays bounded), so the ledger's sequence numbers and every
+output are those of `--jobs 1`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+import polars as pl
+
+from ctxreplay.pipeline.batch.batches import Group
+from ctxreplay.pipeline.batch.batchrun import BatchCounter, BatchResult, Env, run_batch
+
+Job = tuple[int, list[Group]]
+
+_ENV: Env | None = None  # a worker's Env (see _init)
+
+
+def default_jobs() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class SnapshotCache:
+    """The ledger's token cache as the workers see it: a read-only snapshot, plus what they count."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+        self.new: dict[str, int] = {}
+
+    def cached_tokens(self, counter: str, shas: list[str]) -> dict[str, int]:
+        return {s: self.counts[s] for s in shas if s in self.counts}
+
+    def store_tokens(self, counter: str, counts: dict[str, int]) -> None:
+        self.new.update(counts)
+
+
+def _init(state: tuple[Any, ...]) -> None:
+    """A worker starts (spawned: no thread pool of the parent's is inherited): its Env."""
+    global _ENV
+    spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens = state
+
+    def earlier_of(s: list[str]) -> pl.DataFrame:
+        return earlier.filter(pl.col("session_id").is_in(s))
+
+    _ENV = Env(spec, target, staging, out_dir, all_calls, validate, earlier_of,
+               BatchCounter(counter_name, SnapshotCache(tokens)), None)
+
+
+def _work(job: Job) -> tuple[BatchResult, dict[str, int], int, int]:
+    env = _ENV
+    assert env is not None and isinstance(env.counter, BatchCounter)
+    counter = env.counter
+    before = (counter.counted, counter.cache_hits)
+    result = run_batch(job[0], job[1], env)
+    cache = counter.cache
+    new, cache.new = cache.new, {}
+    return result, new, counter.counted - before[0], counter.cache_hits - before[1]
+
+
+def _worker_state(env: Env, ledger: Any) -> tuple[Any, ...] | None:
+    """What the workers need, read from the ledger once, here; None when the pipeline cannot go
+    to another process (a stage that does not pickle: it runs here then)."""
+    try:
+        pickle.dumps(env.spec)
+    except Exception:  # noqa: BLE001 - any pickling failure means: run in this process
+        return None
+    sha = env.spec.sha256
+    sessions = [r[0] for r in ledger.con.execute(
+        "SELECT DISTINCT session_id FROM decisions WHERE spec_sha256 = ?", [sha]).fetchall()]
+    earlier = ledger.earlier_all(sha, sessions)
+    tokens = dict(ledger.con.execute("SELECT sha256, tokens FROM token_cache WHERE counter = ?",
+                                     [env.counter.name]).fetchall())
+    return (env.spec, env.target, env.staging, env.out_dir, env.all_calls, env.validate, earlier,
+            env.counter.name, tokens)
+
+
+def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterator[BatchResult]:
+    """run_batch over the jobs, results in job order: here, or in `n_jobs` worker processes."""
+    state = _worker_state(env, ledger) if n_jobs > 1 and len(jobs) > 1 else None
+    if state is None:
+        for index, groups in jobs:
+            yield run_batch(index, groups, env)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(min(n_jobs, len(jobs)), mp_context=ctx, initializer=_init, initargs=(state,)) as ex:
+        pending: list[Future[Any]] = []
+        todo = iter(jobs)
+        for job in todo:
+            pending.append(ex.submit(_work, job))
+            if len(pending) > n_jobs:
+                break
+        while pending:
+            result, new, counted, hits = pending.pop(0).result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(ex.submit(_work, nxt))
+            take_counts(env, ledger, new, counted, hits)
+            yield result
+
+
+def take_counts(env: Env, ledger: Any, new: dict[str, int], counted: int, hits: int) -> None:
+    """A worker's token counting, taken by the parent: its new counts into the ledger's cache, its
+    counted texts and cache hits into the run's counter."""
+    if new:
+        ledger.store_tokens(env.counter.name, new)
+    env.counter.counted += counted
+    env.counter.cache_hits += hits
+
+
+__all__ = ["SnapshotCache", "batch_results", "default_jobs", "take_counts"]

@@ -1,0 +1,464 @@
+"""`ctxreplay report`: cost and cache hit rate from recorded usage, no replay.
+
+Kept light on purpose: importing this module (and running the command) loads click, orjson and
+the standard library only; rich for the table; genai-prices only when its disk cache misses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ctxreplay.errors import CtxReplayError
+from ctxreplay.pipeline.commands.clicommon import CONTEXT, Failure
+
+BY = ("session", "day", "month", "model", "project")
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--by", "by", type=click.Choice(BY), default="session", show_default=True, help="Group rows by.")
+@click.option("--since", help="First day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
+@click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
+@click.option("--tz", help="Time zone of days and months (IANA name, e.g. UTC); default: this machine's.")
+@click.option("--json", "json_", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--prices", "prices_file", type=click.Path(path_type=Path),
+              help="TOML file of prices that override or add models (see README, Prices).")
+@click.option("--compat", type=click.Choice(["ccusage"]),
+              help="Compute as ccusage 20 does where it departs from the provider's rules.")
+@click.option("--count-progress-copies", is_flag=True,
+              help="Count agent_progress copies of requests whose subagent file is missing.")
+@click.option("--workers", type=click.IntRange(min=1), help="Processes for the scan (default: CPU count "
+              "for inputs of 48 MB and more, else 1).")
+@click.option("--sim", "sim_out", type=click.Path(path_type=Path), metavar="OUT",
+              help="Instead of PATHS: recorded vs simulated cache and cost of the run in OUT, per session.")
+@click.option("--calls", "per_call", is_flag=True, help="With --sim: per call too.")
+@click.option("--breaks", "breaks_out", type=click.Path(path_type=Path), metavar="OUT",
+              help="Instead of PATHS: every cache break of the run in OUT, its cause, tokens and cost.")
+@click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write a self-contained HTML page of charts (no network needed to view it); "
+                   "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
+def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
+           prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
+           sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
+    """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
+
+    PATHS are files or directories (searched recursively). Without PATHS: what ccusage reads,
+    $CLAUDE_CONFIG_DIR/projects or ~/.claude/projects (and ~/.config/claude/projects), and
+    ~/.openclaw/agents. One copy of each request is kept (Claude Code repeats usage on every
+    line of a response), priced with genai-prices (version in the output) and --prices; a
+    model without a price is listed under unpriced_models and warned about, never counted as 0.
+
+    --sim OUT and --breaks OUT read the outputs of a `ctxreplay run --out OUT` instead: the
+    prompt-cache simulation of its requests against the recorded usage, and the cache breaks
+    (recorded and simulated) with their causes.
+
+    \b
+    Example:
+      ctxreplay report ~/.claude/projects --by day --since 20260201 --tz UTC
+      ctxreplay report --breaks ctxreplay-out
+      ctxreplay report --sim ctxreplay-out --html report.html
+    """
+    if sim_out is not None or breaks_out is not None:
+        if html_file is not None and sim_out is None:
+            raise Failure("--html goes with PATHS (recorded usage) or --sim OUT (a run's simulation), not --breaks: "
+                          "the page of --sim OUT shows the breaks")
+        _run_views(paths, sim_out, per_call, breaks_out, json_, html_file)
+        return
+    if per_call:
+        raise Failure("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
+    import orjson
+
+    from ctxreplay.pipeline.cost.prices import PriceBook
+    from ctxreplay.pipeline.reporting.report import ReportOptions, build_report, default_paths, parse_day
+
+    try:
+        chosen = list(paths) or default_paths()
+        if not chosen:
+            raise Failure("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
+                          "~/.openclaw/agents exists; pass transcript files or directories, "
+                          "e.g. `ctxreplay report data/samples`")
+        opts = ReportOptions(by=by, since=parse_day(since, "--since"), until=parse_day(until, "--until"),  # type: ignore[arg-type]
+                             tz=tz, compat=compat, count_progress_copies=count_progress_copies,  # type: ignore[arg-type]
+                             workers=workers)
+        book = PriceBook.load(prices_file)
+        rep = build_report(chosen, book, opts)
+    except Failure:
+        raise
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    doc = rep.to_json()
+    if html_file is not None:
+        _usage_html(rep, doc, book, opts, chosen, html_file)
+    if json_:
+        click.echo(orjson.dumps(doc).decode())
+    else:
+        _table(doc)
+    _warnings(doc)
+
+
+def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: list[Path], html_file: Path) -> None:
+    """The page of `report PATHS --html`: per session (another grouping when --by is not session) and
+    by day and model, from the report's requests."""
+    import dataclasses
+
+    import polars as pl
+
+    from ctxreplay.pipeline.reporting import report as rp
+    from ctxreplay.pipeline.reporting.html_report import usage_html, write_html
+
+    try:
+        sessions = doc["rows"] if rep.by == "session" else rp.build_report(
+            chosen, book, dataclasses.replace(opts, by="session")).rows
+        recs = rep.records
+        dm = pl.DataFrame({"day": [r[rp.DAY] for r in recs], "model": [r[rp.MODEL] or "unknown" for r in recs],
+                           "cost": [r[rp.COST] for r in recs]}, schema={"day": pl.String, "model": pl.String,
+                                                                         "cost": pl.Float64})
+        dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
+        write_html(html_file, usage_html(doc, sessions, dm))
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    click.echo(f"ctxreplay report: wrote {html_file}", err=True)
+
+
+def _warnings(doc: dict[str, Any]) -> None:
+    err = sys.stderr
+    unpriced = doc["totals"]["unpriced_models"]
+    if unpriced:
+        click.echo(f"ctxreplay report: no price for {', '.join(unpriced)}: their requests are left out of "
+                   f"cost_usd (listed under unpriced_models); add them with --prices FILE", file=err)
+    po = doc["progress_only"]
+    if po["requests"] and not po["counted"]:
+        ss = po["sessions"]
+        where = f"session {', '.join(ss)}" if len(ss) <= 3 else \
+            f"sessions {', '.join(ss[:3])} and {len(ss) - 3} more (progress_only in --json)"
+        click.echo(f"ctxreplay report: {po['requests']} request(s) recorded only as agent_progress copies "
+                   f"(subagent file missing; {where}) are not counted: "
+                   f"{po['cost_usd']:.4f} USD; --count-progress-copies counts them", file=err)
+    if doc["bad_lines"]:
+        first = doc["bad_lines"][0]
+        click.echo(f"ctxreplay report: {len(doc['bad_lines'])} line(s) holding usage could not be read and are "
+                   f"left out (listed under bad_lines in --json), first: {first['file']}:{first['line']}: "
+                   f"{first['reason']}", file=err)
+    for w in doc["warnings"]:
+        click.echo(f"ctxreplay report: {w}", file=err)
+
+
+def _fmt_int(n: int | None) -> str:
+    return "–" if n is None else f"{n:,}"
+
+
+def _table(doc: dict[str, Any]) -> None:
+    import shutil
+
+    from rich.console import Console
+    from rich.table import Table
+
+    by = doc["by"]
+    t = doc["totals"]
+    width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+    console = Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+    click.echo(f"ctxreplay report: {len(doc['rows'])} {by} row(s), {t['requests']:,} requests from {doc['files']} "
+               f"file(s); prices: {doc['prices']}" + (f"; compat {doc['compat']}" if doc["compat"] else ""))
+    table = Table(show_footer=True)
+    table.add_column(by.capitalize(), footer="Total", no_wrap=True)
+    if by == "session":
+        table.add_column("Last activity", no_wrap=True)
+    if by != "model":
+        table.add_column("Models", footer=str(len(t["models"])), overflow="fold", min_width=12)
+    cols = [("Input", "input_tokens"), ("Output", "output_tokens"), ("Cache write 5m", "cache_write_5m_tokens"),
+            ("Cache write 1h", "cache_write_1h_tokens"), ("Cache read", "cache_read_tokens")]
+    for label, k in cols:
+        table.add_column(label, justify="right", footer=_fmt_int(t[k]))
+    table.add_column("Hit rate", justify="right", footer=_rate(t["cache_hit_rate"]))
+    table.add_column("Cost (USD)", justify="right", footer=_cost(t))
+    for r in doc["rows"]:
+        cells = [r["key"]]
+        if by == "session":
+            cells.append((r["last_activity"] or "")[:16].replace("T", " "))
+        if by != "model":
+            cells.append(", ".join(r["models"]))
+        cells += [_fmt_int(r[k]) for _, k in cols]
+        cells += [_rate(r["cache_hit_rate"]), _cost(r)]
+        table.add_row(*cells)
+    console.print(table)
+
+
+def _rate(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1%}"
+
+
+def _cost(r: dict[str, Any]) -> str:
+    if r["unpriced_models"] and r["unpriced_models"] == r["models"]:
+        return "unpriced"
+    s = f"{r['cost_usd']:,.4f}"
+    return s + " + unpriced" if r["unpriced_models"] else s
+
+
+# ---------------------------------------------------------------------------------------------
+# views of a run: --sim OUT, --breaks OUT
+
+
+def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, breaks_out: Path | None,
+               json_: bool, html_file: Path | None = None) -> None:
+    import orjson
+
+    if paths:
+        raise Failure("--sim / --breaks read a run's outputs (OUT), not transcripts: drop the PATHS, or run "
+                      "`ctxreplay report PATHS` on its own")
+    if sim_out is not None and breaks_out is not None:
+        raise Failure("give one of --sim OUT and --breaks OUT")
+    if per_call and sim_out is None:
+        raise Failure("--calls goes with --sim OUT")
+    from ctxreplay.pipeline.cost.breaks import breaks_view, load_run, sim_view
+
+    out = sim_out if sim_out is not None else breaks_out
+    assert out is not None
+    try:
+        calls, summary, _ = load_run(out)
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    if sim_out is not None:
+        doc = sim_view(calls, summary, per_call=per_call)
+        if html_file is not None:
+            from ctxreplay.pipeline.reporting.html_report import sim_html, write_html
+
+            try:
+                write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
+            except CtxReplayError as exc:
+                raise Failure(str(exc)) from exc
+            click.echo(f"ctxreplay report: wrote {html_file}", err=True)
+        if json_:
+            click.echo(orjson.dumps(doc).decode())
+        else:
+            _sim_table(doc, str(out))
+        if doc["unpriced_models"]:
+            click.echo(f"ctxreplay report: no price for {', '.join(doc['unpriced_models'])}: their calls are left out "
+                       f"of the costs", file=sys.stderr)
+    else:
+        doc = breaks_view(calls, summary)
+        if json_:
+            click.echo(orjson.dumps(doc).decode())
+        else:
+            _breaks_table(doc, str(out))
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:+.1%}"
+
+
+def _usd(v: float | None) -> str:
+    return "–" if v is None else f"{v:,.4f}"
+
+
+def _console() -> Any:
+    import shutil
+
+    from rich.console import Console
+
+    width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+
+
+def _sim_table(doc: dict[str, Any], out: str) -> None:
+    from rich.table import Table
+
+    t = doc["totals"]
+    click.echo(f"ctxreplay report --sim {out}: {len(doc['sessions'])} session(s), {t.get('calls', 0):,} calls; "
+               f"pipeline {doc['pipeline']}; prices: {doc['prices']}")
+    table = Table(show_footer=True)
+    table.add_column("Session", footer="Total", no_wrap=True)
+    table.add_column("Calls", justify="right", footer=f"{t.get('calls', 0):,}")
+    specs = [("Cache read rec", "rec_read", _fmt_int), ("sim", "sim_read", _fmt_int), ("Δ", "read_diff", _pct),
+             ("Cache write rec", "rec_write", _fmt_int), ("sim", "sim_write", _fmt_int), ("Δ", "write_diff", _pct),
+             ("Cost rec", "rec_cost", _usd), ("sim", "sim_cost", _usd), ("Δ", "cost_diff", _pct)]
+    for label, k, f in specs:
+        table.add_column(label, justify="right", footer=f(t.get(k)) if t.get(k) is not None else "–")
+    table.add_column("Agree", justify="right", footer=_rate(t.get("agreement")))
+    table.add_column("Breaks rec/sim", justify="right",
+                     footer=f"{t.get('rec_breaks', 0)}/{t.get('sim_breaks', 0)}")
+    for r in doc["sessions"]:
+        table.add_row(r["session_id"], f"{r['calls']:,}", *[f(r[k]) if r[k] is not None else "–" for _, k, f in specs],
+                      _rate(r["agreement"]), f"{r['rec_breaks']}/{r['sim_breaks']}")
+    _console().print(table)
+    cal = doc.get("calibration") or {}
+    for fam, d in (cal.get("families") or {}).items():
+        click.echo(f"calibration {fam}: ratio {d.get('ratio_family')} over {d.get('threads')} thread(s) "
+                   f"(per thread {d.get('thread_ratio_min')} - {d.get('thread_ratio_max')}, median "
+                   f"{d.get('thread_ratio_median')}); calibrated prompt within {d.get('fit_mape', 0):.1%} of the recorded "
+                   f"one at the median call, {d.get('fit_p90_ape', 0):.1%} at p90")
+    pre = cal.get("preamble_tokens") or {}
+    if pre:
+        click.echo(f"preamble (system, tools, injected; per thread and compaction segment): median "
+                   f"{pre['median']:,.0f} tokens, {pre['min']:,.0f} - {pre['max']:,.0f}")
+    if "calls" in doc:
+        table = Table()
+        for label in ("Thread", "Call", "Time", "Prompt", "Read rec", "sim", "Write rec", "sim", "Class rec/sim",
+                      "Break rec / sim"):
+            table.add_column(label, justify="left" if label in ("Thread", "Time", "Class rec/sim", "Break rec / sim")
+                             else "right", no_wrap=label == "Thread")
+        for r in doc["calls"]:
+            brk = " / ".join(x or "–" for x in (r["recorded_break_cause"], r["sim_break_cause"]))
+            table.add_row(r["thread_key"], str(r["call"]), r["timestamp"] or "", _fmt_int(r["calibrated_prompt_tokens"]),
+                          _fmt_int(r["recorded_cache_read_tokens"]), _fmt_int(r["sim_cache_read_tokens"]),
+                          _fmt_int(r["recorded_cache_write_tokens"]), _fmt_int(r["sim_cache_write_tokens"]),
+                          f"{r['rec_class']}/{r['sim_class']}", brk if brk != "– / –" else "")
+        _console().print(table)
+
+
+def _breaks_table(doc: dict[str, Any], out: str) -> None:
+    from rich.table import Table
+
+    rows = doc["breaks"]
+    click.echo(f"ctxreplay report --breaks {out}: {sum(r['source'] == 'recorded' for r in rows)} recorded and "
+               f"{sum(r['source'] == 'sim' for r in rows)} simulated cache break(s); pipeline {doc['pipeline']}")
+    table = Table()
+    for label in ("Source", "Thread", "Call", "Time", "Cause", "Detail", "Re-written", "Cost (USD)"):
+        table.add_column(label, justify="right" if label in ("Call", "Re-written", "Cost (USD)") else "left",
+                         no_wrap=label in ("Thread", "Time"), overflow="fold")
+    for r in rows:
+        table.add_row(r["source"], r["thread_key"], str(r["call"]), r["timestamp"] or "", r["cause"], r["detail"] or "",
+                      _fmt_int(r["tokens"]), _usd(r["cost_usd"]))
+    _console().print(table)
+    for src in ("recorded", "sim"):
+        d = doc["by_cause"][src]
+        parts = [f"{c} {v['breaks']}" for c, v in d.items() if isinstance(v, dict)]
+        click.echo(f"{src}: {d['total']} break(s){': ' + ', '.join(parts) if parts else ''}; "
+                   f"unexplained {d['unexplained_share']:.0%}")
+    table = Table(title="Share of cost caused by breaks")
+    for label in ("Session", "Breaks rec", "Cost rec", "Break cost rec", "Share rec", "Breaks sim", "Cost sim",
+                  "Break cost sim", "Share sim"):
+        table.add_column(label, justify="left" if label == "Session" else "right", no_wrap=label == "Session")
+    for r in doc["sessions"]:
+        table.add_row(r["session_id"], str(r["rec_breaks"]), _usd(r["rec_cost"]), _usd(r["rec_break_cost"]),
+                      _rate(r["rec_break_share"]), str(r["sim_breaks"]), _usd(r["sim_cost"]), _usd(r["sim_break_cost"]),
+                      _rate(r["sim_break_share"]))
+    _console().print(table)
+
+
+# ---------------------------------------------------------------------------------------------
+# ctxreplay compare
+
+
+@click.command(context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--pipeline", "pipelines", multiple=True, metavar="SPEC[@ttl=5m|1h]",
+              help="A preset name or a spec file, repeatable; the first is the baseline. `identity` is the "
+                   "sessions as recorded; `@ttl=1h` prices every cache write with a 1-hour TTL.")
+@click.option("--json", "json_", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
+              help="Also write a self-contained HTML page of charts (no network needed to view it).")
+@click.option("--prices", "prices_file", type=click.Path(path_type=Path),
+              help="TOML file of prices that override or add models (see README, Prices).")
+@click.option("--keep", type=click.Path(path_type=Path), metavar="DIR",
+              help="Keep each pipeline's run in DIR/<n>-<name> (default: a temporary directory).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, html_file: Path | None,
+            prices_file: Path | None, keep: Path | None, quiet: bool) -> None:
+    """What the same sessions cost under several context policies, side by side.
+
+    Each --pipeline runs over PATHS (fresh ledger, fresh simulated cache) and its requests go
+    through the prompt-cache simulator. Per session and in total: prompt tokens (calibrated to
+    the provider's tokenizer), simulated cache read and write, cost, cache hit rate and breaks,
+    with the differences from the first pipeline. Without PATHS: ~/.claude/projects and
+    ~/.openclaw/agents.
+
+    \b
+    Example:
+      ctxreplay compare ~/.claude/projects --pipeline identity --pipeline default \\
+          --pipeline context-editing --pipeline identity@ttl=1h --html compare.html
+    """
+    import orjson
+
+    from ctxreplay.pipeline.reporting.compare import compare as run_compare
+    from ctxreplay.pipeline.reporting.compare import parse_choice
+    from ctxreplay.pipeline.reporting.report import default_paths
+
+    if not pipelines:
+        raise Failure("give at least one --pipeline (a preset name or a spec file), e.g. "
+                      "`ctxreplay compare PATH --pipeline identity --pipeline default`")
+    if html_file is not None and not html_file.resolve().parent.is_dir():
+        raise Failure(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
+                      f"or pass another path")
+    chosen = list(paths) or default_paths()
+    if not chosen:
+        raise Failure("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
+                      "~/.openclaw/agents exists; pass transcript files or directories")
+    say = None if (quiet or json_ or not sys.stderr.isatty()) else (lambda m: click.echo(f"… {m}", err=True))
+    try:
+        choices = [parse_choice(p) for p in pipelines]
+        if len({c.label for c in choices}) < len(choices):
+            raise Failure("the same --pipeline is given twice; each must differ (a preset, a file, or @ttl=...)")
+        res = run_compare(chosen, choices, prices_file=prices_file, progress=say, keep=keep)
+    except CtxReplayError as exc:
+        raise Failure(str(exc)) from exc
+    doc = res.to_json()
+    if html_file is not None:
+        from ctxreplay.pipeline.reporting.html_report import compare_html, write_html
+
+        write_html(html_file, compare_html(res))
+        if not json_:
+            click.echo(f"ctxreplay compare: wrote {html_file}", err=True)
+    if json_:
+        click.echo(orjson.dumps(doc).decode())
+    else:
+        _compare_tables(doc)
+    for w in doc["warnings"]:
+        click.echo(f"ctxreplay compare: {w}", err=True)
+
+
+def _signed_usd(v: float | None) -> str:
+    return "–" if v is None else f"{v:+,.4f}"
+
+
+def _compare_tables(doc: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    labels = [p["label"] for p in doc["pipelines"]]
+    click.echo(f"ctxreplay compare: {len({r['session_id'] for r in doc['sessions']})} session(s) under "
+               f"{len(labels)} pipeline(s), differences from {labels[0]}; prices: {doc['prices']}")
+
+    def add_cols(table: Table) -> None:
+        for label in ("Calls", "Prompt", "Cache read", "Cache write", "Hit rate", "Breaks", "Cost (USD)", "Δ cost",
+                      "Δ %"):
+            table.add_column(label, justify="right")
+
+    def cells(r: dict[str, Any]) -> list[str]:
+        first = r["pipeline"] == labels[0]
+        cost = "unpriced" if r["unpriced_calls"] == r["calls"] else _usd(r["cost_usd"]) + (
+            " + unpriced" if r["unpriced_calls"] else "")
+        return [f"{r['calls']:,}", _fmt_int(r["prompt_tokens"]), _fmt_int(r["cache_read_tokens"]),
+                _fmt_int(r["cache_write_tokens"]), _rate(r["cache_hit_rate"]), str(r["breaks"]), cost,
+                "" if first else _signed_usd(r["d_cost_usd"]), "" if first else _pct(r.get("cost_change"))]
+
+    table = Table(title="Per session")
+    table.add_column("Session", no_wrap=True)
+    table.add_column("Pipeline", no_wrap=True)
+    add_cols(table)
+    last = None
+    for r in doc["sessions"]:
+        sid = r["session_id"] if r["session_id"] != last else ""
+        if sid and last is not None:
+            table.add_section()
+        last = r["session_id"]
+        table.add_row(sid[:8] if sid else "", r["pipeline"], *cells(r))
+    _console().print(table)
+    table = Table(title="Total")
+    table.add_column("Pipeline", no_wrap=True)
+    add_cols(table)
+    for r in doc["totals"]:
+        table.add_row(r["pipeline"], *cells(r))
+    _console().print(table)
+    rec = doc["recorded"]
+    click.echo(f"recorded usage of the same calls: {_usd(rec['recorded_cost_usd'])} USD, cache read "
+               f"{_fmt_int(rec['recorded_cache_read_tokens'])} tokens")
+    for label, causes in doc["breaks_by_cause"].items():
+        parts = ", ".join(f"{k} {v}" for k, v in causes.items())
+        click.echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))
+    for r in doc["totals"]:
+        if r["summary_requests"]:
+            click.echo(f"simulated auto-compactions under {r['pipeline']}: {r['summary_requests']}, their "
+                       f"summarisation requests {_usd(r['summary_cost_usd'])} USD (in the cost)")

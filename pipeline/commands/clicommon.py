@@ -1,0 +1,85 @@
+"""What every `ctxreplay` command module shares: click settings, the exit-2 failure, and choices
+read from the registries.
+
+Kept apart from `ctxreplay.pipeline.commands.cli` so that command modules (`cli_report`, ...) can import it without a
+circular import when `ctxreplay.pipeline.commands.cli` runs as `python -m ctxreplay.pipeline.commands.cli`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class Failure(click.ClickException):
+    """Could not run: one paragraph on stderr, exit 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"ctxreplay: {self.format_message()}", err=True)
+
+
+class Interrupted(Failure):
+    exit_code = 130
+
+
+def fail(exc: Exception) -> Failure:
+    return Failure(str(exc))
+
+
+def did_you_mean(value: str, names: Sequence[str]) -> str:
+    """` Did you mean 'x'?` when a name is close to `value`, else ''."""
+    close = difflib.get_close_matches(value, list(names), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+class RegistryChoice(click.Choice):  # type: ignore[type-arg]
+    """A click.Choice whose values come from a registry, read when needed (so that importing the
+    CLI reads no registry), and whose error is ctxreplay's one paragraph with a "did you mean"
+    (exit 2), e.g. `unknown preset 'defualt'. Did you mean 'default'? Presets: ...`.
+
+    `what` names the kind of value ("preset"); `normalize` maps an accepted spelling to its
+    registry name (targets take `_` for `-`).
+    """
+
+    def __init__(self, names: Callable[[], Sequence[str]], what: str,
+                 normalize: Callable[[str], str] | None = None) -> None:
+        self._names, self.what, self._normalize = names, what, normalize or (lambda s: s)
+        self.case_sensitive = True
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._names())  # read each time: a registry can grow (plug-ins, tests)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        name = self._normalize(value)
+        if name in self.choices:
+            return name
+        raise Failure(f"unknown {self.what} '{value}'.{did_you_mean(name, self.choices)} "
+                      f"{self.what.capitalize()}s: {', '.join(self.choices)}")
+
+
+def preset_choice() -> RegistryChoice:
+    def names() -> list[str]:
+        from ctxreplay.pipeline.staging.spec import preset_names
+
+        return preset_names()
+
+    return RegistryChoice(names, "preset")
+
+
+def target_choice() -> RegistryChoice:
+    def names() -> list[str]:
+        from ctxreplay.pipeline.targets import target_names
+
+        return target_names()
+
+    return RegistryChoice(names, "target", normalize=lambda s: s.replace("_", "-"))

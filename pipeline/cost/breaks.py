@@ -1,0 +1,306 @@
+"""Cache breaks: why a request read less from the cache than its predecessor had cached.
+
+A call *breaks* the cache when its cache read falls short of the previous request's cached prefix
+(`previous read + previous write`: with Claude Code almost every request reads exactly that and
+writes only the new tail). The break's tokens are that shortfall, at most what the call cached
+anew (its writes, or its uncached input where writes are free: the tokens written again instead
+of read; after a compaction only the new summary is written),
+and its cost what the call paid above the same call reading them
+(`tokens × (write rate − read rate)`).
+
+Recorded breaks (from the usage the transcript records) are attributed to the first cause that
+holds, in this order:
+- `model_switch`: the call asks another model than the previous one (caches are per model);
+- `ttl_expiry`: the idle gap since the previous request exceeds the TTL it wrote with (its recorded
+  5m / 1h split);
+- `compaction`: a recorded compaction replaced the history (a new compaction segment starts here);
+- `thinking_strip`: a user message that is not only tool results arrives while the turn before it
+  holds thinking blocks: with extended thinking Anthropic strips them from the context, which
+  changes the prefix from the first of them on (a documented provider rule);
+- `preamble`: nothing above, and the read stops inside the preamble (before the first recorded
+  message): the system prompt or the tools changed, which only the usage shows (Anthropic);
+- `best_effort`: a provider with automatic caching (OpenAI, Gemini implicit, a router such as
+  OpenRouter) missed: their caching is documented as best effort, with no guaranteed hit;
+- `unexplained`: none of these.
+`recorded_break_detail` names the other causes that also hold. Simulated breaks get their cause
+from the simulator itself (pipeline/cost/cachesim.py): the same names, plus `layer` (a decision of the
+run's context layers changed the prefix: `stage/action:reason@cache_epoch`), `lookback` (more
+than 20 blocks after the last cached prefix) and `concurrent` (the prefix was written by a request
+whose answer had not started yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "best_effort",
+          "lookback", "concurrent", "unexplained")
+_TTL_S = {"5m": 300.0, "1h": 3600.0}
+
+
+def _recorded_ttl() -> pl.Expr:
+    w5 = pl.col("recorded_cache_write_5m_tokens").fill_null(0)
+    w1 = pl.col("recorded_cache_write_1h_tokens").fill_null(0)
+    return pl.when((w1 > 0) & (w1 >= w5)).then(pl.lit(3600.0)).when(
+        (w5 > 0) | (pl.col("recorded_cache_write_tokens").fill_null(0) > 0)).then(pl.lit(300.0)).otherwise(None)
+
+
+def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
+    """Add recorded_break_cause / _detail / _tokens to the calls (those with recorded usage, by
+    thread in call order). Needs `segment`, `recorded_strip` and `preamble_tokens`."""
+    from ctxreplay.pipeline.cost.calibrate import recorded_write
+
+    r = c.with_columns(recorded_cache_write_tokens=recorded_write())
+    known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
+        & pl.col("recorded_cache_write_tokens").is_not_null()
+    # a call that neither read nor wrote (no breakpoint, below the minimum) is no break and leaves
+    # the prefix to compare with as it was
+    active = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0
+    r = r.filter(known & active).sort("thread_key", "call").with_columns(_rttl=_recorded_ttl())
+    r = r.with_columns(_rttl=pl.col("_rttl").forward_fill().backward_fill().over("thread_key").fill_null(300.0))
+    prev = {
+        "_p_cached": pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"),
+        "_p_model": pl.col("model"), "_p_t": pl.col("timestamp"), "_p_ttl": pl.col("_rttl"),
+        "_p_seg": pl.col("segment"),
+    }
+    r = r.with_columns(**{k: v.shift(1).over("thread_key") for k, v in prev.items()})
+    read = pl.col("recorded_cache_read_tokens")
+    brk = pl.col("_p_cached").is_not_null() & (read < pl.col("_p_cached"))
+    anthropic = pl.col("model").fill_null("").str.to_lowercase().str.contains("claude")
+    # what the call cached anew: its writes, or (free writes: OpenAI and the like) its uncached input
+    fresh = pl.when(pl.col("recorded_cache_write_tokens") > 0).then(pl.col("recorded_cache_write_tokens")) \
+        .otherwise(pl.col("recorded_input_tokens").fill_null(0))
+    gap = (pl.col("timestamp") - pl.col("_p_t")).dt.total_milliseconds() / 1000.0
+    conds = [
+        ("model_switch", pl.col("model").ne_missing(pl.col("_p_model")),
+         pl.format("{} -> {}", pl.col("_p_model"), pl.col("model"))),
+        ("ttl_expiry", gap > pl.col("_p_ttl"),
+         pl.format("idle {} s > TTL {}", gap.round(0).cast(pl.Int64),
+                   pl.when(pl.col("_p_ttl") >= 3600).then(pl.lit("1h")).otherwise(pl.lit("5m")))),
+        ("compaction", pl.col("segment") != pl.col("_p_seg"), pl.lit(None, pl.String)),
+        ("thinking_strip", pl.col("recorded_strip").fill_null(False), pl.lit(None, pl.String)),
+        ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,
+         pl.format("read {} <= preamble {}", read, pl.col("preamble_tokens"))),
+        ("best_effort", ~anthropic, pl.lit("automatic caching guarantees no hit")),
+    ]
+    cause = pl.lit("unexplained")
+    detail: pl.Expr = pl.lit(None, pl.String)
+    for name, cond, det in reversed(conds):
+        cause = pl.when(cond.fill_null(False)).then(pl.lit(name)).otherwise(cause)
+        detail = pl.when(cond.fill_null(False)).then(det).otherwise(detail)
+    also = pl.concat_str([pl.when(cond.fill_null(False)).then(pl.lit(name)) for name, cond, _ in conds],
+                         separator=",", ignore_nulls=True)
+    r = r.with_columns(_cause=cause, _detail=detail, _also=also)
+    # the other causes that also hold, after the first one's own detail
+    others = pl.col("_also").str.split(",").list.eval(pl.element().filter(pl.element() != "")).list.slice(1) \
+        .list.join(", ")
+    r = r.with_columns(
+        recorded_break_cause=pl.when(brk).then(pl.col("_cause")),
+        recorded_break_detail=pl.when(brk).then(pl.concat_str(
+            [pl.col("_detail"), pl.when(others != "").then(pl.lit("also ") + others)], separator="; ",
+            ignore_nulls=True)),
+        recorded_break_tokens=pl.when(brk).then((pl.min_horizontal(pl.col("_p_cached"), read + fresh) - read)
+                                                .clip(0).cast(pl.Int64)),
+    )
+    r = r.with_columns(recorded_break_detail=pl.when(pl.col("recorded_break_detail") == "")
+                       .then(None).otherwise(pl.col("recorded_break_detail")))
+    return c.join(r.select("thread_key", "call", "recorded_break_cause", "recorded_break_detail",
+                           "recorded_break_tokens"), on=["thread_key", "call"], how="left")
+
+
+def classify(calls: pl.DataFrame) -> pl.DataFrame:
+    """Per simulated call with recorded usage: `rec_class` and `sim_class` (`warm` / `cold` for a
+    thread's first call: read something or not; later calls `hit` (read at least the previous
+    request's cached prefix) or `break`) and `agree`."""
+    from ctxreplay.pipeline.cost.calibrate import recorded_write
+
+    known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
+        & pl.col("sim_cache_read_tokens").is_not_null()
+    c = calls.with_columns(recorded_cache_write_tokens=recorded_write()).filter(known).sort("thread_key", "call")
+    rprev = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")).shift(1).over("thread_key")
+    sprev = (pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens")
+             + pl.col("sim_cache_write_1h_tokens")).shift(1).over("thread_key")
+
+    def cls(read: str, prev: pl.Expr) -> pl.Expr:
+        return pl.when(prev.is_null()).then(pl.when(pl.col(read) > 0).then(pl.lit("warm")).otherwise(pl.lit("cold"))) \
+            .when(pl.col(read) >= prev).then(pl.lit("hit")).otherwise(pl.lit("break"))
+
+    c = c.with_columns(rec_class=cls("recorded_cache_read_tokens", rprev), sim_class=cls("sim_cache_read_tokens", sprev))
+    return c.with_columns(agree=pl.col("rec_class") == pl.col("sim_class"))
+
+
+_SUMS = {
+    "rec_read": "recorded_cache_read_tokens", "rec_write": "recorded_cache_write_tokens",
+    "rec_input": "recorded_input_tokens", "rec_cost": "recorded_cost_usd",
+    "sim_read": "sim_cache_read_tokens", "sim_input": "sim_input_tokens", "sim_cost": "sim_cost_usd",
+    "rec_break_cost": "recorded_break_cost_usd", "sim_break_cost": "sim_break_cost_usd",
+}
+
+
+def sessions(calls: pl.DataFrame) -> pl.DataFrame:
+    """Per session: recorded vs simulated cache read / write / input tokens and cost, their relative
+    differences, per-call class agreement, breaks and the share of cost breaks caused."""
+    c = classify(calls).with_columns(sim_write=pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens"))
+    g = c.group_by("session_id").agg(
+        calls=pl.len(),
+        **{k: pl.col(v).sum() for k, v in _SUMS.items()},
+        sim_write=pl.col("sim_write").sum(),
+        agree=pl.col("agree").sum(),
+        rec_breaks=pl.col("recorded_break_cause").is_not_null().sum(),
+        sim_breaks=pl.col("sim_break_cause").is_not_null().sum(),
+        unpriced=(pl.col("recorded_cost_usd").is_null() | pl.col("sim_cost_usd").is_null()).sum(),
+    )
+
+    def rel(a: str, b: str) -> pl.Expr:
+        return pl.when(pl.col(b) != 0).then(pl.col(a) / pl.col(b) - 1.0)
+
+    g = g.with_columns(
+        read_diff=rel("sim_read", "rec_read"), write_diff=rel("sim_write", "rec_write"), cost_diff=rel("sim_cost", "rec_cost"),
+        agreement=pl.col("agree") / pl.col("calls"),
+        rec_break_share=pl.when(pl.col("rec_cost") > 0).then(pl.col("rec_break_cost") / pl.col("rec_cost")),
+        sim_break_share=pl.when(pl.col("sim_cost") > 0).then(pl.col("sim_break_cost") / pl.col("sim_cost")),
+    )
+    return g.sort("session_id")
+
+
+def break_rows(calls: pl.DataFrame) -> pl.DataFrame:
+    """One row per break, recorded and simulated: source, session, thread, call, timestamp, model,
+    cause, detail, tokens re-written, cost."""
+    base = ["session_id", "thread_id", "thread_key", "call", "timestamp", "model"]
+    parts = []
+    for src, p in (("recorded", "recorded_break"), ("sim", "sim_break")):
+        parts.append(calls.filter(pl.col(f"{p}_cause").is_not_null()).select(
+            pl.lit(src).alias("source"), *base, cause=pl.col(f"{p}_cause"), detail=pl.col(f"{p}_detail"),
+            tokens=pl.col(f"{p}_tokens"), cost_usd=pl.col(f"{p}_cost_usd")))
+    return pl.concat(parts).sort("session_id", "thread_id", "call", "source")
+
+
+def by_cause(calls: pl.DataFrame) -> dict[str, dict[str, Any]]:
+    """{source: {cause: {"breaks", "tokens", "cost_usd"}}, plus "unexplained_share" per source}."""
+    rows = break_rows(calls)
+    out: dict[str, dict[str, Any]] = {}
+    for src in ("recorded", "sim"):
+        r = rows.filter(pl.col("source") == src)
+        agg = r.group_by("cause").agg(breaks=pl.len(), tokens=pl.col("tokens").sum(), cost_usd=pl.col("cost_usd").sum())
+        d: dict[str, Any] = {row["cause"]: {"breaks": row["breaks"], "tokens": row["tokens"],
+                                            "cost_usd": row["cost_usd"]} for row in agg.sort("cause").to_dicts()}
+        n = r.height
+        d["total"] = n
+        d["unexplained_share"] = (r.filter(pl.col("cause") == "unexplained").height / n) if n else 0.0
+        out[src] = d
+    return out
+
+
+def summary(calls: pl.DataFrame, calibration: Any, policy: Any, prices: Any) -> dict[str, Any]:
+    """The `cache_sim` section of summary.json."""
+    c = classify(calls)
+    sim_w = (pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens")).sum()
+    t = c.select(
+        calls=pl.len(), recorded_cache_read_tokens=pl.col("recorded_cache_read_tokens").sum(),
+        recorded_cache_write_tokens=pl.col("recorded_cache_write_tokens").sum(),
+        sim_cache_read_tokens=pl.col("sim_cache_read_tokens").sum(), sim_cache_write_tokens=sim_w,
+        recorded_cost_usd=pl.col("recorded_cost_usd").sum(), sim_cost_usd=pl.col("sim_cost_usd").sum(),
+        agreement=pl.col("agree").mean(),
+    ).to_dicts()[0] if c.height else {"calls": 0}
+    unpriced = sorted({m for m in calls.filter(
+        ~pl.col("is_pending") & (pl.col("sim_cost_usd").is_null() | pl.col("recorded_cost_usd").is_null())
+        & pl.col("sim_input_tokens").is_not_null()).get_column("model").drop_nulls().to_list()}) if prices else None
+    from dataclasses import asdict
+
+    return {
+        "policy": asdict(policy),
+        "prices": getattr(prices, "source", None),
+        "totals": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in t.items()},
+        "breaks": by_cause(calls),
+        "unpriced_models": unpriced,
+        "calibration": calibration.summary(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# views of a run's outputs (`ctxreplay report --sim OUT`, `ctxreplay report --breaks OUT`)
+
+
+def load_run(out_dir: Any) -> tuple[pl.DataFrame, dict[str, Any], str]:
+    """(calls.parquet, summary.json, the run directory) of the run OUT shows; an error that says
+    what to do when the run predates the cache simulator."""
+    from pathlib import Path
+
+    from ctxreplay.errors import InputError
+    from ctxreplay.pipeline.assembly.store import run_dir
+    from ctxreplay.pipeline.core.outdir import read_summary
+
+    out = Path(out_dir)
+    if not out.exists():
+        raise InputError(f"{out}: no such directory; pass the --out directory of a `ctxreplay run`")
+    try:
+        run = run_dir(out)
+    except Exception as exc:
+        raise InputError(f"{out}: not the output directory of a `ctxreplay run` ({exc}); pass the --out "
+                         f"directory of a run") from exc
+    path = run / "calls.parquet"
+    if not path.is_file():
+        raise InputError(f"{out}: no calls.parquet; pass the --out directory of a `ctxreplay run`")
+    calls = pl.read_parquet(path)
+    if "sim_cache_read_tokens" not in calls.columns:
+        raise InputError(f"{out}: this run was made before the cache simulator (its calls.parquet has no sim_* "
+                         f"columns); run `ctxreplay run ... --out {out}` again")
+    return calls, read_summary(run), str(run)
+
+
+def _num(v: Any) -> Any:
+    return round(v, 6) if isinstance(v, float) else v
+
+
+def sim_view(calls: pl.DataFrame, summary: dict[str, Any], *, per_call: bool = False) -> dict[str, Any]:
+    """Recorded vs simulated, per session (and per call): the document `report --sim --json` prints."""
+    sess = sessions(calls)
+    cols = ["session_id", "calls", "rec_read", "sim_read", "read_diff", "rec_write", "sim_write", "write_diff",
+            "rec_input", "sim_input", "rec_cost", "sim_cost", "cost_diff", "agreement", "rec_breaks", "sim_breaks",
+            "rec_break_share", "sim_break_share", "unpriced"]
+    rows = [{k: _num(v) for k, v in r.items()} for r in sess.select(cols).to_dicts()]
+    c = classify(calls)
+    tot = c.select(
+        calls=pl.len(), rec_read=pl.col("recorded_cache_read_tokens").sum(),
+        sim_read=pl.col("sim_cache_read_tokens").sum(), rec_write=pl.col("recorded_cache_write_tokens").sum(),
+        sim_write=(pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens")).sum(),
+        rec_cost=pl.col("recorded_cost_usd").sum(), sim_cost=pl.col("sim_cost_usd").sum(),
+        agreement=pl.col("agree").mean(), rec_breaks=pl.col("recorded_break_cause").is_not_null().sum(),
+        sim_breaks=pl.col("sim_break_cause").is_not_null().sum(),
+    ).to_dicts()[0] if c.height else {"calls": 0}
+    for a, b, d in (("sim_read", "rec_read", "read_diff"), ("sim_write", "rec_write", "write_diff"),
+                    ("sim_cost", "rec_cost", "cost_diff")):
+        tot[d] = (tot[a] / tot[b] - 1.0) if tot.get(b) else None
+    cs = summary.get("cache_sim", {})
+    doc: dict[str, Any] = {"pipeline": summary.get("pipeline"), "target": summary.get("target"),
+                           "prices": cs.get("prices"), "sessions": rows, "totals": {k: _num(v) for k, v in tot.items()},
+                           "calibration": cs.get("calibration"), "policy": cs.get("policy"),
+                           "unpriced_models": cs.get("unpriced_models") or []}
+    if per_call:
+        pc = c.select("session_id", "thread_id", "thread_key", "call", pl.col("timestamp").dt.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                      "model", "calibrated_prompt_tokens", "recorded_cache_read_tokens", "recorded_cache_write_tokens",
+                      "recorded_input_tokens", "sim_cache_read_tokens",
+                      sim_cache_write_tokens=pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens"),
+                      sim_input_tokens="sim_input_tokens", rec_class="rec_class", sim_class="sim_class",
+                      recorded_break_cause="recorded_break_cause", sim_break_cause="sim_break_cause",
+                      recorded_cost_usd="recorded_cost_usd", sim_cost_usd="sim_cost_usd").sort("session_id", "thread_id", "call")
+        doc["calls"] = [{k: _num(v) for k, v in r.items()} for r in pc.to_dicts()]
+    return doc
+
+
+def breaks_view(calls: pl.DataFrame, summary: dict[str, Any]) -> dict[str, Any]:
+    """Every break, recorded and simulated, by cause and per session: what `report --breaks --json` prints."""
+    rows = break_rows(calls).with_columns(pl.col("timestamp").dt.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    sess = sessions(calls).select("session_id", "rec_cost", "sim_cost", "rec_breaks", "sim_breaks", "rec_break_cost",
+                                  "sim_break_cost", "rec_break_share", "sim_break_share")
+    cs = summary.get("cache_sim", {})
+    return {"pipeline": summary.get("pipeline"), "prices": cs.get("prices"),
+            "breaks": [{k: _num(v) for k, v in r.items()} for r in rows.to_dicts()],
+            "by_cause": by_cause(calls),
+            "sessions": [{k: _num(v) for k, v in r.items()} for r in sess.to_dicts()]}
+
+
+__all__ = ["CAUSES", "break_rows", "breaks_view", "by_cause", "classify", "load_run", "recorded_breaks", "sessions",
+           "sim_view", "summary"]

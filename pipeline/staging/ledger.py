@@ -1,0 +1,256 @@
+"""The content-replacement ledger: an embedded DuckDB file (default OUT/ledger.duckdb).
+
+Tables: `decisions` (append-only, namespaced by spec_sha256), `decision_calls` (the call key of each
+decision: the message that answers the call it applies from, so a decision follows its history
+whatever the thread is named in a later run), `runs` (one row per completed run,
+with the `run_id` of its outputs), `specs` (resolved spec per sha256), `token_cache` (token counts
+by text sha256 and counter). A run writes everything in one transaction: a crash leaves the ledger
+as before or after the run. Two runs never share a ledger at once: the runner holds a lock on it
+(pipeline/core/outdir.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from ctxreplay.errors import LedgerError
+from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.schemas.check import conform, polars_schema, to_arrow
+from ctxreplay.schemas.decisions import DECISIONS, STAGE_DECISION
+
+SCHEMA_VERSION = 1
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
+CREATE TABLE IF NOT EXISTS decisions (
+    spec_sha256 VARCHAR NOT NULL, seq BIGINT NOT NULL, stage VARCHAR NOT NULL,
+    stage_version INTEGER NOT NULL, config_digest VARCHAR NOT NULL,
+    session_id VARCHAR NOT NULL, thread_id VARCHAR NOT NULL, entry_id VARCHAR NOT NULL,
+    block_pos INTEGER NOT NULL, part_pos INTEGER NOT NULL, tool_use_id VARCHAR,
+    from_call INTEGER NOT NULL, action VARCHAR NOT NULL, reason VARCHAR NOT NULL,
+    before_sha256 VARCHAR, after_sha256 VARCHAR, before_len BIGINT, after_len BIGINT,
+    replacement VARCHAR, cache_epoch INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS runs (
+    run_seq BIGINT NOT NULL, spec_sha256 VARCHAR NOT NULL, spec_name VARCHAR, started_at VARCHAR,
+    finished_at VARCHAR, input_files VARCHAR, versions VARCHAR, counts VARCHAR
+);
+CREATE TABLE IF NOT EXISTS decision_calls (
+    spec_sha256 VARCHAR NOT NULL, seq BIGINT NOT NULL, call_key VARCHAR NOT NULL
+);
+CREATE TABLE IF NOT EXISTS specs (spec_sha256 VARCHAR PRIMARY KEY, resolved VARCHAR);
+CREATE TABLE IF NOT EXISTS token_cache (
+    counter VARCHAR NOT NULL, sha256 VARCHAR NOT NULL, tokens BIGINT NOT NULL, PRIMARY KEY (counter, sha256)
+);
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS run_id VARCHAR;
+"""
+RUN_COLUMNS = ("run_seq", "spec_sha256", "spec_name", "started_at", "finished_at", "input_files", "versions",
+               "counts", "run_id")
+
+
+class Ledger:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            if not read_only:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.con = duckdb.connect(str(self.path), read_only=read_only)
+        except (duckdb.Error, OSError) as exc:
+            msg = (f"{self.path}: cannot open the ledger: {exc}. Is another ctxreplay run using it, or is it "
+                   f"not a ctxreplay ledger? Pass another file with --ledger")
+            raise LedgerError(msg) from exc
+        if not read_only:
+            try:
+                # in one transaction, so that a crash never leaves half the tables
+                self.con.execute("BEGIN TRANSACTION")
+                self.con.execute(_DDL)
+                row = self.con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()
+                if not row:
+                    self.con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+                elif row[0][0] != str(SCHEMA_VERSION):
+                    self.con.execute("ROLLBACK")
+                    self.con.close()
+                    raise LedgerError(f"{self.path}: ledger schema version {row[0][0]}, this ctxreplay writes "
+                                      f"{SCHEMA_VERSION}; use a new --ledger file")
+                self.con.execute("COMMIT")
+            except duckdb.Error as exc:
+                self.con.close()
+                raise LedgerError(f"{self.path}: not a usable ctxreplay ledger: {exc}. Pass another file with "
+                                  f"--ledger") from exc
+        self._pending: list[pa.Table] = []
+        self._pending_calls: list[pa.Table] = []
+        self._pending_tokens: list[pa.Table] = []
+
+    def close(self) -> None:
+        self.con.close()
+
+    # ------------------------------------------------------------------ decisions
+
+    def earlier(self, spec_sha256: str, stage: str, sessions: list[str]) -> pl.LazyFrame:
+        """This stage's decisions in this namespace for these sessions (STAGE_DECISION columns)."""
+        cols = ", ".join(f.name for f in STAGE_DECISION)
+        if not sessions:
+            return pl.LazyFrame(schema=polars_schema(STAGE_DECISION))
+        self.con.register("_sessions", pa.table({"session_id": sessions}))
+        try:
+            t = self.con.sql(
+                f"SELECT {cols} FROM decisions WHERE spec_sha256 = $spec AND stage = $stage "
+                f"AND session_id IN (SELECT session_id FROM _sessions) ORDER BY seq",
+                params={"spec": spec_sha256, "stage": stage},
+            ).to_arrow_table()
+        finally:
+            self.con.unregister("_sessions")
+        return conform(pl.from_arrow(t), STAGE_DECISION)  # type: ignore[arg-type]
+
+    def earlier_all(self, spec_sha256: str, sessions: list[str]) -> pl.DataFrame:
+        """Every decision of this namespace for these sessions, in seq order: STAGE_DECISION columns
+        plus `stage`, `seq` and `call_key` (null for decisions written before call keys)."""
+        schema = {**polars_schema(STAGE_DECISION), "stage": pl.String, "seq": pl.Int64, "call_key": pl.String}
+        if not sessions:
+            return pl.DataFrame(schema=schema)
+        cols = ", ".join(f"d.{f.name}" for f in STAGE_DECISION)
+        self.con.register("_sessions", pa.table({"session_id": sessions}))
+        try:
+            t = self.con.sql(
+                f"SELECT {cols}, d.stage, d.seq, c.call_key FROM decisions d LEFT JOIN decision_calls c "
+                f"ON c.spec_sha256 = d.spec_sha256 AND c.seq = d.seq WHERE d.spec_sha256 = $spec "
+                f"AND d.session_id IN (SELECT session_id FROM _sessions) ORDER BY d.seq",
+                params={"spec": spec_sha256},
+            ).to_arrow_table()
+        finally:
+            self.con.unregister("_sessions")
+        return pl.from_arrow(t).cast(schema)  # type: ignore[union-attr,arg-type]
+
+    def next_seq(self, spec_sha256: str) -> int:
+        """The next free seq of this namespace, counting the rows queued for this run's commit."""
+        rows = self.con.execute("SELECT coalesce(max(seq), -1) FROM decisions WHERE spec_sha256 = ?",
+                                [spec_sha256]).fetchall()
+        queued = sum(t.num_rows for t in self._pending if t.column("spec_sha256")[0].as_py() == spec_sha256)
+        return int(rows[0][0]) + 1 + queued
+
+    def stage(self, rows: pl.DataFrame, *, spec_sha256: str, stage: str, stage_version: int,
+              config_digest: str) -> int:
+        """Queue new decision rows (STAGE_DECISION columns, and `call_key` where known) of one stage
+        for the commit at the end of the run: tagged with the namespace, the stage and the next seq
+        numbers. Returns how many."""
+        if rows.height == 0:
+            return 0
+        seq = self.next_seq(spec_sha256)
+        seqs = pl.int_range(seq, seq + rows.height, dtype=pl.Int64)
+        tagged = conform(rows, STAGE_DECISION).with_columns(
+            spec_sha256=pl.lit(spec_sha256), seq=seqs,
+            stage=pl.lit(stage), stage_version=pl.lit(stage_version, pl.Int32), config_digest=pl.lit(config_digest))
+        self._pending.append(to_arrow(tagged, DECISIONS, where=f"ledger rows of stage '{stage}'"))
+        if "call_key" in rows.columns:
+            keys = rows.select(spec_sha256=pl.lit(spec_sha256), seq=seqs, call_key="call_key").filter(
+                pl.col("call_key").is_not_null())
+            if keys.height:
+                self._pending_calls.append(keys.to_arrow().cast(pa.schema(
+                    [("spec_sha256", pa.string()), ("seq", pa.int64()), ("call_key", pa.string())])))
+        return rows.height
+
+    def commit_run(self, run: dict[str, Any] | None, spec_resolved: dict[str, Any],
+                   spec_sha256: str | None = None) -> None:
+        """Write the queued decisions, the spec and the run row in one transaction. Without a run
+        row (`run=None`, the live engine: pipeline/engine/engine.py) it writes the decisions, the token
+        counts and the spec, under `spec_sha256`."""
+        con = self.con
+        crashpoints.point("ledger")
+        try:
+            con.execute("BEGIN TRANSACTION")
+            for i, t in enumerate(self._pending):
+                con.register(f"_new{i}", t)
+                con.execute(f"INSERT INTO decisions SELECT {', '.join(DECISIONS.names)} FROM _new{i}")
+                con.unregister(f"_new{i}")
+                crashpoints.point("ledger")
+            for i, t in enumerate(self._pending_calls):
+                con.register(f"_call{i}", t)
+                con.execute(f"INSERT INTO decision_calls SELECT spec_sha256, seq, call_key FROM _call{i}")
+                con.unregister(f"_call{i}")
+            for i, t in enumerate(self._pending_tokens):
+                con.register(f"_tok{i}", t)
+                con.execute(f"INSERT OR IGNORE INTO token_cache SELECT counter, sha256, tokens FROM _tok{i}")
+                con.unregister(f"_tok{i}")
+                crashpoints.point("ledger")
+            con.execute("INSERT OR IGNORE INTO specs VALUES (?, ?)",
+                        [run["spec_sha256"] if run is not None else spec_sha256,
+                         orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
+            if run is None:
+                con.execute("COMMIT")
+                return
+            seq = con.execute("SELECT coalesce(max(run_seq), -1) + 1 FROM runs").fetchall()[0][0]
+            con.execute(f"INSERT INTO runs ({', '.join(RUN_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
+                seq, run["spec_sha256"], run.get("spec_name"), run.get("started_at"), run.get("finished_at"),
+                orjson.dumps(run.get("input_files", [])).decode(), orjson.dumps(run.get("versions", {})).decode(),
+                orjson.dumps(run.get("counts", {})).decode(), run.get("run_id"),
+            ])
+            crashpoints.point("ledger")
+            con.execute("COMMIT")
+        except Exception as exc:
+            try:
+                con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # the failed statement may have ended the transaction already
+            if isinstance(exc, duckdb.Error):
+                raise LedgerError(f"{self.path}: the run could not be written to the ledger ({exc}); the ledger "
+                                  f"is as it was before the run, and so are the outputs") from exc
+            raise
+        finally:
+            self._pending = []
+            self._pending_calls = []
+            self._pending_tokens = []
+
+    def _where(self, stage: str | None, session_id: str | None) -> tuple[str, dict[str, str]]:
+        conds, params = [], {}
+        if stage:
+            conds.append("stage = $stage")
+            params["stage"] = stage
+        if session_id:
+            conds.append("session_id = $session")
+            params["session"] = session_id
+        return (" WHERE " + " AND ".join(conds) if conds else ""), params
+
+    def decisions(self, *, stage: str | None = None, session_id: str | None = None,
+                  with_replacement: bool = True, limit: int | None = None) -> pl.DataFrame:
+        """Decision rows (all namespaces), in namespace and seq order; filtered and cut in DuckDB."""
+        cols = ", ".join(c for c in DECISIONS.names if with_replacement or c != "replacement")
+        where, params = self._where(stage, session_id)
+        q = f"SELECT {cols} FROM decisions{where} ORDER BY spec_sha256, seq" + (f" LIMIT {int(limit)}" if limit else "")
+        return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
+
+    def decision_counts(self, *, stage: str | None = None, session_id: str | None = None) -> pl.DataFrame:
+        """How many decisions per namespace, stage, action and reason."""
+        where, params = self._where(stage, session_id)
+        q = (f"SELECT spec_sha256, stage, action, reason, count(*) AS len FROM decisions{where} "
+             f"GROUP BY ALL ORDER BY spec_sha256, stage, action, reason")
+        return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
+
+    def runs(self) -> pl.DataFrame:
+        """One row per completed run (older ledgers, opened read-only, may lack `run_id`)."""
+        return pl.from_arrow(self.con.sql("SELECT * FROM runs ORDER BY run_seq").to_arrow_table())  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ token cache
+
+    def cached_tokens(self, counter: str, shas: list[str]) -> dict[str, int]:
+        if not shas:
+            return {}
+        self.con.register("_q", pa.table({"sha256": shas}))
+        try:
+            rows = self.con.execute(
+                "SELECT t.sha256, t.tokens FROM token_cache t JOIN _q USING (sha256) WHERE t.counter = ?",
+                [counter]).fetchall()
+        finally:
+            self.con.unregister("_q")
+        return {s: int(n) for s, n in rows}
+
+    def store_tokens(self, counter: str, counts: dict[str, int]) -> None:
+        """Queue new token counts; written with the run's commit (same transaction)."""
+        if counts:
+            self._pending_tokens.append(pa.table({"counter": [counter] * len(counts), "sha256": list(counts),
+                                                  "tokens": pa.array(list(counts.values()), pa.int64())}))

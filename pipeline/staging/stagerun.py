@@ -1,0 +1,508 @@
+"""Running the stages of a pipeline over one batch of sessions: `run_stages(blocks, spec, view, ctx)`.
+
+For each stage, in the spec's order:
+
+1. **Re-apply** its frozen decisions from the ledger view (`RegisteredStage.frozen` actions), with
+   the block-edit API, then let the stage rebuild the rows it inserted (`rebuild` hook). One policy
+   for a mismatch: a decision is re-applied only to the version of its block seen at its
+   `from_call` whose content hash equals its `before_sha256`. Otherwise it is not applied, and a
+   `conflict` decision is recorded (reason `hash_mismatch`, or `missing_target` when no version is
+   seen there); the stage gets the conflict rows in its ledger view and decides the block afresh.
+   `--strict` runs fail on conflicts.
+2. **Run** the stage (built-ins in-process; plug-ins in a worker process with a time budget, see
+   pipeline/staging/isolation.py), check what it returns against the schemas.
+3. **Reconcile** its decisions with the ledger: decisions for a thread's pending call are
+   provisional (applied, never frozen); the others are new (to write), already in the ledger
+   (reused), or clash with the ledger's outcome for the same key (`conflict`, `ledger_mismatch`).
+
+A plug-in that raises, returns a frame off the schema or runs past its budget is quarantined: it is
+retried session by session, its effect is skipped for the sessions where it fails (for the rest of
+the run), and a `stage_failed` decision records why. A built-in stage that fails is a bug in
+ctxreplay and stops the run (`StageFailed`).
+
+Nothing here does I/O or keeps global state: the runner reads the ledger view before and writes the
+new decisions and spilled texts after, so this runs per batch, in any process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import polars as pl
+
+from ctxreplay.errors import CtxReplayError, StageFailed, write_traceback
+from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.core.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
+from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
+from ctxreplay.pipeline.stageapi.registry import RegisteredStage, StageContext, StageRef, StageResult
+from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
+from ctxreplay.schemas.check import check_frame, conform, polars_schema
+from ctxreplay.schemas.decisions import DECISION_KEY, STAGE_DECISION
+
+Progress = Callable[[str], None]
+
+DECISION_SCHEMA = polars_schema(STAGE_DECISION)
+BLOCK_SCHEMA = polars_schema(BLOCKS)
+CALL_KEYS_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "call_key": pl.String}
+PENDING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32}
+STAGE_FAILED = "stage_failed"
+
+
+# ---------------------------------------------------------------------------------------------
+# the calls of this run and the ledger as this run sees it
+
+
+@dataclass(frozen=True)
+class CallMap:
+    """This run's calls. `pending`: each thread's pending call (its decisions are provisional).
+    `keys`: each call's key, the `msg_key` of the assistant message that answers it: calls with the
+    same key have the same history, whatever their thread is named in this run or was named in the
+    run that decided for them (a rewind turns the main thread of a half-written file into a branch)."""
+
+    keys: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=CALL_KEYS_SCHEMA))
+    pending: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=PENDING_SCHEMA))
+
+    @classmethod
+    def from_blocks(cls, blocks: pl.DataFrame, pending: dict[tuple[str, str], int] | None = None) -> CallMap:
+        """From the loaded blocks: call k of a thread starts at its k-th message (in order) that is a
+        call of some thread of the session (its own, or history it shares with another thread).
+        A thread whose count of such messages is not its number of calls gets no keys (its
+        decisions are then keyed by thread name and call, as before call keys)."""
+        if pending is None:
+            n = blocks.group_by(THREAD).agg(pending_call=pl.col("first_call").max().cast(pl.Int32))
+        else:
+            n = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": c} for (s, t), c in pending.items()],
+                             schema=PENDING_SCHEMA)
+        call_msgs = blocks.filter(pl.col("is_call")).select("session_id", "msg_key").unique()
+        starts = (
+            blocks.group_by([*THREAD, "msg_key"]).agg(_order=pl.col("order_key").min())
+            .join(call_msgs, on=["session_id", "msg_key"], how="semi")
+            .sort([*THREAD, "_order", "msg_key"])
+            .with_columns(call=pl.int_range(pl.len(), dtype=pl.Int32).over(THREAD))
+        )
+        complete = starts.group_by(THREAD).agg(_n=pl.len().cast(pl.Int32)).join(n, on=THREAD).filter(
+            pl.col("_n") == pl.col("pending_call")).select(THREAD)
+        keys = starts.join(complete, on=THREAD, how="semi").select(*THREAD, "call", call_key="msg_key")
+        return cls(keys=keys.cast(CALL_KEYS_SCHEMA), pending=n.select(list(PENDING_SCHEMA)).cast(PENDING_SCHEMA))  # type: ignore[arg-type]
+
+    def with_keys(self, decisions: pl.DataFrame) -> pl.DataFrame:
+        """`decisions` with the `call_key` of their (thread, from_call) (null where none)."""
+        return decisions.join(self.keys.rename({"call": "from_call"}), on=[*THREAD, "from_call"], how="left")
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """The ledger's earlier decisions for the sessions of a batch, in this run's threads and calls.
+
+    `decisions`: STAGE_DECISION columns plus `stage` (the stage's name in the run, `pairing#2` for
+    a second use). A decision keyed by call (`call_key`) is translated to every thread of this run
+    whose call has that key; one written before call keys keeps its thread name and call."""
+
+    calls: CallMap = field(default_factory=CallMap)
+    decisions: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema={**DECISION_SCHEMA,
+                                                                                 "stage": pl.String}))
+
+    @classmethod
+    def translate(cls, raw: pl.DataFrame, calls: CallMap) -> LedgerView:
+        """From the ledger's rows (STAGE_DECISION + stage, seq, call_key), in seq order."""
+        cols = [*DECISION_SCHEMA.names(), "stage"]
+        keyed = raw.filter(pl.col("call_key").is_not_null()).drop("thread_id", "from_call").join(
+            calls.keys.rename({"call": "from_call"}), on=["session_id", "call_key"], how="inner")
+        legacy = raw.filter(pl.col("call_key").is_null())
+        both = pl.concat([keyed.select(*cols, "seq"), legacy.select(*cols, "seq")]).sort("seq")
+        view = both.unique(["stage", *DECISION_KEY], keep="first", maintain_order=True).select(cols)
+        return cls(calls, view)
+
+    def for_stage(self, name: str) -> pl.DataFrame:
+        return conform(self.decisions.filter(pl.col("stage") == name).drop("stage"), STAGE_DECISION).collect(engine=POLARS_ENGINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """Counts of one stage position in one run (summary.json's `decisions_by_stage`)."""
+
+    decisions: int
+    new_decisions: int
+    reused_decisions: int
+    provisional_decisions: int
+    conflicts: int
+    by_reason: dict[str, int]
+    seconds: float
+    failed_sessions: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("decisions", "new_decisions", "reused_decisions",
+                                              "provisional_decisions", "conflicts", "by_reason", "seconds")}
+        if self.failed_sessions:
+            out["failed_sessions"] = self.failed_sessions
+        return out
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """A plug-in quarantined for some sessions: what happened, where, and to which sessions."""
+
+    stage: str
+    position: int
+    owner: str
+    kind: str
+    message: str
+    sessions: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "position": self.position, "owner": self.owner, "kind": self.kind,
+                "message": self.message, "sessions": list(self.sessions)}
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    """One position of the pipeline: the decisions it applied and the ones new to the ledger."""
+
+    name: str
+    position: int
+    stage: RegisteredStage
+    config_digest: str
+    applied: pl.DataFrame  # STAGE_DECISION + is_provisional
+    new: pl.DataFrame  # STAGE_DECISION + call_key: to write to the ledger
+    stats: StageStats
+
+
+@dataclass(frozen=True)
+class StagesResult:
+    """What `run_stages` returns: the final blocks, one outcome per position, the plug-in failures
+    and the texts to spill (sha256, text)."""
+
+    blocks: pl.DataFrame
+    outcomes: tuple[StageOutcome, ...]
+    failures: tuple[StageFailure, ...]
+    spills: pl.DataFrame
+
+    @property
+    def applied(self) -> pl.DataFrame:
+        """Every decision this run applied (reused ones too), with `stage`, `stage_version` and
+        `is_provisional` (decisions.parquet)."""
+        parts = [o.applied.with_columns(stage=pl.lit(o.name), stage_version=pl.lit(o.stage.version, pl.Int32))
+                 for o in self.outcomes]
+        empty = pl.DataFrame(schema={**DECISION_SCHEMA, "is_provisional": pl.Boolean, "stage": pl.String,
+                                     "stage_version": pl.Int32})
+        return pl.concat(parts) if parts else empty
+
+    @property
+    def conflicts(self) -> int:
+        return sum(o.stats.conflicts for o in self.outcomes)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {o.name: o.stats.as_dict() for o in self.outcomes}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. re-applying frozen decisions
+
+
+@dataclass(frozen=True)
+class Reapplied:
+    """The blocks with a stage's frozen decisions re-applied, the decisions that did so (rebuilt
+    inserts included), the conflicts, and the ledger view the stage itself gets."""
+
+    blocks: pl.DataFrame
+    decisions: pl.DataFrame
+    conflicts: pl.DataFrame
+    view: pl.DataFrame
+
+
+def _replacement_struct() -> pl.DataType:
+    return pl.Struct({c: BLOCK_SCHEMA[c] for c in CONTENT_COLUMNS})
+
+
+def _conflicts(targets: pl.LazyFrame, led: pl.LazyFrame) -> tuple[pl.LazyFrame, pl.LazyFrame]:
+    """Split the targeted versions: those whose content matches the decision (to apply), and the
+    conflict decisions for the others and for decisions whose target is seen by no version."""
+    ok_hash = pl.col("content_sha256") == pl.col("_lb")
+    bad = targets.filter(~ok_hash)
+    missing = led.join(targets.select(*PART_KEY, "_lf"), on=[*PART_KEY, "_lf"], how="anti", nulls_equal=True)
+    rows = pl.concat([
+        bad.select(*PART_KEY, _lf="_lf", _reason=pl.lit("hash_mismatch"), _before="_lb", _after="content_sha256",
+                   _epoch="cache_epoch"),
+        missing.select(*PART_KEY, _lf="_lf", _reason=pl.lit("missing_target"), _before="_lb",
+                       _after=pl.lit(None, pl.String), _epoch=pl.lit(0, pl.Int32)),
+    ])
+    conflicts = conform(rows.select(
+        *PART_KEY, tool_use_id=pl.lit(None, pl.String), from_call="_lf", action=pl.lit("conflict"),
+        reason="_reason", before_sha256="_before", after_sha256="_after", before_len=pl.lit(None, pl.Int64),
+        after_len=pl.lit(None, pl.Int64), replacement=pl.lit(None, pl.String), cache_epoch="_epoch",
+    ), STAGE_DECISION)
+    return targets.filter(ok_hash), conflicts
+
+
+def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame) -> Reapplied:
+    """Step 1 for one stage: its frozen decisions re-applied (see the module docstring's policy),
+    its inserted rows rebuilt; the view the stage gets is `earlier` without old conflict rows,
+    plus this run's conflicts."""
+    led = earlier.lazy().filter(pl.col("action").is_in(list(stage.frozen))).select(
+        *PART_KEY, _lf=pl.col("from_call").cast(pl.Int32), _la="action", _lr="reason", _lb="before_sha256",
+        _lafter="after_sha256", _lrep="replacement", _le=pl.col("cache_epoch").cast(pl.Int32),
+    ).collect(engine=POLARS_ENGINE)
+    if not led.height and (stage.rebuild is None or not earlier.height):
+        return Reapplied(blocks, pl.DataFrame(schema=DECISION_SCHEMA), pl.DataFrame(schema=DECISION_SCHEMA),
+                         earlier.filter(pl.col("action") != "conflict"))
+    led_lazy = led.lazy()
+    targets = blocks.lazy().select(*VERSION_KEY, "last_call", "content_sha256", "cache_epoch").join(
+        led_lazy, on=PART_KEY, how="inner", nulls_equal=True,
+    ).filter((pl.col("first_call") <= pl.col("_lf")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_lf"))))
+    good, conflicts = _conflicts(targets, led_lazy)
+    out = blocks
+    decisions = pl.DataFrame(schema=DECISION_SCHEMA)
+    if stage.frozen:
+        res = _apply(blocks.lazy(), good)
+        out, decisions = res.blocks.collect(engine=POLARS_ENGINE), res.decisions.collect(engine=POLARS_ENGINE)
+    if stage.rebuild is not None:
+        rebuilt, rebuilt_dec = stage.rebuild(blocks.lazy(), out.lazy(), earlier.lazy())
+        out = rebuilt.collect(engine=POLARS_ENGINE)
+        decisions = pl.concat([decisions, conform(rebuilt_dec, STAGE_DECISION).collect(engine=POLARS_ENGINE)])
+    conflicts_df = conflicts.collect(engine=POLARS_ENGINE)
+    view = pl.concat([earlier.filter(pl.col("action") != "conflict"), conflicts_df])
+    return Reapplied(out, decisions, conflicts_df, view)
+
+
+def _apply(blocks: pl.LazyFrame, good: pl.LazyFrame) -> StageResult:
+    """Re-apply matching decisions with the block-edit API: one replacement and one drop at most
+    per version (the earliest of each), each from its recorded call with its recorded action,
+    reason and cache epoch."""
+    first = ["_lf"]
+    reps = good.filter(pl.col("_lrep").is_not_null() & pl.col("_lafter").ne_missing(pl.col("content_sha256"))) \
+        .sort(first).unique(VERSION_KEY, keep="first").select(
+            *VERSION_KEY, _rf="_lf", _ra="_la", _rr="_lr", _rrep="_lrep", _re="_le")
+    drops = good.filter(pl.col("_lrep").is_null()).sort(first).unique(VERSION_KEY, keep="first").select(
+        *VERSION_KEY, _df="_lf", _da="_la", _dr="_lr", _de="_le")
+    w = start_marks(blocks.join(reps, on=VERSION_KEY, how="left", nulls_equal=True)
+                    .join(drops, on=VERSION_KEY, how="left", nulls_equal=True))
+    rep = pl.col("_rrep").str.json_decode(_replacement_struct())
+    values = {c: rep.struct.field(c) for c in CONTENT_COLUMNS}
+    values["cache_epoch"] = pl.col("_re")
+    w = mark_replace_from(w, pl.col("_rf").is_not_null(), values, pl.col("_rr"), pl.col("_rf"), action=pl.col("_ra"))
+    w = mark_drop(w, pl.col("_df").is_not_null(), pl.col("_dr"), from_call=pl.col("_df"), action=pl.col("_da"),
+                  epoch=pl.col("_de"))
+    return finish(w)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. running one stage and checking what it returns
+
+
+def check_result(res: object, name: str, position: int, module: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The blocks and decisions a stage returned, collected and checked (StageFailed otherwise)."""
+    from ctxreplay.schemas.check import SchemaMismatch
+
+    if not (isinstance(getattr(res, "blocks", None), pl.LazyFrame | pl.DataFrame)
+            and isinstance(getattr(res, "decisions", None), pl.LazyFrame | pl.DataFrame)):
+        msg = (f"stage '{name}' (#{position}, from {module}) returned {type(res).__name__}, not a "
+               f"StageResult(blocks, decisions) of polars frames; fix the stage")
+        raise StageFailed(name, position, msg, kind="result", message=msg)
+    assert isinstance(res, StageResult) or hasattr(res, "blocks")
+    try:
+        check_frame(res.blocks, BLOCKS, where=f"after stage '{name}' (#{position})")  # type: ignore[attr-defined]
+        check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{name}' (#{position})")  # type: ignore[attr-defined]
+    except SchemaMismatch as exc:
+        raise StageFailed(name, position, exc, kind="schema", message=str(exc)) from exc
+    blocks = res.blocks.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
+    decisions = res.decisions.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
+    dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1)
+    if dupes.height:
+        msg = (f"stage '{name}' made {dupes.height} duplicate decisions for the same block and call (first: "
+               f"{dupes.row(0, named=True)}); this is a bug in the stage")
+        raise StageFailed(name, position, msg, kind="duplicates", message=msg)
+    return blocks, decisions
+
+
+def invoke_inline(stage: RegisteredStage, blocks: pl.DataFrame, params: Any, view: pl.DataFrame,
+                  ctx: StageContext, name: str, position: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Run a stage in this process; any exception becomes a StageFailed."""
+    try:
+        res = stage.fn(blocks.lazy(), params, view.lazy(), ctx)
+        return check_result(res, name, position, stage.module)
+    except StageFailed:
+        raise
+    except Exception as exc:
+        raise _raised(stage, name, position, exc) from exc
+
+
+def _raised(stage: RegisteredStage, name: str, position: int, exc: BaseException) -> StageFailed:
+    path = write_traceback(exc)
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    kept = f"the traceback was written to {path}" if path else "no traceback file could be written"
+    whose = "this is a bug in ctxreplay; please report it" if stage.is_builtin else \
+        f"it is not a built-in stage: report it to the authors of {stage.owner}, or leave it out of the spec"
+    msg = (f"stage '{name}' (#{position}, from {stage.module}) failed with {type(exc).__name__}: {first}. "
+           f"Nothing was written; {whose} ({kept})")
+    return StageFailed(name, position, exc, kind="raised", message=msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. reconciling with the ledger
+
+
+def mark_provisional(decisions: pl.DataFrame, pending: pl.DataFrame) -> pl.DataFrame:
+    """`is_provisional`: the decision applies only from its thread's pending call on."""
+    return decisions.join(pending, on=THREAD, how="left").with_columns(
+        is_provisional=pl.col("pending_call").is_not_null() & (pl.col("from_call") >= pl.col("pending_call"))
+    ).drop("pending_call")
+
+
+def reconcile(marked: pl.DataFrame, earlier: pl.DataFrame) -> tuple[pl.DataFrame, int, int]:
+    """(new rows to write, conflicts among them, reused decisions): frozen decisions the ledger does
+    not hold are new; one it holds with another outcome is a `ledger_mismatch` conflict."""
+    frozen = marked.filter(~pl.col("is_provisional")).drop("is_provisional")
+    new = frozen.join(earlier.select(DECISION_KEY), on=DECISION_KEY, how="anti", nulls_equal=True)
+    clash = frozen.join(earlier.select(*DECISION_KEY, pl.col("after_sha256").alias("_was")),
+                        on=DECISION_KEY, how="inner", nulls_equal=True).filter(
+        pl.col("after_sha256").ne_missing(pl.col("_was")))
+    conflicts = clash.drop("_was").with_columns(action=pl.lit("conflict"), reason=pl.lit("ledger_mismatch"))
+    out = pl.concat([new, conflicts.select(new.columns)]).sort(DECISION_KEY)
+    return out, conflicts.height, frozen.height - new.height
+
+
+# ---------------------------------------------------------------------------------------------
+# the pipeline
+
+
+@dataclass
+class _Run:
+    """The state of one `run_stages` call (local: nothing global)."""
+
+    spec: Any
+    view: LedgerView
+    ctx: StageContext
+    progress: Progress | None
+    quarantined: dict[str, set[str]] = field(default_factory=dict)  # stage name -> sessions
+    outcomes: list[StageOutcome] = field(default_factory=list)
+    failures: list[StageFailure] = field(default_factory=list)
+    spills: list[pl.DataFrame] = field(default_factory=list)
+
+
+def run_stages(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext,
+               progress: Progress | None = None,
+               observe: Callable[[str, pl.DataFrame], None] | None = None) -> StagesResult:
+    """Run every stage of `spec` in order over `blocks` (see the module docstring). `observe`, when
+    given, is called with each position's name and the blocks it leaves (the live engine measures
+    what a stage saw and did)."""
+    state = _Run(spec, view, ctx, progress)
+    for i, (rs, name) in enumerate(zip(spec.stages, position_names(spec.stages), strict=True), start=1):
+        if progress:
+            progress(f"stage {i}/{len(spec.stages)}: {name}")
+        crashpoints.point("stage")
+        blocks = _run_position(state, blocks, rs, name, i)
+        if observe is not None:
+            observe(name, blocks)
+        crashpoints.point("stage")
+    spills = pl.concat(state.spills).unique("sha256", maintain_order=True) if state.spills else \
+        pl.DataFrame(schema={"sha256": pl.String, "text": pl.String})
+    return StagesResult(blocks, tuple(state.outcomes), tuple(state.failures), spills)
+
+
+def position_names(stages: Any) -> list[str]:
+    """The names of a pipeline's stage positions, in order: a stage used twice (pairing runs before
+    and after snip) keeps its decisions apart as `pairing#2`."""
+    seen: Counter[str] = Counter()
+    out = []
+    for rs in stages:
+        seen[rs.stage.name] += 1
+        out.append(rs.stage.name if seen[rs.stage.name] == 1 else f"{rs.stage.name}#{seen[rs.stage.name]}")
+    return out
+
+
+def stage_context(ctx: StageContext, rs: Any, spec: Any) -> StageContext:
+    """The context one stage gets: the run's, with the pipeline's stages it declared in `reads`."""
+    import dataclasses
+
+    peers = tuple(StageRef(s.stage, s.params) for s in spec.stages if s.stage.name in rs.stage.reads)
+    return dataclasses.replace(ctx, peers=peers)
+
+
+def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, position: int) -> pl.DataFrame:
+    """One position: re-apply, run (isolated for plug-ins), reconcile; returns the new blocks."""
+    from ctxreplay.pipeline.staging.isolation import run_isolated
+
+    st: RegisteredStage = rs.stage
+    t0 = time.perf_counter()
+    earlier = state.view.for_stage(name)
+    ctx = stage_context(state.ctx, rs, state.spec)
+    skip = state.quarantined.get(st.name, set())
+    failed: dict[str, StageFailed] = {}
+    if st.is_builtin:
+        out, decisions = reapply_and_run(st, blocks, rs.params, earlier, ctx, name, position)
+    else:
+        out, decisions, failed = run_isolated(st, blocks, rs.params, earlier, ctx, name, position,
+                                              budget=rs.time_budget_seconds, skip=skip,
+                                              run=reapply_and_run)
+        _record_failures(state, st, name, position, failed, skip)
+        decisions = pl.concat([decisions, _failed_decisions(blocks, failed | dict.fromkeys(skip))])
+    if st.spilled_texts is not None and decisions.filter(pl.col("action") == "spill").height:
+        state.spills.append(st.spilled_texts(blocks.lazy(), decisions.lazy()).select("sha256", "text").collect(engine=POLARS_ENGINE))
+    marked = mark_provisional(decisions, state.view.calls.pending)
+    new, conflicts, reused = reconcile(marked, earlier)
+    by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
+    stats = StageStats(decisions.height, new.height, reused, int(marked["is_provisional"].sum()),
+                       conflicts + int((decisions["action"] == "conflict").sum()), dict(sorted(by_reason.items())),
+                       round(time.perf_counter() - t0, 3), len(failed) + len(skip))
+    state.outcomes.append(StageOutcome(name, position, st, rs.config_digest, marked,
+                                       state.view.calls.with_keys(new), stats))
+    return out
+
+
+def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earlier: pl.DataFrame,
+                     ctx: StageContext, name: str, position: int,
+                     invoke: Callable[..., tuple[pl.DataFrame, pl.DataFrame]] = invoke_inline,
+                     ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Re-apply the stage's frozen decisions, run it, and return (blocks, every decision applied)."""
+    try:
+        re = reapply(st, blocks, earlier)
+    except CtxReplayError:
+        raise
+    except Exception as exc:  # the re-application of a plug-in's decisions counts as the plug-in's
+        raise _raised(st, name, position, exc) from exc
+    out, decisions = invoke(st, re.blocks, params, re.view, ctx, name, position)
+    return out, pl.concat([re.decisions, re.conflicts, decisions.select(DECISION_SCHEMA.names())])
+
+
+def _record_failures(state: _Run, st: RegisteredStage, name: str, position: int, failed: dict[str, StageFailed],
+                     skipped: set[str]) -> None:
+    """Quarantine the sessions a plug-in failed for (for the rest of the run) and list the failures."""
+    by_kind: dict[tuple[str, str], list[str]] = {}
+    for sid, f in sorted(failed.items()):
+        by_kind.setdefault((f.kind, f.message), []).append(sid)
+    for (kind, message), sessions in by_kind.items():
+        state.failures.append(StageFailure(name, position, st.owner, kind, message, tuple(sessions)))
+    if skipped:
+        state.failures.append(StageFailure(name, position, st.owner, "quarantined",
+                                           f"skipped: '{st.name}' failed earlier in this run for these sessions",
+                                           tuple(sorted(skipped))))
+    state.quarantined.setdefault(st.name, set()).update(failed)
+
+
+def _failed_decisions(blocks: pl.DataFrame, failed: dict[str, StageFailed | None]) -> pl.DataFrame:
+    """One `stage_failed` decision per thread of each failed session; `replacement` holds why."""
+    if not failed:
+        return pl.DataFrame(schema=DECISION_SCHEMA)
+    why = pl.DataFrame({
+        "session_id": list(failed),
+        "reason": [f.kind if f is not None else "quarantined" for f in failed.values()],
+        "replacement": [orjson.dumps({"message": f.message if f is not None else "skipped: failed earlier in the run"})
+                        .decode() for f in failed.values()],
+    })
+    threads = blocks.select(THREAD).unique().join(why, on="session_id")
+    return conform(threads.select(
+        *THREAD, entry_id=pl.lit(""), block_pos=pl.lit(0, pl.Int32), part_pos=pl.lit(0, pl.Int32),
+        tool_use_id=pl.lit(None, pl.String), from_call=pl.lit(0, pl.Int32), action=pl.lit(STAGE_FAILED),
+        reason="reason", before_sha256=pl.lit(None, pl.String), after_sha256=pl.lit(None, pl.String),
+        before_len=pl.lit(None, pl.Int64), after_len=pl.lit(None, pl.Int64), replacement="replacement",
+        cache_epoch=pl.lit(0, pl.Int32),
+    ).lazy(), STAGE_DECISION).collect(engine=POLARS_ENGINE).sort(DECISION_KEY)
