@@ -32,8 +32,9 @@ def main() -> None:
 
     from ctxreplay.pipeline.loaders import load_paths
     from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+    from ctxreplay.pipeline.staging.invoke import invoke_inline
     from ctxreplay.pipeline.staging.isolation import invoke_in_worker
-    from ctxreplay.pipeline.staging.stagerun import DECISION_SCHEMA, invoke_inline
+    from ctxreplay.pipeline.staging.stagerun import DECISION_SCHEMA
     from ctxreplay.testkit import run_stage
 
     blocks = pl.from_arrow(load_paths([args.corpus]).blocks)

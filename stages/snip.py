@@ -330,7 +330,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> StageResult:
     msgs = materialize(messages(blocks))
     state, prior, cut = _frozen_state(blocks, msgs, head)
     base = materialize(_unsnipped(blocks, materialize(cut)))
-    dry = _tombstone_dry_run(base, ctx)
+    dry = tombstone_dry_run(base, ctx)
 
     def marker_cost(text: str) -> int:
         return text_tokens([text], ctx)[0] + MESSAGE_OVERHEAD_TOKENS
@@ -355,7 +355,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> StageResult:
     return StageResult(materialize(out), materialize(pl.concat([cut_res.decisions, marker_dec])))
 
 
-def _tombstone_dry_run(base: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
+def tombstone_dry_run(base: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     """The blocks as the pipeline's tombstone would leave them (no tombstone: as they are)."""
     ref = ctx.peer("tombstone")
     if ref is None:

@@ -357,14 +357,13 @@ def test_an_unexpected_exception_is_an_internal_error_with_a_traceback_file_8(
     import tempfile
 
     import ctxreplay.pipeline.batch.batchrun as batchrun_mod
-    import ctxreplay.pipeline.batch.runner as runner_mod
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def broken(*a: object, **k: object) -> None:
         raise AssertionError("incremental request hash mismatch at call 3")
 
-    monkeypatch.setattr(runner_mod, "replay_all", broken)
+    monkeypatch.setattr(batchrun_mod, "replay_all", broken)
     r = _run("run", CC_SAMPLE, "--out", tmp_path / "o", "--fast-tokens")
     assert r.exit_code == 2
     line = _no_traceback(r)

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+import ctxreplay.pipeline.batch.batchrun as batchrun_mod
 import ctxreplay.pipeline.batch.runner as runner_mod
 from ctxreplay.errors import CtxReplayError, OutputError
 from ctxreplay.pipeline.batch.runner import RunOptions, run
@@ -56,7 +57,7 @@ def test_an_interrupted_run_leaves_the_previous_run_whole(tmp_path: Path, monkey
         (staging / "requests" / "x.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner_mod, "replay_all", interrupted)
+    monkeypatch.setattr(batchrun_mod, "replay_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _run(out, preset="default")
     assert out_state(out) == before

@@ -243,7 +243,7 @@ def request_bytes(list_key: str, messages: list[bytes], env_json: bytes) -> byte
     return list_prefix(list_key) + b",".join(messages) + envelope_suffix(env_json)
 
 
-def _first_diff(prev: Any, cur: Any, lo: int = 0) -> int | None:
+def first_diff(prev: Any, cur: Any, lo: int = 0) -> int | None:
     """The first index where two message lists (arrays or lists of ids) differ (a shorter list
     differs at its end), given that they agree before `lo`; None when `cur` extends `prev`."""
     q = min(len(prev), len(cur))
@@ -306,7 +306,7 @@ class _HashChain:
         return h
 
 
-class _Thread:
+class ThreadWalk:
     """The replay state of one thread between two calls."""
 
     def __init__(self, rows: list[dict[str, Any]], target: Target, store: MessageStore, spans: SpanLog | None) -> None:
@@ -399,7 +399,7 @@ class _Thread:
             if f is not None and (first is None or f < first):
                 first = f
         if before is not None and first is not None:
-            d = _first_diff(before, self.wid, first)
+            d = first_diff(before, self.wid, first)
             first = d if d is not None else (len(before) if len(self.wid) > len(before) else None)
         return first
 
@@ -527,7 +527,7 @@ class _Thread:
             first = wj + len(ids)
         if first is not None and n_old != len(ids) and oj < len(self.wid):
             # the messages after the splice moved: compare them where they now stand
-            d = _first_diff(self.wid[wj:], array("i", ids) + self.wid[oj:])
+            d = first_diff(self.wid[wj:], array("i", ids) + self.wid[oj:])
             first = wj + (d if d is not None else len(self.wid) - wj)
         self.wtok_total += sum(toks) - sum(self.wtok[wj:oj])
         self.wkey[wj:oj] = keys
@@ -612,7 +612,7 @@ def replay_thread(
             rem_at[lc].append(i)
     list_key = target.list_key
     split_system = target.splits_system()
-    th = _Thread(rows, target, store, spans)
+    th = ThreadWalk(rows, target, store, spans)
     system_rows: list[int] = []
     env_key: tuple[Any, ...] | None = None
     env_id, env_first, env_suffix, env_tok = -1, 0, b"]}", 0
@@ -673,9 +673,9 @@ def replay_thread(
         if len(rest) > CHUNK:  # a long tail: hashed by the worker while the replay goes on
             if pool is None:
                 pool = guard.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxreplay-hash")
-            sha: Any = pool.submit(_finish_hash, h, comma, rest, env_suffix)
+            sha: Any = pool.submit(finish_hash, h, comma, rest, env_suffix)
         else:
-            sha = _finish_hash(h, comma, rest, env_suffix)
+            sha = finish_hash(h, comma, rest, env_suffix)
         length = m or len(stand_ids or ())
         # where this request first differs from the previous one: the wire messages agree before
         # the first one this call changed; a stand-in (at most 4 messages) is compared as it is
@@ -723,7 +723,7 @@ def replay_thread(
         spans.add(ENVELOPE_SLOT, env_first, n_calls + 1, env_id)
 
 
-def _finish_hash(h: Any, comma: bool, rest: list[bytes], env_suffix: bytes) -> str:
+def finish_hash(h: Any, comma: bool, rest: list[bytes], env_suffix: bytes) -> str:
     """The request hash from a prefix state: the remaining messages, then the envelope. (hashlib
     lets other threads run while it hashes more than 2 KiB.)"""
     if rest:

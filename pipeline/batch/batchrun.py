@@ -27,8 +27,10 @@ import pyarrow.compute as pc
 
 from ctxreplay.errors import InputError, OutputError, internal_error
 from ctxreplay.pipeline.assembly.replay import call_counts, call_skeleton
+from ctxreplay.pipeline.assembly.replayall import replay_all
 from ctxreplay.pipeline.batch.batches import Group
 from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.core.tokens import TokenCounter, text_sha
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.loaders import LoadResult, load_paths
@@ -40,8 +42,6 @@ from ctxreplay.pipeline.targets import Violation, get_target
 from ctxreplay.schemas.blocks import BLOCKS
 from ctxreplay.schemas.check import check_frame, empty_table, to_arrow
 from ctxreplay.schemas.quarantine import QUARANTINE
-
-Progress = Callable[[str], None]
 
 BLOCK_ORDER = ["session_id", "thread_id", "order_key", "entry_id", "block_pos", "part_pos", "first_call"]
 DECISION_ORDER = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "from_call", "stage", "action"]
@@ -263,8 +263,6 @@ def _stages(blocks: pl.DataFrame, env: Env, calls: CallMap, say: Progress) -> An
 
 def _replay(final: pa.Table, skeleton: pl.DataFrame, env: Env, counts: dict[tuple[str, str], int],
             say: Progress) -> tuple[pl.DataFrame, list[Violation], dict[str, Any]]:
-    from ctxreplay.pipeline.batch.runner import replay_all
-
     say("replaying calls")
     crashpoints.phase("replay")
     try:

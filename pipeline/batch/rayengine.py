@@ -49,7 +49,7 @@ from typing import Any
 
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError, InputError, OutputError, internal_error
+from ctxreplay.errors import CtxReplayError, InputError, OutputError, RayEngineError, internal_error
 from ctxreplay.pipeline.batch.batchrun import BatchResult, Env
 from ctxreplay.pipeline.batch.workers import take_counts
 
@@ -61,10 +61,6 @@ LOCAL_OBJECT_STORE_MB = 512
 PROBE_SECONDS = 5.0
 
 Job = tuple[int, list[Any]]
-
-
-class RayEngineError(CtxReplayError):
-    """Ray is not installed, the cluster cannot be reached, or it failed during the run."""
 
 
 def _local_only() -> None:
@@ -276,10 +272,10 @@ class WorkerBug(Exception):
 def ray_batch_results(jobs: list[Job], env: Env, n_jobs: int | None, ledger: Any, *,
                       address: str | None = None) -> Iterator[BatchResult]:
     """run_batch over the jobs on Ray Data, results in job order (as workers.batch_results)."""
-    from ctxreplay.pipeline.batch.workers import _worker_state, default_jobs
+    from ctxreplay.pipeline.batch.workers import default_jobs, worker_state
 
     check_available()
-    state = _worker_state(env, ledger)
+    state = worker_state(env, ledger)
     if state is None:
         raise RayEngineError("--engine ray: a stage of this pipeline cannot be sent to another process (it does "
                              "not pickle, e.g. a plug-in stage defined inside a function). Define the stage at "

@@ -73,7 +73,7 @@ def _work(job: Job) -> tuple[BatchResult, dict[str, int], int, int]:
     return result, new, counter.counted - before[0], counter.cache_hits - before[1]
 
 
-def _worker_state(env: Env, ledger: Any) -> tuple[Any, ...] | None:
+def worker_state(env: Env, ledger: Any) -> tuple[Any, ...] | None:
     """What the workers need, read from the ledger once, here; None when the pipeline cannot go
     to another process (a stage that does not pickle: it runs here then)."""
     try:
@@ -92,7 +92,7 @@ def _worker_state(env: Env, ledger: Any) -> tuple[Any, ...] | None:
 
 def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterator[BatchResult]:
     """run_batch over the jobs, results in job order: here, or in `n_jobs` worker processes."""
-    state = _worker_state(env, ledger) if n_jobs > 1 and len(jobs) > 1 else None
+    state = worker_state(env, ledger) if n_jobs > 1 and len(jobs) > 1 else None
     if state is None:
         for index, groups in jobs:
             yield run_batch(index, groups, env)

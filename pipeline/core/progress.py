@@ -4,7 +4,11 @@ doing now. On stderr, only when stderr is a terminal (the CLI decides), never wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+# what a long step calls with a one-line note of what it is doing now
+Progress = Callable[[str], None]
 
 
 class RunProgress:

@@ -537,10 +537,10 @@ class Engine:
 
     def _snip_dry_run(self, blocks: pl.DataFrame) -> pl.DataFrame:
         """snip's dry run of the pipeline's tombstone over `blocks` (ctxreplay.stages.snip's own function)."""
-        from ctxreplay.stages.snip import _tombstone_dry_run
+        from ctxreplay.stages.snip import tombstone_dry_run
 
         rs = next(r for r in self.spec.stages if r.stage.name == "snip")
-        out = _tombstone_dry_run(blocks.lazy(), stage_context(self._ctx, rs, self.spec)).collect(engine=POLARS_ENGINE)
+        out = tombstone_dry_run(blocks.lazy(), stage_context(self._ctx, rs, self.spec)).collect(engine=POLARS_ENGINE)
         assert isinstance(out, pl.DataFrame)
         return out
 

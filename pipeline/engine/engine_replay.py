@@ -11,7 +11,7 @@ sorts before rows kept from last time (a layer replaced a block deep in the hist
 version at the old block's place), the state is built again from the visible rows: that costs one
 shaping of the whole request, as often as such a decision is made.
 
-The bytes are those of `replay_thread` by construction: the same `_Thread` code makes them, from
+The bytes are those of `replay_thread` by construction: the same `ThreadWalk` code makes them, from
 the same rows in the same order; tests/test_engine_corpus.py checks every call of the corpus.
 """
 
@@ -28,9 +28,9 @@ from ctxreplay.pipeline.assembly.replay import (
     REQUEST_OVERHEAD_TOKENS,
     ROW_COLUMNS,
     MessageStore,
-    _finish_hash,
-    _first_diff,
-    _Thread,
+    ThreadWalk,
+    finish_hash,
+    first_diff,
     list_prefix,
     make_envelope,
     split_system_rows,
@@ -73,7 +73,7 @@ class LiveThread:
     def _reset(self) -> None:
         self.builds = getattr(self, "builds", 0) + 1
         self.rows: list[dict[str, Any]] = []
-        self.th = _Thread(self.rows, self.target, self.store, None)
+        self.th = ThreadWalk(self.rows, self.target, self.store, None)
         self.index: dict[int, int] = {}  # ident of a visible row -> its index in rows
         self.idents = pl.Series("ident", [], dtype=pl.UInt64)  # the visible rows, in order
         self.system_rows: list[int] = []
@@ -159,9 +159,9 @@ class LiveThread:
             body = b",".join(rest)
             ids = array("i", self.stand_ids)
         length = len(ids)
-        sha = _finish_hash(h, comma, rest, self.env_suffix)
+        sha = finish_hash(h, comma, rest, self.env_suffix)
         # where it first differs from the last request (message ids are equal iff their bytes are)
-        brk = None if self.prev_ids is None else _first_diff(self.prev_ids, ids)
+        brk = None if self.prev_ids is None else first_diff(self.prev_ids, ids)
         self.prev_ids = array("i", ids)
         return Pending(
             request_json=list_prefix(target.list_key) + body + self.env_suffix,

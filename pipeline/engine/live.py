@@ -10,10 +10,10 @@ plus those rows, with no pass:
 
 - `TailScan` reads each spool line once, the way `claude_code.load_session` reads it (`read_line`,
   `entry_problem`, `make_node`), keeps the loader's maps of the entries, and builds the main thread
-  with the loader's own `_build_thread`: a step is live when that thread is the last step's with
+  with the loader's own `build_thread`: a step is live when that thread is the last step's with
   the new message entries appended;
 - `new_rows` turns the appended message entries into block rows with the loader's own code
-  (`_messages`, `threads_to_blocks`), at the positions and call numbers the whole file gives them;
+  (`thread_messages`, `threads_to_blocks`), at the positions and call numbers the whole file gives them;
 - one check per built-in stage (`QUIET`) says, in plain Python over those rows and a few figures the
   last pass measured (`ThreadFacts`), that the stage decides nothing at any of the new calls. A check
   answers with the reason when it cannot say so, and the engine runs a full pass.
@@ -50,10 +50,10 @@ from ctxreplay.pipeline.loaders.claude_code import (
     FORMAT,
     MESSAGE_TYPES,
     Node,
-    _build_thread,
-    _messages,
+    build_thread,
     entry_problem,
     make_node,
+    thread_messages,
 )
 from ctxreplay.pipeline.stageapi.registry import StageContext
 from ctxreplay.pipeline.targets import target_family
@@ -79,7 +79,7 @@ class TailScan:
     """The entries of one spool file read so far, kept as `claude_code.load_session` keeps them
     (nodes by uuid, assistant entries by message key, results by the tool call they answer, the
     previous entry in the file), so that the main thread can be built with the loader's own
-    `_build_thread`. `thread` holds the message entries of the main thread at the last step.
+    `build_thread`. `thread` holds the message entries of the main thread at the last step.
     `regular` turns false for good at the first line the live path cannot follow (a line the
     loader quarantines or repairs, a message without uuid, a uuid read twice)."""
 
@@ -149,7 +149,7 @@ class TailScan:
         rows (the entries of a message split over several lines together, at its first)."""
         if self.tip is None:
             return []
-        entries, boundaries = _build_thread(self.nodes[self.tip], self.nodes, self.by_key,  # type: ignore[arg-type]
+        entries, boundaries = build_thread(self.nodes[self.tip], self.nodes, self.by_key,  # type: ignore[arg-type]
                                             self.result_by_tool_id, self.prev_in_file, Counter())  # type: ignore[arg-type]
         return _row_order([n for n in entries if n.is_message and n.uuid not in boundaries])
 
@@ -339,7 +339,7 @@ def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFram
 
 
 def _row_order(entries: list[Node]) -> list[str]:
-    """Message entries in the order of their rows: `claude_code._messages` puts every assistant
+    """Message entries in the order of their rows: `claude_code.thread_messages` puts every assistant
     entry of one message (its key) at the message's first."""
     groups: dict[str, list[str]] = {}
     for n in entries:
@@ -392,7 +392,7 @@ class NewRows:
 def new_rows(nodes: list[Node], facts: ThreadFacts, counter: TokenCounter) -> NewRows | str:
     """The block rows the loader gives the appended message entries at the end of the main thread
     (or why it cannot be said without a full load)."""
-    msgs, compactions = _messages(nodes, set(), [Path(facts.source_file)])
+    msgs, compactions = thread_messages(nodes, set(), [Path(facts.source_file)])
     if compactions or not msgs:
         return "no message to append"
     for m in msgs:

@@ -1364,10 +1364,10 @@ def _threads(b: _Batch, session_id: str, files: list[_File], per_file: list[list
         for tip in tips:
             if tip in covered:
                 continue
-            entries, boundaries = _build_thread(nodes, tip, by_uuid, by_key, result_by_tool_id, prev_in_file, stats)
+            entries, boundaries = build_thread(nodes, tip, by_uuid, by_key, result_by_tool_id, prev_in_file, stats)
             first_own = next((n for n in entries if is_msg[n] and n not in covered), tip)
             covered.update(entries)
-            msgs, compactions = _messages(nodes, entries, boundaries)
+            msgs, compactions = thread_messages(nodes, entries, boundaries)
             own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
             for m in msgs:
                 if m.role == "assistant":
@@ -1397,10 +1397,10 @@ def _threads(b: _Batch, session_id: str, files: list[_File], per_file: list[list
     return threads
 
 
-def _build_thread(nodes: _Nodes, tip: int, by_uuid: dict[str, int], by_key: dict[str, list[int]],
+def build_thread(nodes: _Nodes, tip: int, by_uuid: dict[str, int], by_key: dict[str, list[int]],
                   result_by_tool_id: dict[str, list[int]], prev_in_file: dict[str, str],
                   stats: Counter[str]) -> tuple[list[int], set[int]]:
-    """`claude_code._build_thread` over node indices."""
+    """`claude_code.build_thread` over node indices."""
     parent, lparent, boundary, uuid = nodes.parent, nodes.lparent, nodes.boundary, nodes.uuid
     chain: list[int] = []
     seen: set[int] = set()
@@ -1456,8 +1456,8 @@ def _build_thread(nodes: _Nodes, tip: int, by_uuid: dict[str, int], by_key: dict
     return entries, boundaries
 
 
-def _messages(nodes: _Nodes, entries: list[int], boundaries: set[int]) -> tuple[list[MessagePlan], list[tuple[int, int]]]:
-    """`claude_code._messages` as plans: split assistant entries of one response make one message."""
+def thread_messages(nodes: _Nodes, entries: list[int], boundaries: set[int]) -> tuple[list[MessagePlan], list[tuple[int, int]]]:
+    """`claude_code.thread_messages` as plans: split assistant entries of one response make one message."""
     msgs: list[MessagePlan] = []
     group_index: dict[str, int] = {}
     compactions: list[tuple[int, int]] = []

@@ -424,10 +424,10 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
         for tip in tips:
             if tip.uuid in covered:
                 continue
-            entries, compaction_at = _build_thread(tip, nodes, by_key, result_by_tool_id, prev_in_file, stats)
+            entries, compaction_at = build_thread(tip, nodes, by_key, result_by_tool_id, prev_in_file, stats)
             first_own = next((n for n in entries if n.is_message and n.uuid not in covered), tip)
             covered.update(n.uuid for n in entries)
-            msgs, compactions = _messages(entries, compaction_at, files)
+            msgs, compactions = thread_messages(entries, compaction_at, files)
             own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
             for m in msgs:
                 if m.role == "assistant":
@@ -458,7 +458,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
     return threads, loads, dict(stats)
 
 
-def _build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]],
+def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]],
                   result_by_tool_id: dict[str, list[Node]], prev_in_file: dict[str, str],
                   stats: Counter[str]) -> tuple[list[Node], set[str]]:
     chain: list[Node] = []
@@ -515,7 +515,7 @@ def _build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node
     return entries, boundaries
 
 
-def _messages(entries: list[Node], boundaries: set[str], files: list[Path]) -> tuple[list[Message], list[Compaction]]:
+def thread_messages(entries: list[Node], boundaries: set[str], files: list[Path]) -> tuple[list[Message], list[Compaction]]:
     msgs: list[Message] = []
     group_index: dict[str, int] = {}
     compactions: list[Compaction] = []

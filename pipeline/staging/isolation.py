@@ -35,6 +35,9 @@ import polars as pl
 from ctxreplay.errors import StageFailed, write_traceback
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.stageapi.registry import RegisteredStage, StageContext, StageRef, StageResult
+from ctxreplay.pipeline.staging.invoke import check_result, invoke_inline
+from ctxreplay.schemas.check import polars_schema
+from ctxreplay.schemas.decisions import STAGE_DECISION
 
 DEFAULT_TIME_BUDGET_SECONDS = 600.0
 Invoke = Callable[..., tuple[pl.DataFrame, pl.DataFrame]]
@@ -109,9 +112,7 @@ def _per_session(st: RegisteredStage, todo: pl.DataFrame, kept: pl.DataFrame, se
 
 
 def _decision_schema() -> pl.Schema:
-    from ctxreplay.pipeline.staging.stagerun import DECISION_SCHEMA
-
-    return DECISION_SCHEMA
+    return polars_schema(STAGE_DECISION)
 
 
 def _with_budget(invoke: Invoke, budget: float, stated: float | None = None) -> Invoke:
@@ -145,7 +146,6 @@ def sendable(st: RegisteredStage, params: Any) -> bool:
 def _invoke_inline_timed(st: RegisteredStage, blocks: pl.DataFrame, params: Any, view: pl.DataFrame,
                          ctx: StageContext, name: str, position: int, *, budget: float, stated: float,
                          ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    from ctxreplay.pipeline.staging.stagerun import invoke_inline
 
     t0 = time.perf_counter()
     out = invoke_inline(st, blocks, params, view, ctx, name, position)
@@ -180,7 +180,6 @@ def invoke_in_worker(st: RegisteredStage, blocks: pl.DataFrame, params: Any, vie
                      ctx: StageContext, name: str, position: int, *, budget: float, stated: float,
                      ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Run the stage in a worker process, killed past `budget` seconds."""
-    from ctxreplay.pipeline.staging.stagerun import check_result
 
     with tempfile.TemporaryDirectory(prefix="ctxreplay-stage-") as folder:
         blocks.write_ipc(Path(folder) / "blocks.arrow")

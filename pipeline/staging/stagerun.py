@@ -35,16 +35,16 @@ from typing import Any
 import orjson
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError, StageFailed, write_traceback
+from ctxreplay.errors import CtxReplayError, StageFailed
 from ctxreplay.pipeline.core import crashpoints
 from ctxreplay.pipeline.core.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
+from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
 from ctxreplay.pipeline.stageapi.registry import RegisteredStage, StageContext, StageRef, StageResult
+from ctxreplay.pipeline.staging.invoke import invoke_inline, stage_raised
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
-from ctxreplay.schemas.check import check_frame, conform, polars_schema
+from ctxreplay.schemas.check import conform, polars_schema
 from ctxreplay.schemas.decisions import DECISION_KEY, STAGE_DECISION
-
-Progress = Callable[[str], None]
 
 DECISION_SCHEMA = polars_schema(STAGE_DECISION)
 BLOCK_SCHEMA = polars_schema(BLOCKS)
@@ -295,59 +295,7 @@ def _apply(blocks: pl.LazyFrame, good: pl.LazyFrame) -> StageResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. running one stage and checking what it returns
-
-
-def check_result(res: object, name: str, position: int, module: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The blocks and decisions a stage returned, collected and checked (StageFailed otherwise)."""
-    from ctxreplay.schemas.check import SchemaMismatch
-
-    if not (isinstance(getattr(res, "blocks", None), pl.LazyFrame | pl.DataFrame)
-            and isinstance(getattr(res, "decisions", None), pl.LazyFrame | pl.DataFrame)):
-        msg = (f"stage '{name}' (#{position}, from {module}) returned {type(res).__name__}, not a "
-               f"StageResult(blocks, decisions) of polars frames; fix the stage")
-        raise StageFailed(name, position, msg, kind="result", message=msg)
-    assert isinstance(res, StageResult) or hasattr(res, "blocks")
-    try:
-        check_frame(res.blocks, BLOCKS, where=f"after stage '{name}' (#{position})")  # type: ignore[attr-defined]
-        check_frame(res.decisions, STAGE_DECISION, where=f"decisions of stage '{name}' (#{position})")  # type: ignore[attr-defined]
-    except SchemaMismatch as exc:
-        raise StageFailed(name, position, exc, kind="schema", message=str(exc)) from exc
-    blocks = res.blocks.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
-    decisions = res.decisions.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
-    dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1)
-    if dupes.height:
-        msg = (f"stage '{name}' made {dupes.height} duplicate decisions for the same block and call (first: "
-               f"{dupes.row(0, named=True)}); this is a bug in the stage")
-        raise StageFailed(name, position, msg, kind="duplicates", message=msg)
-    return blocks, decisions
-
-
-def invoke_inline(stage: RegisteredStage, blocks: pl.DataFrame, params: Any, view: pl.DataFrame,
-                  ctx: StageContext, name: str, position: int) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Run a stage in this process; any exception becomes a StageFailed."""
-    try:
-        res = stage.fn(blocks.lazy(), params, view.lazy(), ctx)
-        return check_result(res, name, position, stage.module)
-    except StageFailed:
-        raise
-    except Exception as exc:
-        raise _raised(stage, name, position, exc) from exc
-
-
-def _raised(stage: RegisteredStage, name: str, position: int, exc: BaseException) -> StageFailed:
-    path = write_traceback(exc)
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    kept = f"the traceback was written to {path}" if path else "no traceback file could be written"
-    whose = "this is a bug in ctxreplay; please report it" if stage.is_builtin else \
-        f"it is not a built-in stage: report it to the authors of {stage.owner}, or leave it out of the spec"
-    msg = (f"stage '{name}' (#{position}, from {stage.module}) failed with {type(exc).__name__}: {first}. "
-           f"Nothing was written; {whose} ({kept})")
-    return StageFailed(name, position, exc, kind="raised", message=msg)
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. reconciling with the ledger
+# 2. reconciling with the ledger (running one stage and checking its result: pipeline/staging/invoke.py)
 
 
 def mark_provisional(decisions: pl.DataFrame, pending: pl.DataFrame) -> pl.DataFrame:
@@ -468,7 +416,7 @@ def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earl
     except CtxReplayError:
         raise
     except Exception as exc:  # the re-application of a plug-in's decisions counts as the plug-in's
-        raise _raised(st, name, position, exc) from exc
+        raise stage_raised(st, name, position, exc) from exc
     out, decisions = invoke(st, re.blocks, params, re.view, ctx, name, position)
     return out, pl.concat([re.decisions, re.conflicts, decisions.select(DECISION_SCHEMA.names())])
 
