@@ -1,13 +1,53 @@
-"""Exceptions that carry facts; cli.py maps them to exit codes.
+"""Every error ctxreplay lets a user see, in one place, under one root: `CtxReplayError`.
 
-Every error a user can see derives from `CtxReplayError` (exit 2, one paragraph on stderr). An
-exception that is not one is a bug: `internal_error` writes its traceback to a file and gives the
-one paragraph that names that file.
+The CLI (`ctxreplay.pipeline.commands.cli`, `_Main.invoke`) maps them to exit codes in one place:
+an error's `exit_code` (2, "could not run", unless the class says otherwise) and its message as one
+paragraph on stderr, `ctxreplay: <message>`. The engine (`ctxreplay.Engine`) raises them as they
+are. An exception that is not one is a bug: `internal_error` writes its traceback to a file and
+gives the one paragraph that names that file (the CLI and the engine both do this).
+
+Hierarchy (this module is part of the stable plug-in API; the names do not change):
+
+    CtxReplayError                  exit 2: the run could not be done
+    ├── SpecError                   the pipeline spec is invalid
+    ├── InputError                  an input path cannot be read or is not a transcript
+    │   └── NothingToDo             the inputs hold no transcript line at all
+    ├── LedgerError                 the ledger cannot be opened or conflicts with this run
+    ├── OutputError                 the output directory cannot be written
+    ├── LockError                   another run or engine holds the output directory or ledger
+    ├── StageFailed                 a stage raised, returned a bad result or ran out of time
+    ├── CheckFailed                 a count or invariant check failed (a bug: see internal_error)
+    ├── ArgumentError               a command's arguments cannot be used as given
+    ├── Interrupted                 exit 130: Ctrl-C
+    ├── UnknownStage                no stage of that name (a KeyError too)
+    ├── StageRegistrationError      a stage cannot be registered
+    │   └── StageNameTaken          its name belongs to another package
+    ├── UnknownTarget               no target (wire shape) of that name
+    ├── TargetError                 a target's shape breaks the request contract
+    ├── SchemaMismatch              a frame does not match its declared schema
+    ├── StoreError                  a run's request store cannot rebuild a request
+    ├── UnknownRef                  a thread or session the run does not hold
+    ├── AmbiguousRef                a prefix that matches more than one thread or session
+    ├── SourceChanged               a transcript on disk is not the one the run read
+    ├── GoldenError                 golden files missing, of another format, or not writable
+    ├── CompareError                `compare` cannot run with these arguments
+    ├── PriceError                  a prices file cannot be used
+    ├── SimError                    the cache simulator (or its calibration) cannot run on these inputs
+    └── RayEngineError              Ray is missing, unreachable, or failed during the run
+
+Internal control-flow exceptions that never reach a user stay private where they are raised and
+caught, and are not part of this hierarchy: `NeedsReference`
+(ctxreplay.pipeline.loaders.cc_columnar: the columnar reader hands a file to the reference
+loader), `WorkerBug` (ctxreplay.pipeline.batch.rayengine: a worker's bug carried back as a
+traceback), `_Remote` (ctxreplay.pipeline.staging.isolation: a stand-in that carries a plug-in's
+traceback text out of its process into a file) and `NotToml` (ctxreplay.pipeline.staging.spec_init: a value with no TOML form, shown
+as its repr instead).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import os
 import tempfile
 import traceback
@@ -89,6 +129,132 @@ def _first_line(exc: BaseException) -> str:
 
 class CheckFailed(CtxReplayError):
     """A count or invariant check failed: a bug in ctxreplay, never bad input."""
+
+
+class ArgumentError(CtxReplayError):
+    """A command's arguments cannot be used as given: a flag without the one it needs, an unknown
+    choice (`unknown preset 'defualt'. Did you mean 'default'? ...`), no PATHS and no default
+    transcript directory."""
+
+
+class Interrupted(CtxReplayError):
+    """The user interrupted the command (Ctrl-C): exit 130."""
+
+    exit_code = 130
+
+
+# ------------------------------------------------------------------------------ stages and targets
+
+
+class UnknownStage(CtxReplayError, KeyError):
+    """No stage of that name is registered (a KeyError too, for callers that look names up).
+
+    `plugin`: (package, message) of the plug-in that provides a stage of that name but failed to
+    load, when one did."""
+
+    def __init__(self, name: str, known: list[str], plugin: tuple[str, str] | None = None) -> None:
+        self.name, self.known = name, known
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        plugins = f" (the plug-in {plugin[0]} that provides it failed to load: {plugin[1]})" if plugin else ""
+        self.message = (f"Unknown stage '{name}'.{hint}{plugins} Known stages: "
+                        f"{', '.join(sorted(known)) or 'none'}")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class StageRegistrationError(CtxReplayError):
+    """A stage cannot be registered (bad params class, or a name that belongs to another package)."""
+
+
+class StageNameTaken(StageRegistrationError):
+    """A package registers a stage name that another package holds.
+
+    `held_by` and `wanted_by` are the modules; `held_owner` and `wanted_owner` describe them in
+    words (distribution, version, module); `built_in`: the holder is a built-in stage."""
+
+    def __init__(self, name: str, held_by: str, wanted_by: str, *, held_owner: str, wanted_owner: str,
+                 built_in: bool) -> None:
+        self.name, self.held_by, self.wanted_by = name, held_by, wanted_by
+        whose = "a built-in stage of ctxreplay; built-in names belong to the core" if built_in else \
+            "registered by another plug-in"
+        super().__init__(f"stage name '{name}' is taken: {held_owner} holds it ({whose}), so "
+                         f"{wanted_owner} cannot register it. Give the plug-in's stage another "
+                         f"name, e.g. '{wanted_by.split('.')[0]}_{name}'")
+
+
+class UnknownTarget(CtxReplayError):
+    """No target (wire shape) of that name is registered."""
+
+
+class TargetError(CtxReplayError):
+    """A target's shape breaks the request contract ctxreplay relies on (a plug-in target: its
+    envelope's keys, its stand-in messages)."""
+
+
+class SchemaMismatch(CtxReplayError):
+    """A frame does not match its declared schema (exit 2: a stage or a writer broke the contract)."""
+
+    def __init__(self, *, where: str, name: str, missing: list[str], extra: list[str],
+                 wrong: list[tuple[str, str, str]]) -> None:
+        self.where, self.name, self.missing, self.extra, self.wrong = where, name, missing, extra, wrong
+        parts = [f"{where}: frame does not match schema '{name}'"]
+        if missing:
+            parts.append(f"missing columns: {missing}")
+        if extra:
+            parts.append(f"unexpected columns: {extra}")
+        for col, exp, got in wrong:
+            parts.append(f"wrong type: {col}: expected {exp}, got {got}")
+        super().__init__(" / ".join(parts))
+
+
+# ------------------------------------------------------------------------------ a run's outputs
+
+
+class StoreError(CtxReplayError):
+    """A run's request store cannot give the request asked for (no such thread or call, a store that is
+    missing or does not hold it)."""
+
+
+class UnknownRef(CtxReplayError):
+    """A thread or session that the run does not hold."""
+
+
+class AmbiguousRef(CtxReplayError):
+    """A prefix that matches more than one thread or session; `candidates` lists them."""
+
+    def __init__(self, message: str, candidates: list[str]) -> None:
+        self.candidates = candidates
+        super().__init__(message)
+
+
+class SourceChanged(CtxReplayError):
+    """The transcript on disk is not the one the run read."""
+
+
+class GoldenError(CtxReplayError):
+    """The golden directory is missing, of another format or target, or cannot be written (exit 2)."""
+
+
+# ------------------------------------------------------------------------------ cost and execution
+
+
+class CompareError(CtxReplayError):
+    """compare cannot run with these arguments."""
+
+
+class PriceError(CtxReplayError):
+    """The overrides file cannot be used."""
+
+
+class SimError(CtxReplayError):
+    """The simulator (or its calibration) cannot run on these inputs or with these arguments."""
+
+
+class RayEngineError(CtxReplayError):
+    """Ray is not installed, the cluster cannot be reached, or it failed during the run."""
 
 
 def write_traceback(exc: BaseException) -> Path | None:

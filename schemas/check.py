@@ -7,23 +7,7 @@ import functools
 import polars as pl
 import pyarrow as pa
 
-from ctxreplay.errors import CtxReplayError
-
-
-class SchemaMismatch(CtxReplayError):
-    """A frame does not match its declared schema (exit 2: a stage or a writer broke the contract)."""
-
-    def __init__(self, *, where: str, name: str, missing: list[str], extra: list[str],
-                 wrong: list[tuple[str, str, str]]) -> None:
-        self.where, self.name, self.missing, self.extra, self.wrong = where, name, missing, extra, wrong
-        parts = [f"{where}: frame does not match schema '{name}'"]
-        if missing:
-            parts.append(f"missing columns: {missing}")
-        if extra:
-            parts.append(f"unexpected columns: {extra}")
-        for col, exp, got in wrong:
-            parts.append(f"wrong type: {col}: expected {exp}, got {got}")
-        super().__init__(" / ".join(parts))
+from ctxreplay.errors import SchemaMismatch
 
 
 def empty_table(declared: pa.Schema) -> pa.Table:

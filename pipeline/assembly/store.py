@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import StoreError
 from ctxreplay.pipeline.assembly.replay import (
     ENVELOPE_SLOT,
     MESSAGE_OVERHEAD_TOKENS,
@@ -51,10 +51,6 @@ from ctxreplay.schemas.messages import CALL_MESSAGES, MESSAGES
 
 MESSAGES_FILE = "messages.parquet"
 CALL_MESSAGES_FILE = "call_messages.parquet"
-
-
-class StoreError(CtxReplayError):
-    pass
 
 
 def _int32(a: array) -> pa.Array:  # type: ignore[type-arg]

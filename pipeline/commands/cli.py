@@ -16,26 +16,34 @@ from typing import Any
 import click
 import orjson
 
-from ctxreplay.errors import CtxReplayError, internal_error
+from ctxreplay.errors import ArgumentError, CtxReplayError, Interrupted, internal_error
 from ctxreplay.pipeline.commands.cli_regress import diff, snapshot
 from ctxreplay.pipeline.commands.cli_report import compare, report
 from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
-    Failure,
-    Interrupted,
     RegistryChoice,
-    fail,
     preset_choice,
     target_choice,
 )
 from ctxreplay.pipeline.core.words import plural
 
-_fail = fail
+
+class _Shown(click.ClickException):
+    """A CtxReplayError as the user sees it: `ctxreplay: <its message>` on stderr, its exit code."""
+
+    def __init__(self, exc: CtxReplayError) -> None:
+        super().__init__(str(exc))
+        self.exit_code = exc.exit_code
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"ctxreplay: {self.format_message()}", err=True)
 
 
 class _Main(click.Group):
-    """The command group, with the last-resort handler: whatever a command raises ends as one
-    paragraph on stderr and an exit code, never as a traceback."""
+    """The command group, with the one place where errors become exit codes: a CtxReplayError (a
+    command's own ArgumentError, or one raised below it) ends as one paragraph on stderr and its
+    `exit_code`; Ctrl-C as Interrupted (130); anything else as an internal error (2) whose
+    traceback goes to a file. Never a traceback on the terminal."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -43,16 +51,16 @@ class _Main(click.Group):
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
             raise
         except CtxReplayError as exc:
-            raise _fail(exc) from exc
+            raise _Shown(exc) from exc
         except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as Unix tools do
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(141)
         except KeyboardInterrupt:
-            raise Interrupted("interrupted; the output directory still holds the last complete run and the "
-                              "ledger is as it was before this run") from None
+            raise _Shown(Interrupted("interrupted; the output directory still holds the last complete run and the "
+                                     "ledger is as it was before this run")) from None
         except Exception as exc:
-            raise _fail(internal_error(exc)) from exc
+            raise _Shown(internal_error(exc)) from exc
 
 
 def _progress(quiet: bool, json_: bool) -> Any:
@@ -120,31 +128,26 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER
     from ctxreplay.pipeline.staging.spec import load_spec
 
-    try:
-        spec = load_spec(pipeline_file, preset=preset)
-        chosen = list(paths) or _default_paths()
-        if not chosen:
-            raise Failure("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
-                          "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
-        opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
-                          token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER)
-        if _progress(quiet, json_) is not None:  # a terminal: files, groups, calls, ETA (pipeline/core/progress.py)
-            from ctxreplay.pipeline.core.progress import RunProgress
+    spec = load_spec(pipeline_file, preset=preset)
+    chosen = list(paths) or _default_paths()
+    if not chosen:
+        raise ArgumentError("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
+                      "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
+    opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
+                      token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER)
+    if _progress(quiet, json_) is not None:  # a terminal: files, groups, calls, ETA (pipeline/core/progress.py)
+        from ctxreplay.pipeline.core.progress import RunProgress
 
-            opts.display = RunProgress()
-            opts.progress = opts.display.note
-        opts.reuse = not full
-        opts.jobs = jobs  # None: one per core
-        if address and engine != "ray":
-            raise Failure(f"--address {address} joins a Ray cluster: it needs --engine ray")
-        opts.engine, opts.address = engine, address
-        if batch_bytes:
-            opts.batch_bytes = batch_bytes
-        result = do_run(chosen, spec, opts)
-    except Failure:
-        raise
-    except CtxReplayError as exc:
-        raise _fail(exc) from exc
+        opts.display = RunProgress()
+        opts.progress = opts.display.note
+    opts.reuse = not full
+    opts.jobs = jobs  # None: one per core
+    if address and engine != "ray":
+        raise ArgumentError(f"--address {address} joins a Ray cluster: it needs --engine ray")
+    opts.engine, opts.address = engine, address
+    if batch_bytes:
+        opts.batch_bytes = batch_bytes
+    result = do_run(chosen, spec, opts)
     s = result.summary
     if json_:
         click.echo(orjson.dumps(s, option=orjson.OPT_SORT_KEYS).decode())
@@ -373,7 +376,7 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
     if quarantine:
         q_path = resolve_run(out_dir) / "quarantine.parquet"
         if not q_path.is_file():
-            raise Failure(f"{out_dir}: no quarantine.parquet here; run `ctxreplay run ... --out {out_dir}` first")
+            raise ArgumentError(f"{out_dir}: no quarantine.parquet here; run `ctxreplay run ... --out {out_dir}` first")
         q = pl.read_parquet(q_path)
         rows = q.head(limit) if limit else q
         if json_:
@@ -443,10 +446,7 @@ def explain(spec: str | None, preset: str | None, json_: bool) -> None:
     """
     from ctxreplay.pipeline.staging.spec import load_spec
 
-    try:
-        sp = load_spec(spec, preset=preset)
-    except CtxReplayError as exc:
-        raise _fail(exc) from exc
+    sp = load_spec(spec, preset=preset)
     doc = {"sha256": sp.sha256, "source": sp.source, **sp.resolved()}
     if json_:
         click.echo(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS).decode())

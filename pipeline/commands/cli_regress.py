@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from ctxreplay.errors import CtxReplayError
-from ctxreplay.pipeline.commands.clicommon import CONTEXT, Failure, preset_choice, target_choice
+from ctxreplay.errors import ArgumentError
+from ctxreplay.pipeline.commands.clicommon import CONTEXT, preset_choice, target_choice
 from ctxreplay.pipeline.core.words import plural
 
 FORMATS = ("text", "markdown", "json")
@@ -33,7 +33,7 @@ def _paths(paths: tuple[Path, ...]) -> list[Path]:
     home = Path.home()
     found = [p for p in (home / ".claude" / "projects", home / ".openclaw" / "agents") if p.is_dir()]
     if not found:
-        raise Failure("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; pass the "
+        raise ArgumentError("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; pass the "
                       "transcript files or directories to compare, e.g. `ctxreplay diff sessions/ --golden golden/`")
     return found
 
@@ -74,15 +74,10 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
     from ctxreplay.pipeline.regress.snapshot import snapshot as do_snapshot
     from ctxreplay.pipeline.staging.spec import load_spec
 
-    try:
-        spec = load_spec(pipeline_file, preset=preset)
-        stats = do_snapshot(_paths(paths), spec, golden_dir, target=target,
-                            token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
-                            progress=_progress(quiet or json_))
-    except Failure:
-        raise
-    except CtxReplayError as exc:
-        raise Failure(str(exc)) from exc
+    spec = load_spec(pipeline_file, preset=preset)
+    stats = do_snapshot(_paths(paths), spec, golden_dir, target=target,
+                        token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
+                        progress=_progress(quiet or json_))
     if json_:
         click.echo(orjson.dumps(stats.to_json(), option=orjson.OPT_SORT_KEYS).decode())
         return
@@ -134,14 +129,9 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
     from ctxreplay.pipeline.staging.spec import load_spec
 
     fmt = "json" if json_ else fmt
-    try:
-        spec = load_spec(pipeline_file, preset=preset)
-        report = run_diff(_paths(paths), spec, golden_dir, target=target, update=update, out_dir=out_dir,
-                          prices=prices_file, progress=_progress(quiet or fmt == "json"))
-    except Failure:
-        raise
-    except CtxReplayError as exc:
-        raise Failure(str(exc)) from exc
+    spec = load_spec(pipeline_file, preset=preset)
+    report = run_diff(_paths(paths), spec, golden_dir, target=target, update=update, out_dir=out_dir,
+                      prices=prices_file, progress=_progress(quiet or fmt == "json"))
     if report is None:  # --update with no goldens to compare with: written afresh
         if not quiet:
             click.echo(f"ctxreplay diff: no goldens to compare with in {golden_dir}; wrote them from this run", err=True)

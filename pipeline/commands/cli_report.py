@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from ctxreplay.errors import CtxReplayError
-from ctxreplay.pipeline.commands.clicommon import CONTEXT, Failure
+from ctxreplay.errors import ArgumentError
+from ctxreplay.pipeline.commands.clicommon import CONTEXT
 
 BY = ("session", "day", "month", "model", "project")
 
@@ -64,32 +64,27 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     """
     if sim_out is not None or breaks_out is not None:
         if html_file is not None and sim_out is None:
-            raise Failure("--html goes with PATHS (recorded usage) or --sim OUT (a run's simulation), not --breaks: "
+            raise ArgumentError("--html goes with PATHS (recorded usage) or --sim OUT (a run's simulation), not --breaks: "
                           "the page of --sim OUT shows the breaks")
         _run_views(paths, sim_out, per_call, breaks_out, json_, html_file)
         return
     if per_call:
-        raise Failure("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
+        raise ArgumentError("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
     import orjson
 
     from ctxreplay.pipeline.cost.prices import PriceBook
     from ctxreplay.pipeline.reporting.report import ReportOptions, build_report, default_paths, parse_day
 
-    try:
-        chosen = list(paths) or default_paths()
-        if not chosen:
-            raise Failure("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
-                          "~/.openclaw/agents exists; pass transcript files or directories, "
-                          "e.g. `ctxreplay report data/samples`")
-        opts = ReportOptions(by=by, since=parse_day(since, "--since"), until=parse_day(until, "--until"),  # type: ignore[arg-type]
-                             tz=tz, compat=compat, count_progress_copies=count_progress_copies,  # type: ignore[arg-type]
-                             workers=workers)
-        book = PriceBook.load(prices_file)
-        rep = build_report(chosen, book, opts)
-    except Failure:
-        raise
-    except CtxReplayError as exc:
-        raise Failure(str(exc)) from exc
+    chosen = list(paths) or default_paths()
+    if not chosen:
+        raise ArgumentError("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
+                      "~/.openclaw/agents exists; pass transcript files or directories, "
+                      "e.g. `ctxreplay report data/samples`")
+    opts = ReportOptions(by=by, since=parse_day(since, "--since"), until=parse_day(until, "--until"),  # type: ignore[arg-type]
+                         tz=tz, compat=compat, count_progress_copies=count_progress_copies,  # type: ignore[arg-type]
+                         workers=workers)
+    book = PriceBook.load(prices_file)
+    rep = build_report(chosen, book, opts)
     doc = rep.to_json()
     if html_file is not None:
         _usage_html(rep, doc, book, opts, chosen, html_file)
@@ -110,17 +105,14 @@ def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: lis
     from ctxreplay.pipeline.reporting import report as rp
     from ctxreplay.pipeline.reporting.html_report import usage_html, write_html
 
-    try:
-        sessions = doc["rows"] if rep.by == "session" else rp.build_report(
-            chosen, book, dataclasses.replace(opts, by="session")).rows
-        recs = rep.records
-        dm = pl.DataFrame({"day": [r[rp.DAY] for r in recs], "model": [r[rp.MODEL] or "unknown" for r in recs],
-                           "cost": [r[rp.COST] for r in recs]}, schema={"day": pl.String, "model": pl.String,
-                                                                         "cost": pl.Float64})
-        dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
-        write_html(html_file, usage_html(doc, sessions, dm))
-    except CtxReplayError as exc:
-        raise Failure(str(exc)) from exc
+    sessions = doc["rows"] if rep.by == "session" else rp.build_report(
+        chosen, book, dataclasses.replace(opts, by="session")).rows
+    recs = rep.records
+    dm = pl.DataFrame({"day": [r[rp.DAY] for r in recs], "model": [r[rp.MODEL] or "unknown" for r in recs],
+                       "cost": [r[rp.COST] for r in recs]}, schema={"day": pl.String, "model": pl.String,
+                                                                     "cost": pl.Float64})
+    dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
+    write_html(html_file, usage_html(doc, sessions, dm))
     click.echo(f"ctxreplay report: wrote {html_file}", err=True)
 
 
@@ -207,29 +199,23 @@ def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, br
     import orjson
 
     if paths:
-        raise Failure("--sim / --breaks read a run's outputs (OUT), not transcripts: drop the PATHS, or run "
+        raise ArgumentError("--sim / --breaks read a run's outputs (OUT), not transcripts: drop the PATHS, or run "
                       "`ctxreplay report PATHS` on its own")
     if sim_out is not None and breaks_out is not None:
-        raise Failure("give one of --sim OUT and --breaks OUT")
+        raise ArgumentError("give one of --sim OUT and --breaks OUT")
     if per_call and sim_out is None:
-        raise Failure("--calls goes with --sim OUT")
+        raise ArgumentError("--calls goes with --sim OUT")
     from ctxreplay.pipeline.cost.breaks import breaks_view, load_run, sim_view
 
     out = sim_out if sim_out is not None else breaks_out
     assert out is not None
-    try:
-        calls, summary, _ = load_run(out)
-    except CtxReplayError as exc:
-        raise Failure(str(exc)) from exc
+    calls, summary, _ = load_run(out)
     if sim_out is not None:
         doc = sim_view(calls, summary, per_call=per_call)
         if html_file is not None:
             from ctxreplay.pipeline.reporting.html_report import sim_html, write_html
 
-            try:
-                write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
-            except CtxReplayError as exc:
-                raise Failure(str(exc)) from exc
+            write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
             click.echo(f"ctxreplay report: wrote {html_file}", err=True)
         if json_:
             click.echo(orjson.dumps(doc).decode())
@@ -378,23 +364,20 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
     from ctxreplay.pipeline.reporting.report import default_paths
 
     if not pipelines:
-        raise Failure("give at least one --pipeline (a preset name or a spec file), e.g. "
+        raise ArgumentError("give at least one --pipeline (a preset name or a spec file), e.g. "
                       "`ctxreplay compare PATH --pipeline identity --pipeline default`")
     if html_file is not None and not html_file.resolve().parent.is_dir():
-        raise Failure(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
+        raise ArgumentError(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
                       f"or pass another path")
     chosen = list(paths) or default_paths()
     if not chosen:
-        raise Failure("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
+        raise ArgumentError("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
                       "~/.openclaw/agents exists; pass transcript files or directories")
     say = None if (quiet or json_ or not sys.stderr.isatty()) else (lambda m: click.echo(f"… {m}", err=True))
-    try:
-        choices = [parse_choice(p) for p in pipelines]
-        if len({c.label for c in choices}) < len(choices):
-            raise Failure("the same --pipeline is given twice; each must differ (a preset, a file, or @ttl=...)")
-        res = run_compare(chosen, choices, prices_file=prices_file, progress=say, keep=keep)
-    except CtxReplayError as exc:
-        raise Failure(str(exc)) from exc
+    choices = [parse_choice(p) for p in pipelines]
+    if len({c.label for c in choices}) < len(choices):
+        raise ArgumentError("the same --pipeline is given twice; each must differ (a preset, a file, or @ttl=...)")
+    res = run_compare(chosen, choices, prices_file=prices_file, progress=say, keep=keep)
     doc = res.to_json()
     if html_file is not None:
         from ctxreplay.pipeline.reporting.html_report import compare_html, write_html

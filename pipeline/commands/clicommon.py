@@ -1,5 +1,6 @@
-"""What every `ctxreplay` command module shares: click settings, the exit-2 failure, and choices
-read from the registries.
+"""What every `ctxreplay` command module shares: click settings and choices read from the
+registries. A command refuses its arguments with `ctxreplay.errors.ArgumentError` (any
+CtxReplayError): `cli.main` maps every error to its exit code and one paragraph on stderr.
 
 Kept apart from `ctxreplay.pipeline.commands.cli` so that command modules (`cli_report`, ...) can import it without a
 circular import when `ctxreplay.pipeline.commands.cli` runs as `python -m ctxreplay.pipeline.commands.cli`.
@@ -13,24 +14,9 @@ from typing import Any
 
 import click
 
+from ctxreplay.errors import ArgumentError
+
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-class Failure(click.ClickException):
-    """Could not run: one paragraph on stderr, exit 2."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:
-        click.echo(f"ctxreplay: {self.format_message()}", err=True)
-
-
-class Interrupted(Failure):
-    exit_code = 130
-
-
-def fail(exc: Exception) -> Failure:
-    return Failure(str(exc))
 
 
 def did_you_mean(value: str, names: Sequence[str]) -> str:
@@ -63,7 +49,7 @@ class RegistryChoice(click.Choice):  # type: ignore[type-arg]
         name = self._normalize(value)
         if name in self.choices:
             return name
-        raise Failure(f"unknown {self.what} '{value}'.{did_you_mean(name, self.choices)} "
+        raise ArgumentError(f"unknown {self.what} '{value}'.{did_you_mean(name, self.choices)} "
                       f"{self.what.capitalize()}s: {', '.join(self.choices)}")
 
 

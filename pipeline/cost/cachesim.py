@@ -74,7 +74,7 @@ from typing import Any
 
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import CtxReplayError, SimError
 from ctxreplay.pipeline.cost.calibrate import Calibration
 
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
@@ -93,10 +93,6 @@ _GEMINI_MIN: list[tuple[re.Pattern[str], int]] = [(re.compile(r"gemini-2\.5"), 2
 OPENAI_MIN_TOKENS = 1024
 OPENAI_STEP = 128
 _OPENAI_WRITE_FEE = re.compile(r"gpt-(?:5\.(?:[6-9]|\d\d)|[6-9])")
-
-
-class SimError(CtxReplayError):
-    """The simulator cannot run on these inputs."""
 
 
 def provider_of(model: str | None) -> str | None:
@@ -1178,8 +1174,6 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
         .then(pl.col("recorded_cost_usd") - pl.col("_rec_nobreak")),
     )
     return frame.drop([x for x in frame.columns if x.startswith("_") and x not in c.columns])
-
-
 
 
 CACHE_EDIT_SUFFIX = ":cache_edit"

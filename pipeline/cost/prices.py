@@ -44,7 +44,7 @@ from datetime import UTC, date, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import PriceError
 
 GENAI_PRICES = "genai-prices"
 CACHE_FORMAT = 1
@@ -61,10 +61,6 @@ _CLAUDE_CLOUD = re.compile(r"^(?:[a-z]{2,6}\.)?anthropic\.(claude-.+?)(?:-v\d+(?
 
 Modifiers = tuple[tuple[str, str], ...]
 TierRule = Literal["request", "category"]
-
-
-class PriceError(CtxReplayError):
-    """The overrides file cannot be used."""
 
 
 @dataclass(frozen=True, slots=True)

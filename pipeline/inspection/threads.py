@@ -21,24 +21,12 @@ from typing import Any
 import orjson
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import AmbiguousRef, CtxReplayError, UnknownRef
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.core.outdir import read_summary, resolve_run
 from ctxreplay.pipeline.core.words import plural
 
 SHOW_CANDIDATES = 8
-
-
-class AmbiguousRef(CtxReplayError):
-    """A prefix that matches more than one thread or session; `candidates` lists them."""
-
-    def __init__(self, message: str, candidates: list[str]) -> None:
-        self.candidates = candidates
-        super().__init__(message)
-
-
-class UnknownRef(CtxReplayError):
-    """A thread or session that the run does not hold."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import CtxReplayError, SourceChanged
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.core.words import plural
@@ -43,10 +43,6 @@ from ctxreplay.pipeline.inspection.threads import stage_rank as _stage_rank
 
 KEY = ("entry_id", "block_pos", "part_pos")
 HEAD_LINES, TAIL_LINES, LINE_CHARS = 4, 2, 240
-
-
-class SourceChanged(CtxReplayError):
-    """The transcript on disk is not the one the run read."""
 
 
 @dataclass

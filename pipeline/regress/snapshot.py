@@ -42,7 +42,7 @@ from typing import Any
 import orjson
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError, InputError, OutputError
+from ctxreplay.errors import GoldenError, InputError, OutputError
 from ctxreplay.pipeline.core.blockops import canonical_json
 from ctxreplay.version import __version__
 
@@ -63,10 +63,6 @@ DECISION_COLUMNS = ["from_call", "stage", "action", "reason", "cache_epoch", "is
                     "block_pos", "part_pos", "tool_use_id", "before_sha256", "after_sha256"]
 
 Progress = Callable[[str], None]
-
-
-class GoldenError(CtxReplayError):
-    """The golden directory is missing, of another format or target, or cannot be written (exit 2)."""
 
 
 # ------------------------------------------------------------------------------------------ inputs

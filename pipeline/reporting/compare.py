@@ -26,15 +26,11 @@ from typing import Any
 
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import CompareError
 
 TTLS = ("recorded", "5m", "1h")
 METRICS = ("calls", "prompt_tokens", "cache_read_tokens", "cache_write_tokens", "input_tokens", "output_tokens",
            "cost_usd", "cache_hit_rate", "breaks", "summary_requests", "summary_cost_usd")
-
-
-class CompareError(CtxReplayError):
-    """compare cannot run with these arguments."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ plug-in holds) is refused with a message naming both packages.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Any, Protocol
 
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import StageNameTaken, StageRegistrationError, UnknownStage
 
 ENTRY_POINT_GROUP = "ctxreplay.stages"
 CORE_PACKAGE = "ctxreplay"
@@ -169,28 +168,6 @@ class RegisteredStage:
 STAGES: dict[str, RegisteredStage] = {}
 
 
-class UnknownStage(CtxReplayError, KeyError):
-    """No stage of that name is registered (a KeyError too, for callers that look names up)."""
-
-    def __init__(self, name: str, known: list[str]) -> None:
-        self.name, self.known = name, known
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        broken = [e for e in PLUGIN_ERRORS if name in (e.entry_point, e.stage)]
-        plugins = f" (the plug-in {broken[0].package} that provides it failed to load: {broken[0].message})" \
-            if broken else ""
-        self.message = (f"Unknown stage '{name}'.{hint}{plugins} Known stages: "
-                        f"{', '.join(sorted(known)) or 'none'}")
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class StageRegistrationError(CtxReplayError):
-    """A stage cannot be registered (bad params class, or a name that belongs to another package)."""
-
-
 @dataclass(frozen=True, slots=True)
 class PluginError:
     """An entry point of the `ctxreplay.stages` group that could not be loaded."""
@@ -256,7 +233,9 @@ def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = 
             _load_builtin()  # built-in names are taken first, whoever imports first
         held = STAGES.get(name)
         if held is not None and held.fn is not fn and not _same_function(held, fn):
-            raise StageNameTaken(name, held.module, module)
+            raise StageNameTaken(name, held.module, module, held_owner=_describe_owner(held.module),
+                                 wanted_owner=_describe_owner(module),
+                                 built_in=held.module.startswith(CORE_MODULE_PREFIX))
         STAGES[name] = RegisteredStage(
             name, version, params, fn, (fn.__doc__ or "").strip(), module, tuple(requires), tuple(reads),
             tuple(frozen), rebuild, spilled_texts, encoder_version)
@@ -268,19 +247,6 @@ def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = 
 def _same_function(held: RegisteredStage, fn: Stage) -> bool:
     return held.module == getattr(fn, "__module__", None) and \
         getattr(held.fn, "__qualname__", None) == getattr(fn, "__qualname__", None)
-
-
-class StageNameTaken(StageRegistrationError):
-    """A package registers a stage name that another package holds."""
-
-    def __init__(self, name: str, held_by: str, wanted_by: str) -> None:
-        self.name, self.held_by, self.wanted_by = name, held_by, wanted_by
-        core = held_by.startswith(CORE_MODULE_PREFIX)
-        whose = "a built-in stage of ctxreplay; built-in names belong to the core" if core else \
-            "registered by another plug-in"
-        super().__init__(f"stage name '{name}' is taken: {_describe_owner(held_by)} holds it ({whose}), so "
-                         f"{_describe_owner(wanted_by)} cannot register it. Give the plug-in's stage another "
-                         f"name, e.g. '{wanted_by.split('.')[0]}_{name}'")
 
 
 _builtin_loaded = False
@@ -327,7 +293,8 @@ def reload_plugins() -> dict[str, RegisteredStage]:
 def get_stage(name: str) -> RegisteredStage:
     registry = load_stages()
     if name not in registry:
-        raise UnknownStage(name, list(registry))
+        broken = next((e for e in PLUGIN_ERRORS if name in (e.entry_point, e.stage)), None)
+        raise UnknownStage(name, list(registry), (broken.package, broken.message) if broken else None)
     return registry[name]
 
 

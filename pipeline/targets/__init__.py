@@ -23,7 +23,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ctxreplay.errors import CtxReplayError
+from ctxreplay.errors import UnknownTarget
 
 
 @dataclass
@@ -148,10 +148,6 @@ def native_block_types(target: str) -> frozenset[str]:
 def register(target: Target) -> Target:
     TARGETS[target.name] = target
     return target
-
-
-class UnknownTarget(CtxReplayError):
-    pass
 
 
 def get_target(name: str) -> Target:
