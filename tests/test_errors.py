@@ -7,7 +7,7 @@ import ast
 import inspect
 from pathlib import Path
 
-import ctxreplay.errors as errors
+from ctxreplay import errors
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ["ctxreplay", "pipeline", "stages", "schemas"]

@@ -47,6 +47,7 @@ from typing import Any
 import orjson
 import polars as pl
 
+from ctxreplay.errors import TargetError
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.targets import ASSISTANT_ROLES, LogicalMessage, Target, Wire, wire_role
@@ -59,6 +60,7 @@ FAR = 1  # the kept hash states grow by at most FAR chunks per call; a longer ta
 LAG = 16  # calls the replay may run ahead of the worker's hashes
 WINDOW = 3  # logical messages shaped past a change before looking for the old wire messages again
 MERGE_GAP = 4  # changed logical messages closer than this are re-shaped together
+MAX_STAND_IN = 4  # messages a target's stand-in may hold: a request's first ids compared with the previous one's
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -231,10 +233,15 @@ def envelope_suffix(env_json: bytes) -> bytes:
     return b"]}" if env_json == b"{}" else b"]," + env_json[1:]
 
 
-def _envelope_bytes(env: dict[str, Any], list_key: str) -> bytes:
+def _envelope_bytes(env: dict[str, Any], target: Target) -> bytes:
+    list_key = target.list_key
     for k in env:
         if k <= list_key:
-            raise ValueError(f"target envelope key '{k}' must sort after the list key '{list_key}'")
+            raise TargetError(
+                f"target {target.name}: its envelope() returns the key '{k}', which does not sort after the "
+                f"message list's key '{list_key}'; ctxreplay builds a request's canonical JSON with the messages "
+                f"before every other key (its hashes and request store rely on it). Rename the key in the "
+                f"target's envelope() so that it sorts after '{list_key}', or use another list_key")
     return envelope_suffix(canonical_json(env))
 
 
@@ -655,7 +662,7 @@ def replay_thread(
         excluded = th.hold(m, excluded)
         if m:
             msg_tok, h, comma, rest = th.request_parts(m, None)
-            head = th.wid[:min(m, 4)]
+            head = th.wid[:min(m, MAX_STAND_IN)]
             if stand_first is not None:
                 if spans is not None:
                     for j, mid in enumerate(stand_ids or ()):
@@ -669,7 +676,7 @@ def replay_thread(
             if stand_first is None:
                 stand_first = k
             msg_tok, h, comma, rest = th.request_parts(0, stand_ids)
-            head = array("i", stand_ids[:4])
+            head = array("i", stand_ids[:MAX_STAND_IN])
         if len(rest) > CHUNK:  # a long tail: hashed by the worker while the replay goes on
             if pool is None:
                 pool = guard.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxreplay-hash")
@@ -678,7 +685,7 @@ def replay_thread(
             sha = finish_hash(h, comma, rest, env_suffix)
         length = m or len(stand_ids or ())
         # where this request first differs from the previous one: the wire messages agree before
-        # the first one this call changed; a stand-in (at most 4 messages) is compared as it is
+        # the first one this call changed; a stand-in (at most MAX_STAND_IN messages) is compared as it is
         if k == 0:
             brk = None
         elif m and not prev_stand_in:
@@ -775,16 +782,19 @@ def make_envelope(target: Target, model: str | None, rows: list[dict[str, Any]],
     sent = [rows[i] for i in system_rows if rows[i]["block_type"] == "text"]
     env_id = store.add(canonical_json(env), kind="envelope", role=None, n_blocks=len(sent),
                        tokens=sum(r["_tok"] for r in sent))
-    return env_id, _envelope_bytes(env, target.list_key)
+    return env_id, _envelope_bytes(env, target)
 
 
 def stand_in_messages(target: Target, store: MessageStore) -> list[int]:
     """The target's stand-in turn (a request with no recorded message before it), added to `store`."""
-    ids = [store.add(canonical_json(x), kind="message", role=wire_role(x), n_blocks=n_blocks(x), tokens=0)
-           for x in target.empty_messages()]
-    if len(ids) > 4:
-        raise ValueError(f"target {target.name}: more than 4 stand-in messages")
-    return ids
+    stand_in = target.empty_messages()
+    if len(stand_in) > MAX_STAND_IN:
+        raise TargetError(
+            f"target {target.name}: its empty_messages() returns {len(stand_in)} messages to stand in for a request "
+            f"with no recorded message; the replay takes at most {MAX_STAND_IN} (it compares a stand-in whole). "
+            f"Return at most {MAX_STAND_IN} messages (e.g. one user turn), or [] for none")
+    return [store.add(canonical_json(x), kind="message", role=wire_role(x), n_blocks=n_blocks(x), tokens=0)
+            for x in stand_in]
 
 
 def _system_messages(rows: list[dict[str, Any]], idx: list[int]) -> list[LogicalMessage]:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
+from ctxreplay.errors import SimError
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.stageapi.calls import messages, per_call_sum, request_tokens
 from ctxreplay.pipeline.stageapi.registry import StageContext
@@ -220,7 +221,9 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
     usage and `rec` (recorded_facts). Threads without recorded usage get the family's
     default ratio and a zero preamble."""
     if mode not in ("thread", "family"):
-        raise ValueError(f"calibration mode must be 'thread' or 'family', not {mode!r}")
+        raise SimError(f"calibration mode {mode!r} is neither 'thread' (each thread's own tokenizer ratio where its "
+                       f"calls determine it, the default) nor 'family' (the model family's ratio for every thread): "
+                       f"pass mode='thread' or mode='family'")
     need = [*THREAD, "thread_key", "call", "is_pending", "model", *_RECORDED, "recorded_cache_write_5m_tokens",
             "recorded_cache_write_1h_tokens"]
     if "timestamp" in calls.columns:

@@ -31,6 +31,10 @@ bench/bench_engine.py measures what a call costs on both paths.
 
 One engine per ledger: `Engine.open` takes the ledger's lock (the runner's) and holds it until
 `close()`; a second engine or a `ctxreplay run` on that ledger is refused with a `LockError`.
+
+Errors: every method raises a `ctxreplay.errors.CtxReplayError` (one paragraph that names what and
+the fix), as the CLI reports them; any other exception is a bug in ctxreplay and comes out as
+`internal_error`'s CheckFailed, its traceback in a file (`_guarded`).
 """
 
 from __future__ import annotations
@@ -42,16 +46,16 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, ParamSpec, Self, TypeVar
 
 import orjson
 import polars as pl
 
-from ctxreplay.errors import CtxReplayError, InputError, LockError, OutputError, SpecError
+from ctxreplay.errors import CtxReplayError, InputError, LockError, OutputError, SpecError, internal_error
 from ctxreplay.pipeline.assembly.replay import (
     call_counts,
     call_skeleton,
@@ -267,6 +271,29 @@ def _safe_name(name: str) -> str:
     return name
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _guarded(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A public method of the engine: what it raises is a CtxReplayError (ctxreplay.errors), as in
+    the CLI. An exception of another kind is a bug in ctxreplay (an internal invariant that did
+    not hold): it is raised as `internal_error`'s CheckFailed, whose message names the file that
+    holds its traceback (the original is its __cause__). KeyboardInterrupt passes through."""
+    where = f"in Engine.{fn.__name__}"
+
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except CtxReplayError:
+            raise
+        except Exception as exc:
+            raise internal_error(exc, where) from exc
+
+    return call
+
+
 class Engine:
     """The live engine over one ledger (see the module docstring). Not thread-safe: one caller."""
 
@@ -309,12 +336,13 @@ class Engine:
     # ------------------------------------------------------------------ life cycle
 
     @classmethod
+    @_guarded
     def open(cls, spec: PipelineSpec | str | Path, ledger_path: str | Path, target: str = DEFAULT_TARGET, *,
              token_counter: str = TIKTOKEN_COUNTER, spill_dir: str | Path | None = None) -> Engine:
         """An engine running `spec` (a PipelineSpec, a preset name or a spec file) for `target`,
         with its decisions in the DuckDB ledger at `ledger_path` (created if missing). The same
         spec, target and ledger as a `ctxreplay run` give the same requests. Raises LockError when
-        another engine or run holds the ledger, SpecError for a bad spec or target."""
+        another engine or run holds the ledger, SpecError for a bad spec, UnknownTarget for an unknown target."""
         resolved = _spec_of(spec)
         t = get_target(target)  # an unknown target fails here
         resolved = resolved.for_target(t.name)
@@ -328,6 +356,7 @@ class Engine:
         return cls(resolved, path, t.name, token_counter=token_counter,
                    spill_dir=Path(spill_dir) if spill_dir is not None else None)
 
+    @_guarded
     def close(self) -> None:
         """Release the ledger (its lock too) and remove the spool. Decisions are already committed."""
         if self._closed:
@@ -351,6 +380,7 @@ class Engine:
 
     # ------------------------------------------------------------------ ingest
 
+    @_guarded
     def ingest(self, session_id: str, entries: Iterable[Entry], *, file: str | None = None) -> int:
         """Append transcript entries to a session, in order: the dicts of a transcript's lines (any
         supported format: Claude Code, OpenClaw / pi, Codex rollout), or the lines themselves as
@@ -361,6 +391,9 @@ class Engine:
         self._check_open()
         if not isinstance(session_id, str) or not session_id:
             raise InputError("session_id must be a non-empty string")
+        if not isinstance(entries, Iterable):
+            raise InputError(f"ingest({session_id!r}): entries must be an iterable of transcript lines (dicts, str "
+                             f"or bytes), not {type(entries).__name__}; pass a list, e.g. [entry]")
         name = _safe_name(file if file is not None else f"{session_id}.jsonl")
         s = self._session(session_id)
         f = s.files.get(name)
@@ -374,6 +407,7 @@ class Engine:
             s.dirty = True
         return n
 
+    @_guarded
     def ingest_batch(self, batch: Mapping[str, Iterable[Entry]] | Iterable[tuple[str, Iterable[Entry]]]) -> int:
         """`ingest` for several sessions: a mapping (or pairs) session_id -> entries."""
         items = batch.items() if isinstance(batch, Mapping) else batch
@@ -610,6 +644,7 @@ class Engine:
 
     # ------------------------------------------------------------------ assemble
 
+    @_guarded
     def threads(self, session_id: str) -> dict[str, str | None]:
         """The session's threads (after a pass over what was ingested): thread id -> the entry id of
         its last message."""
@@ -623,6 +658,7 @@ class Engine:
                 .group_by("thread_id", maintain_order=True).agg(pl.col("entry_id").last()))
         return dict(zip(tips.get_column("thread_id").to_list(), tips.get_column("entry_id").to_list()))
 
+    @_guarded
     def assemble(self, session_id: str, thread: str = "main", token_budget: int | None = None, *,
                  model: str | None = None, awaiting_user: bool = False) -> AssembleResult:
         """The request the thread sends now (its pending call), in the target's wire shape.
@@ -748,6 +784,7 @@ class Engine:
 
     # ------------------------------------------------------------------ compact, after_turn
 
+    @_guarded
     def compact(self, session_id: str, force: bool = False, thread: str = "main") -> CompactResult:
         """Run the time- and budget-based layers now and freeze what they decide.
 
@@ -785,6 +822,7 @@ class Engine:
                             f"{self.spec.source} has none: add a [[stage]] use = \"tombstone\"")
         return dataclasses.replace(self.spec, stages=tuple(stages))
 
+    @_guarded
     def after_turn(self, session_id: str, usage: Mapping[str, Any], thread: str = "main") -> TurnUsage:
         """Record the usage the provider reported for the request last assembled on this thread
         (Anthropic `usage` keys, or OpenAI `prompt_tokens` / `completion_tokens`), beside the
@@ -826,6 +864,7 @@ class Engine:
              _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")])
         return rec
 
+    @_guarded
     def usage(self, session_id: str | None = None) -> pl.DataFrame:
         """The usage recorded by `after_turn` in this ledger (all sessions, or one)."""
         self._check_open()
@@ -834,12 +873,14 @@ class Engine:
         rel = self.ledger.con.sql(q, params={"sid": session_id} if session_id else None)
         return pl.from_arrow(rel.to_arrow_table())  # type: ignore[return-value]
 
+    @_guarded
     def timings(self, session_id: str) -> dict[str, float]:
         """Seconds of the last pass over the session (load, stages, commit) and of shaping the last
         request assembled (shape)."""
         s = self._known(session_id)
         return {**(s.last.seconds if s.last else {}), "shape": s.shaped}
 
+    @_guarded
     def stage_timings(self, session_id: str) -> dict[str, float]:
         """Seconds each stage position took in the last full pass over the session (its frozen
         decisions re-applied, the stage run, its decisions reconciled with the ledger), by the
