@@ -22,8 +22,11 @@ from ctxreplay.pipeline.commands.cli_report import compare, report
 from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
     RegistryChoice,
+    json_option,
+    pipeline_option,
     preset_choice,
-    target_choice,
+    preset_option,
+    target_option,
 )
 from ctxreplay.pipeline.core.words import plural
 
@@ -82,16 +85,15 @@ def main() -> None:
 
 @main.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
-@click.option("--preset", type=preset_choice(), help="A preset from data/pipelines (default: default).")
+@pipeline_option()
+@preset_option()
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("ctxreplay-out"), show_default=True,
               help="Output directory.")
 @click.option("--ledger", "ledger_path", type=click.Path(path_type=Path),
               help="Ledger file (default: OUT/ledger.duckdb).")
-@click.option("--target", type=target_choice(), help="Wire shape of the assembled requests (default: the spec's "
-              "[pipeline] target, else anthropic).")
+@target_option()
 @click.option("--all-calls", is_flag=True, help="Also write every call's request to requests/<thread_key>.jsonl.")
-@click.option("--json", "json_", is_flag=True, help="Print the summary as one JSON document on stdout.")
+@json_option("the summary")
 @click.option("--strict", is_flag=True, help="Exit 1 when lines were quarantined or requests violate the target.")
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken.")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
@@ -232,8 +234,7 @@ THREAD_HELP = ("THREAD is a thread key (`ctxreplay threads OUT` lists them) or a
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.argument("thread")
 @click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
-@click.option("--target", type=target_choice(), help="Wire shape (default: the target the run used, from its "
-              "summary.json).")
+@target_option("the target the run used, from its summary.json", of="the request")
 @click.option("--canonical", is_flag=True, help="Print exactly the bytes whose sha256 is request_sha256 in "
               "calls.parquet (sorted keys, no whitespace, no newline at the end).")
 def request(out_dir: Path, thread: str, call: int | None, target: str | None, canonical: bool) -> None:
@@ -276,7 +277,7 @@ def request(out_dir: Path, thread: str, call: int | None, target: str | None, ca
               "its request's hash, where it first differs, and each changed block's recorded text against "
               "the replayed one.")
 @click.option("--full", is_flag=True, help="Unfold long texts (by default: first and last lines).")
-@click.option("--json", "json_", is_flag=True, help="The same as one JSON document on stdout.")
+@json_option("the same")
 def why(out_dir: Path, thread: str, call: int | None, stage_name: str | None, changed_only: bool, diff: bool,
         full: bool, json_: bool) -> None:
     """Show one call's request block by block, with the decision behind every change.
@@ -312,7 +313,7 @@ def why(out_dir: Path, thread: str, call: int | None, stage_name: str | None, ch
 @main.command(context_settings=CONTEXT)
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--session", "session", help="Only this session (a unique prefix of its id).")
-@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+@json_option()
 def threads(out_dir: Path, session: str | None, json_: bool) -> None:
     """List the threads of a run, one line each.
 
@@ -353,7 +354,7 @@ def threads(out_dir: Path, session: str | None, json_: bool) -> None:
 @click.option("--thread", "thread", help="Only this thread's decisions (as THREAD of `ctxreplay request`).")
 @click.option("--quarantine", is_flag=True, help="Show the quarantined lines of the run instead.")
 @click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Rows to list (0: all).")
-@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+@json_option()
 def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, session_id: str | None,
            thread: str | None, quarantine: bool, limit: int, json_: bool) -> None:
     """Count and list the decisions of the run OUT shows, and the ledger's frozen ones.
@@ -399,7 +400,7 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+@json_option()
 def stages(json_: bool) -> None:
     """List the registered stages: owner package and version, what each needs, and its parameters
     with their defaults as a [[stage]] table you can paste into a spec. Plug-ins that failed to load
@@ -435,8 +436,8 @@ def stages(json_: bool) -> None:
 
 @main.command(context_settings=CONTEXT)
 @click.argument("spec", required=False)
-@click.option("--preset", type=preset_choice(), help="Explain a preset instead of a file.")
-@click.option("--json", "json_", is_flag=True, help="One JSON document on stdout.")
+@preset_option("Explain a preset instead of a file.")
+@json_option()
 def explain(spec: str | None, preset: str | None, json_: bool) -> None:
     """Print the resolved pipeline spec (defaults filled in) and its sha256.
 

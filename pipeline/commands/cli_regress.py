@@ -15,7 +15,13 @@ from typing import Any
 import click
 
 from ctxreplay.errors import ArgumentError
-from ctxreplay.pipeline.commands.clicommon import CONTEXT, preset_choice, target_choice
+from ctxreplay.pipeline.commands.clicommon import (
+    CONTEXT,
+    json_option,
+    pipeline_option,
+    preset_option,
+    target_option,
+)
 from ctxreplay.pipeline.core.words import plural
 
 FORMATS = ("text", "markdown", "json")
@@ -44,14 +50,14 @@ def _size(n: int) -> str:
 
 @click.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
-@click.option("--preset", type=preset_choice(), help="A preset from data/pipelines (default: default).")
-@click.option("--target", type=target_choice(), help="Wire shape of the requests (default: the spec's [pipeline] target, else anthropic).")
+@pipeline_option()
+@preset_option()
+@target_option()
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), required=True,
               help="Directory for the goldens (created or replaced as a whole).")
 @click.option("--fast-tokens", is_flag=True, help="Estimate tokens as ceil(chars/4) instead of tiktoken "
                                                   "(recorded in the goldens; diff then counts the same way).")
-@click.option("--json", "json_", is_flag=True, help="Print what was written as one JSON document on stdout.")
+@json_option("what was written")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
               "the JSON document is still printed.")
 def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
@@ -92,15 +98,14 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-@click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
-@click.option("--preset", type=preset_choice(), help="A preset from data/pipelines (default: default).")
-@click.option("--target", type=target_choice(), help="Wire shape of the requests (default: the spec's [pipeline] target, else the "
-                               "goldens' target).")
+@pipeline_option()
+@preset_option()
+@target_option("the spec's [pipeline] target, else the goldens' target")
 @click.option("--golden", "golden_dir", type=click.Path(path_type=Path), required=True,
               help="Directory of the goldens (written by `ctxreplay snapshot`).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
               help="Report format: text, markdown (a pull-request comment) or json.")
-@click.option("--json", "json_", is_flag=True, help="Same as --format json: one JSON document on stdout.")
+@json_option("the report", note="the same as --format json")
 @click.option("--update", is_flag=True, help="Rewrite the goldens from this run (after reporting what changed); "
                                              "exit 0.")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path),

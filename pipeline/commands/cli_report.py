@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ctxreplay.errors import ArgumentError
-from ctxreplay.pipeline.commands.clicommon import CONTEXT
+from ctxreplay.pipeline.commands.clicommon import CONTEXT, json_option
 
 BY = ("session", "day", "month", "model", "project")
 
@@ -24,7 +24,7 @@ BY = ("session", "day", "month", "model", "project")
 @click.option("--since", help="First day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
 @click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
 @click.option("--tz", help="Time zone of days and months (IANA name, e.g. UTC); default: this machine's.")
-@click.option("--json", "json_", is_flag=True, help="Print one JSON document on stdout.")
+@json_option()
 @click.option("--prices", "prices_file", type=click.Path(path_type=Path),
               help="TOML file of prices that override or add models (see README, Prices).")
 @click.option("--compat", type=click.Choice(["ccusage"]),
@@ -334,7 +334,7 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
 @click.option("--pipeline", "pipelines", multiple=True, metavar="SPEC[@ttl=5m|1h]",
               help="A preset name or a spec file, repeatable; the first is the baseline. `identity` is the "
                    "sessions as recorded; `@ttl=1h` prices every cache write with a 1-hour TTL.")
-@click.option("--json", "json_", is_flag=True, help="Print one JSON document on stdout.")
+@json_option()
 @click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
               help="Also write a self-contained HTML page of charts (no network needed to view it).")
 @click.option("--prices", "prices_file", type=click.Path(path_type=Path),

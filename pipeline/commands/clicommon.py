@@ -1,5 +1,6 @@
 """What every `ctxreplay` command module shares: click settings and choices read from the
-registries. A command refuses its arguments with `ctxreplay.errors.ArgumentError` (any
+registries, and the options several commands take, each written once (`pipeline_option`,
+`preset_option`, `target_option`, `json_option`). A command refuses its arguments with `ctxreplay.errors.ArgumentError` (any
 CtxReplayError): `cli.main` maps every error to its exit code and one paragraph on stderr.
 
 Kept apart from `ctxreplay.pipeline.commands.cli` so that command modules (`cli_report`, ...) can import it without a
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -69,3 +71,32 @@ def target_choice() -> RegistryChoice:
         return target_names()
 
     return RegistryChoice(names, "target", normalize=lambda s: s.replace("_", "-"))
+
+
+# ---------------------------------------------------------------------------------------------
+# options shared by several commands: each written once
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def pipeline_option() -> Decorator:
+    """`--pipeline FILE` (-> `pipeline_file`): the pipeline spec of run, snapshot, diff."""
+    return click.option("--pipeline", "pipeline_file", type=click.Path(path_type=Path), help="Pipeline spec (TOML).")
+
+
+def preset_option(help_text: str = "A preset from data/pipelines (default: default).") -> Decorator:
+    """`--preset NAME` (-> `preset`), its choices read from the presets."""
+    return click.option("--preset", type=preset_choice(), help=help_text)
+
+
+def target_option(default: str = "the spec's [pipeline] target, else anthropic", of: str = "the requests") -> Decorator:
+    """`--target NAME` (-> `target`), its choices read from the targets (`_` taken for `-`); `default`
+    says what the command uses without it."""
+    return click.option("--target", type=target_choice(), help=f"Wire shape of {of} (default: {default}).")
+
+
+def json_option(what: str = "", *, note: str = "") -> Decorator:
+    """`--json` (-> `json_`): print `what` (the command's result when empty) as one JSON document
+    on stdout; `note` is added in parentheses (e.g. what else gives the same)."""
+    shown = f"Print {what} as one JSON document on stdout" if what else "Print one JSON document on stdout"
+    return click.option("--json", "json_", is_flag=True, help=shown + (f" ({note})." if note else "."))
