@@ -146,7 +146,7 @@ def naive_request(rows: list[dict[str, Any]], k: int, target_name: str, model: s
 def naive_prompt_tokens(request: dict[str, Any], rows: list[dict[str, Any]], k: int, target_name: str) -> int:
     """prompt_tokens of a naive request (rows weigh their `_tok`): the rows each wire message sends,
     the system text rows of the envelope, and the per-message and per-request overheads."""
-    from ctxreplay.pipeline.assembly.replay import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS
+    from ctxreplay.pipeline.core.constants import MESSAGE_OVERHEAD_TOKENS, REQUEST_OVERHEAD_TOKENS
     from ctxreplay.pipeline.targets import get_target
 
     target = get_target(target_name)

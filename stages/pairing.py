@@ -62,6 +62,9 @@ from ctxreplay.pipeline.core.blockops import (
     sha256_hex,
     synthetic_id_expr,
 )
+from ctxreplay.pipeline.core.constants import ANTHROPIC_TOOL_ID_PATTERN
+from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT as MISSING_TEXT
+from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT_OPENAI as MISSING_TEXT_OPENAI
 from ctxreplay.pipeline.stageapi.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
 from ctxreplay.pipeline.stageapi.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
@@ -69,15 +72,13 @@ from ctxreplay.pipeline.targets import target_family
 from ctxreplay.schemas.blocks import CONTENT_COLUMNS
 from ctxreplay.schemas.decisions import DECISION_KEY
 
-MISSING_TEXT_OPENAI = "aborted"
-MISSING_TEXT = "[tool result missing: the call was interrupted or its result was not recorded]"
 FAILED_STOP_REASONS = ("error", "aborted")
 
 BLOCK = BLOCK_KEY
 MSG = ["session_id", "thread_id", "msg_key"]
 POS_SHIFT = 1 << 20  # position of a block in its thread: order_key * POS_SHIFT + block_pos
 
-ANTHROPIC_ID = re.compile(r"^[A-Za-z0-9_-]+$")
+ANTHROPIC_ID = re.compile(ANTHROPIC_TOOL_ID_PATTERN)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,6 +22,7 @@ import polars as pl
 from ctxreplay.pipeline.core.blockops import null_columns
 from ctxreplay.pipeline.core.constants import (
     BLOCK_KEY,
+    CACHE_EDIT_SUFFIX,
     NO_CALL,
     PART_KEY,
     THINKING_TYPES,
@@ -498,8 +499,6 @@ def _thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame) -> pl.LazyFrame:
         .filter(pl.col("block_type").is_in(list(THINKING_TYPES))) \
         .join(msgs.select(*THREAD, "msg_key", "turn"), on=[*THREAD, "msg_key"], how="left")
 
-
-CACHE_EDIT_SUFFIX = ":cache_edit"
 
 
 def _why(reason: pl.Expr, params: Tombstone) -> pl.Expr:

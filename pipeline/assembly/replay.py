@@ -49,12 +49,10 @@ import polars as pl
 
 from ctxreplay.errors import TargetError
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
-from ctxreplay.pipeline.core.constants import POLARS_ENGINE
+from ctxreplay.pipeline.core.constants import MESSAGE_OVERHEAD_TOKENS, POLARS_ENGINE, REQUEST_OVERHEAD_TOKENS
 from ctxreplay.pipeline.targets import ASSISTANT_ROLES, LogicalMessage, Target, Wire, wire_role
 from ctxreplay.pipeline.targets._wire import label, split
 
-MESSAGE_OVERHEAD_TOKENS = 3
-REQUEST_OVERHEAD_TOKENS = 3
 CHUNK = 64  # a sha256 state is kept every CHUNK wire messages
 FAR = 1  # the kept hash states grow by at most FAR chunks per call; a longer tail is hashed by a worker
 LAG = 16  # calls the replay may run ahead of the worker's hashes

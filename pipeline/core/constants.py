@@ -46,9 +46,28 @@ CHARS_PER_TOKEN = 4
 """The fast estimator: ceil(chars / CHARS_PER_TOKEN) tokens."""
 
 
+CHARS4_COUNTER = "chars4-v1"
+"""Name and version of the fast estimator (a token counter's name is part of what a token-based
+decision depends on); the tiktoken counter's is ctxreplay.pipeline.core.tokens.TIKTOKEN_COUNTER."""
+
+
 def chars4_tokens(chars: int) -> int:
     """The fast estimate of a text of `chars` characters: ceil(chars / 4)."""
     return (chars + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt-cache lifetimes (../shared/docs/cost-and-cache.md §2.1): Anthropic's two TTLs; the 5-minute one is also
+# what the simulator assumes for OpenAI's and Gemini's automatic caching
+
+TTL_5M_S = 300.0
+TTL_1H_S = 3600.0
+TTL_SECONDS = {"5m": TTL_5M_S, "1h": TTL_1H_S}
+"""Seconds a cache entry lives, by the TTL name Anthropic's usage reports (`5m`, `1h`)."""
+
+CACHE_EDIT_SUFFIX = ":cache_edit"
+"""Ends the reason of a tombstone decision taken in `mode = "cache_edit"` (the provider clears the
+content in its cache): the cache simulator keeps the cached prefix of such a request."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,6 +79,10 @@ ANTHROPIC_TOOL_ID_PATTERN = r"^[A-Za-z0-9_-]+$"
 """A tool-call id the Anthropic API accepts."""
 MAGIC_STRING_PATTERN = r"ANTHROPIC_MAGIC_STRING_TRIGGER_(?:REFUSAL|REDACTED_THINKING)(?:_[0-9A-Fa-f]{64})?"
 """Refusal / redacted-thinking trigger strings that sanitize scrubs."""
+DATA_URL_PATTERN = r"(?s)^data:([^;,]+)?(;base64)?,(.*)$"
+"""A `data:` URL: group 1 the media type, 2 `;base64` when the payload is base64, 3 the payload."""
+DATA_URL_BASE64 = "data:{media_type};base64,{data}"
+"""The base64 `data:` URL the OpenAI targets send an image as."""
 
 # ---------------------------------------------------------------------------------------------
 # placeholder strings (exact; docs/layers.md)

@@ -19,6 +19,7 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.errors import CtxReplayError
+from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
 
 # shipped inside the package (ctxreplay.data, the repository's data/): read through importlib.resources
 O200K_FILE = files("ctxreplay.data") / "tokenizer" / "o200k_base.tiktoken.gz"
@@ -26,7 +27,6 @@ O200K_FILE = files("ctxreplay.data") / "tokenizer" / "o200k_base.tiktoken.gz"
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
 TIKTOKEN_COUNTER = "tiktoken-o200k_base-v1"
-CHARS4_COUNTER = "chars4-v1"
 
 _encoding: Any = None
 

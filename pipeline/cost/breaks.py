@@ -35,16 +35,17 @@ from typing import Any
 
 import polars as pl
 
+from ctxreplay.pipeline.core.constants import TTL_1H_S, TTL_5M_S
+
 CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "best_effort",
           "lookback", "concurrent", "unexplained")
-_TTL_S = {"5m": 300.0, "1h": 3600.0}
 
 
 def _recorded_ttl() -> pl.Expr:
     w5 = pl.col("recorded_cache_write_5m_tokens").fill_null(0)
     w1 = pl.col("recorded_cache_write_1h_tokens").fill_null(0)
-    return pl.when((w1 > 0) & (w1 >= w5)).then(pl.lit(3600.0)).when(
-        (w5 > 0) | (pl.col("recorded_cache_write_tokens").fill_null(0) > 0)).then(pl.lit(300.0)).otherwise(None)
+    return pl.when((w1 > 0) & (w1 >= w5)).then(pl.lit(TTL_1H_S)).when(
+        (w5 > 0) | (pl.col("recorded_cache_write_tokens").fill_null(0) > 0)).then(pl.lit(TTL_5M_S)).otherwise(None)
 
 
 def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
@@ -59,7 +60,7 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
     # the prefix to compare with as it was
     active = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0
     r = r.filter(known & active).sort("thread_key", "call").with_columns(_rttl=_recorded_ttl())
-    r = r.with_columns(_rttl=pl.col("_rttl").forward_fill().backward_fill().over("thread_key").fill_null(300.0))
+    r = r.with_columns(_rttl=pl.col("_rttl").forward_fill().backward_fill().over("thread_key").fill_null(TTL_5M_S))
     prev = {
         "_p_cached": pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"),
         "_p_model": pl.col("model"), "_p_t": pl.col("timestamp"), "_p_ttl": pl.col("_rttl"),
@@ -78,7 +79,7 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
          pl.format("{} -> {}", pl.col("_p_model"), pl.col("model"))),
         ("ttl_expiry", gap > pl.col("_p_ttl"),
          pl.format("idle {} s > TTL {}", gap.round(0).cast(pl.Int64),
-                   pl.when(pl.col("_p_ttl") >= 3600).then(pl.lit("1h")).otherwise(pl.lit("5m")))),
+                   pl.when(pl.col("_p_ttl") >= TTL_1H_S).then(pl.lit("1h")).otherwise(pl.lit("5m")))),
         ("compaction", pl.col("segment") != pl.col("_p_seg"), pl.lit(None, pl.String)),
         ("thinking_strip", pl.col("recorded_strip").fill_null(False), pl.lit(None, pl.String)),
         ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,

@@ -75,11 +75,16 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.errors import CtxReplayError, SimError
+from ctxreplay.pipeline.core.constants import (
+    CACHE_EDIT_SUFFIX,
+    MESSAGE_OVERHEAD_TOKENS,
+    REQUEST_OVERHEAD_TOKENS,
+    TTL_1H_S,
+    TTL_5M_S,
+    TTL_SECONDS,
+)
 from ctxreplay.pipeline.cost.calibrate import Calibration
 
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
-REQUEST_OVERHEAD_TOKENS = 3   # ctxreplay.pipeline.assembly.replay: per request
-MESSAGE_OVERHEAD_TOKENS = 3   # ctxreplay.pipeline.assembly.replay: per message
 NEVER = float("inf")
 
 # minimum cacheable prompt per model (cost-and-cache.md §2.1; where sources disagree, the larger
@@ -142,8 +147,8 @@ class Policy:
     scope: str = "all"
     """`all`: one account / workspace for every session of the run; `session`: no sharing between
     sessions; a callable is not allowed (the policy must stay hashable and printable)."""
-    openai_ttl_s: float = 300.0
-    gemini_ttl_s: float = 300.0
+    openai_ttl_s: float = TTL_5M_S
+    gemini_ttl_s: float = TTL_5M_S
 
     def __post_init__(self) -> None:
         if self.ttl not in ("recorded", "5m", "1h"):
@@ -644,7 +649,7 @@ def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: A
     provider = _provider_expr()
     hist = (pl.col("preamble_tokens").fill_null(0) + pl.col("ratio").fill_null(1.0) * pl.col("_sum_request")).round(0) \
         .cast(pl.Int64)
-    ttl_s = pl.when(pl.col("_p_ttl") == "1h").then(pl.lit(3600.0)).otherwise(pl.lit(300.0))
+    ttl_s = pl.when(pl.col("_p_ttl") == "1h").then(pl.lit(TTL_1H_S)).otherwise(pl.lit(TTL_5M_S))
     alive = (pl.col("_p_model") == pl.col("model")) & ((pl.col("_t") - pl.col("_p_t")) < ttl_s) \
         & pl.col("uses_cache").fill_null(False)
     read = pl.when(alive.fill_null(False)).then(pl.min_horizontal(pl.col("_p_cached"), hist)).otherwise(0)
@@ -1174,9 +1179,6 @@ def _price(c: pl.DataFrame, prices: Any) -> pl.DataFrame:
         .then(pl.col("recorded_cost_usd") - pl.col("_rec_nobreak")),
     )
     return frame.drop([x for x in frame.columns if x.startswith("_") and x not in c.columns])
-
-
-CACHE_EDIT_SUFFIX = ":cache_edit"
 
 
 def cache_edit_aliases(decisions: pl.DataFrame | None, call_messages: Any, messages: Any = None) -> dict[str, str]:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import polars as pl
 
 from ctxreplay.errors import SimError
-from ctxreplay.pipeline.core.constants import POLARS_ENGINE
+from ctxreplay.pipeline.core.constants import POLARS_ENGINE, TTL_1H_S, TTL_5M_S
 from ctxreplay.pipeline.stageapi.calls import messages, per_call_sum, request_tokens
 from ctxreplay.pipeline.stageapi.registry import StageContext
 
@@ -332,7 +332,7 @@ def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
     # (same model and compaction segment, within the TTL written with; calls that neither read nor
     # wrote are left out, as in pipeline/cost/breaks.py)
     act = rec.filter((pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0)
-    ttl = pl.when(pl.col("recorded_cache_write_1h_tokens").fill_null(0) > 0).then(3600.0).otherwise(300.0)
+    ttl = pl.when(pl.col("recorded_cache_write_1h_tokens").fill_null(0) > 0).then(TTL_1H_S).otherwise(TTL_5M_S)
     sh = {k: v.shift(1).over("thread_key") for k, v in {
         "_pc": pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"),
         "_pm": pl.col("model"), "_ps": pl.col("segment"), "_pt": pl.col("timestamp"), "_pttl": ttl}.items()}

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ctxreplay.pipeline.core.constants import DATA_URL_PATTERN
 from ctxreplay.pipeline.loaders.base import (
     Block,
     Compaction,
@@ -58,7 +59,7 @@ OUTPUT_ITEMS = {"function_call_output", "custom_tool_call_output", "local_shell_
                 "tool_search_output"}
 _META_PREFIXES = ("<environment_context>", "<user_instructions>", "# AGENTS.md instructions",
                   "<turn_aborted>", "<user_shell_command>")
-_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
+_DATA_URL = re.compile(DATA_URL_PATTERN)
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:

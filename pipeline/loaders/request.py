@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from ctxreplay.pipeline.core.constants import DATA_URL_PATTERN
 from ctxreplay.pipeline.loaders.base import (
     MAX_DEPTH,
     Block,
@@ -58,7 +59,7 @@ _OPENAI_PARTS = {"image_url", "input_audio", "file"}
 _ANTHROPIC_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking", "document",
                      "server_tool_use", "web_search_tool_result", "search_result", "container_upload"}
 _OPENAI_MODEL = re.compile(r"^(gpt-|o[134](-|$)|chatgpt-|ft:gpt)", re.IGNORECASE)
-_DATA_URL = re.compile(r"^data:([^;,]+)?(;base64)?,(.*)$", re.DOTALL)
+_DATA_URL = re.compile(DATA_URL_PATTERN)
 _decoder = json.JSONDecoder()
 
 

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import polars as pl
 
 from ctxreplay.errors import StageNameTaken, StageRegistrationError, UnknownStage
+from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
 
 ENTRY_POINT_GROUP = "ctxreplay.stages"
 CORE_PACKAGE = "ctxreplay"
@@ -71,7 +72,7 @@ class StageContext:
     """The model's context window, from the spec's `[pipeline] window_tokens`."""
     count_tokens: TokenCounter | None = None
     """The run's token counter; None: the fast estimate ceil(chars / 4)."""
-    token_counter_version: str = "chars4-v1"
+    token_counter_version: str = CHARS4_COUNTER
     """Name and version of `count_tokens` (part of what a token-based decision depends on)."""
     supports_images: bool = True
     """Whether the target takes image input (images turns every image into a note when it does not)."""

@@ -33,7 +33,7 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.errors import StageFailed, write_traceback
-from ctxreplay.pipeline.core.constants import POLARS_ENGINE
+from ctxreplay.pipeline.core.constants import CHARS4_COUNTER, POLARS_ENGINE
 from ctxreplay.pipeline.stageapi.registry import RegisteredStage, StageContext, StageRef, StageResult
 from ctxreplay.pipeline.staging.invoke import check_result, invoke_inline
 from ctxreplay.schemas.check import polars_schema
@@ -265,7 +265,7 @@ def _child_context(job: _Job) -> StageContext:
         peers = tuple(StageRef(get_stage(n), pickle.loads(p)) for n, p in job.peers)
     return StageContext(target=job.target, window_tokens=job.window_tokens,
                         count_tokens=_LazyCounter(job.token_counter) if job.token_counter else None,
-                        token_counter_version=job.token_counter or "chars4-v1",
+                        token_counter_version=job.token_counter or CHARS4_COUNTER,
                         supports_images=job.supports_images, peers=peers)
 
 

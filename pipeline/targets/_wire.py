@@ -18,10 +18,9 @@ from typing import Any
 
 import orjson
 
-SUB = float(1 << 20)
+from ctxreplay.pipeline.core.constants import DATA_URL_BASE64
 
-# the user turn that stands for an unrecorded start (layer-semantics §12, "Gemini first turn")
-BOOTSTRAP = "(session bootstrap)"
+SUB = float(1 << 20)
 
 
 def label(index: int, sub: int) -> float:
@@ -46,6 +45,11 @@ def result_text(parts: list[dict[str, Any]]) -> str:
         elif p.get("text") is not None:
             out.append(p["text"])
     return "\n".join(out)
+
+
+def image_data_url(r: dict[str, Any]) -> str:
+    """An image row as the base64 `data:` URL the OpenAI shapes send."""
+    return DATA_URL_BASE64.format(media_type=r.get("image_media_type"), data=r.get("image_data") or "")
 
 
 def tool_input_object(r: dict[str, Any]) -> Any:

@@ -17,8 +17,9 @@ from typing import Any
 
 import orjson
 
+from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, split, tool_input_object
+from ctxreplay.pipeline.targets._wire import label, split, tool_input_object
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 

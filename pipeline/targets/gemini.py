@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import (
     PORTABLE_BLOCK_TYPES,
     LogicalMessage,
@@ -26,7 +27,7 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split, tool_input_object
+from ctxreplay.pipeline.targets._wire import label, raw_item, result_text, split, tool_input_object
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:

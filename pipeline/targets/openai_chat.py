@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import (
     PORTABLE_BLOCK_TYPES,
     LogicalMessage,
@@ -21,7 +22,7 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
+from ctxreplay.pipeline.targets._wire import image_data_url, label, raw_item, result_text, split
 
 
 def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -30,7 +31,7 @@ def _user_part(r: dict[str, Any]) -> dict[str, Any] | None:
         return {"type": "text", "text": r.get("text") or ""}
     if t == "image":
         return {"type": "image_url",
-                "image_url": {"url": f"data:{r.get('image_media_type')};base64,{r.get('image_data') or ''}"}}
+                "image_url": {"url": image_data_url(r)}}
     if t in ("empty", "thinking", "redacted_thinking"):
         return None
     if t in PORTABLE_BLOCK_TYPES:

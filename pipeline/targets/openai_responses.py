@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import (
     PORTABLE_BLOCK_TYPES,
     LogicalMessage,
@@ -26,14 +27,14 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import BOOTSTRAP, label, raw_item, result_text, split
+from ctxreplay.pipeline.targets._wire import image_data_url, label, raw_item, result_text, split
 
 
 def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
     t = r["block_type"]
     if t == "image":
         return {"type": "input_image",
-                "image_url": f"data:{r.get('image_media_type')};base64,{r.get('image_data') or ''}"}
+                "image_url": image_data_url(r)}
     if t in ("empty", "thinking", "redacted_thinking", "tool_use", "tool_result"):
         return None
     if t == "text":
