@@ -23,6 +23,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
     RegistryChoice,
     json_option,
+    paths_or_roots,
     pipeline_option,
     preset_choice,
     preset_option,
@@ -72,11 +73,6 @@ def _progress(quiet: bool, json_: bool) -> Any:
     return lambda msg: click.echo(f"… {msg}", err=True)
 
 
-def _default_paths() -> list[Path]:
-    home = Path.home()
-    return [p for p in (home / ".claude" / "projects", home / ".openclaw" / "agents") if p.is_dir()]
-
-
 @click.group(cls=_Main, context_settings=CONTEXT)
 @click.version_option(package_name="ctxreplay", prog_name="ctxreplay")
 def main() -> None:
@@ -115,8 +111,10 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
         address: str | None) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
-    PATHS are files or directories (searched recursively). Without PATHS: ~/.claude/projects and
-    ~/.openclaw/agents, where they exist. The outputs of OUT change all at once when the run ends
+    PATHS are files or directories (searched recursively). Without PATHS: $CLAUDE_CONFIG_DIR/projects
+    (else ~/.claude/projects and ~/.config/claude/projects), ~/.openclaw/agents and
+    $CODEX_HOME/sessions (else ~/.codex/sessions), where they exist (`ctxreplay report` reads the same).
+    The outputs of OUT change all at once when the run ends
     (an interrupted run leaves the previous ones); a second run on the same OUT or ledger while
     one runs is refused.
 
@@ -131,10 +129,7 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     from ctxreplay.pipeline.staging.spec import load_spec
 
     spec = load_spec(pipeline_file, preset=preset)
-    chosen = list(paths) or _default_paths()
-    if not chosen:
-        raise ArgumentError("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; "
-                      "pass transcript files or directories, e.g. `ctxreplay run data/samples`")
+    chosen = paths_or_roots(paths, "ctxreplay run data/samples")
     opts = RunOptions(out_dir=out_dir, ledger_path=ledger_path, target=target, all_calls=all_calls,
                       token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER)
     if _progress(quiet, json_) is not None:  # a terminal: files, groups, calls, ETA (pipeline/core/progress.py)

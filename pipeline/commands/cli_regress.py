@@ -14,10 +14,10 @@ from typing import Any
 
 import click
 
-from ctxreplay.errors import ArgumentError
 from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
     json_option,
+    paths_or_roots,
     pipeline_option,
     preset_option,
     target_option,
@@ -31,17 +31,6 @@ def _progress(quiet: bool) -> Any:
     if quiet or not sys.stderr.isatty():
         return None
     return lambda msg: click.echo(f"… {msg}", err=True)
-
-
-def _paths(paths: tuple[Path, ...]) -> list[Path]:
-    if paths:
-        return list(paths)
-    home = Path.home()
-    found = [p for p in (home / ".claude" / "projects", home / ".openclaw" / "agents") if p.is_dir()]
-    if not found:
-        raise ArgumentError("no PATHS given and neither ~/.claude/projects nor ~/.openclaw/agents exists; pass the "
-                      "transcript files or directories to compare, e.g. `ctxreplay diff sessions/ --golden golden/`")
-    return found
 
 
 def _size(n: int) -> str:
@@ -81,7 +70,7 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
     from ctxreplay.pipeline.staging.spec import load_spec
 
     spec = load_spec(pipeline_file, preset=preset)
-    stats = do_snapshot(_paths(paths), spec, golden_dir, target=target,
+    stats = do_snapshot(paths_or_roots(paths, "ctxreplay snapshot sessions/ --golden golden/"), spec, golden_dir, target=target,
                         token_counter=CHARS4_COUNTER if fast_tokens else TIKTOKEN_COUNTER,
                         progress=_progress(quiet or json_))
     if json_:
@@ -135,7 +124,7 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
 
     fmt = "json" if json_ else fmt
     spec = load_spec(pipeline_file, preset=preset)
-    report = run_diff(_paths(paths), spec, golden_dir, target=target, update=update, out_dir=out_dir,
+    report = run_diff(paths_or_roots(paths, "ctxreplay diff sessions/ --golden golden/"), spec, golden_dir, target=target, update=update, out_dir=out_dir,
                       prices=prices_file, progress=_progress(quiet or fmt == "json"))
     if report is None:  # --update with no goldens to compare with: written afresh
         if not quiet:

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ctxreplay.errors import ArgumentError
-from ctxreplay.pipeline.commands.clicommon import CONTEXT, json_option
+from ctxreplay.pipeline.commands.clicommon import CONTEXT, json_option, paths_or_roots
 
 BY = ("session", "day", "month", "model", "project")
 
@@ -46,9 +46,10 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
            sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
-    PATHS are files or directories (searched recursively). Without PATHS: what ccusage reads,
-    $CLAUDE_CONFIG_DIR/projects or ~/.claude/projects (and ~/.config/claude/projects), and
-    ~/.openclaw/agents. One copy of each request is kept (Claude Code repeats usage on every
+    PATHS are files or directories (searched recursively). Without PATHS: $CLAUDE_CONFIG_DIR/projects
+    (else ~/.claude/projects and ~/.config/claude/projects), ~/.openclaw/agents and
+    $CODEX_HOME/sessions (else ~/.codex/sessions), where they exist (the Claude Code ones are what
+    ccusage reads; `ctxreplay run` reads the same). One copy of each request is kept (Claude Code repeats usage on every
     line of a response), priced with genai-prices (version in the output) and --prices; a
     model without a price is listed under unpriced_models and warned about, never counted as 0.
 
@@ -73,13 +74,9 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     import orjson
 
     from ctxreplay.pipeline.cost.prices import PriceBook
-    from ctxreplay.pipeline.reporting.report import ReportOptions, build_report, default_paths, parse_day
+    from ctxreplay.pipeline.reporting.report import ReportOptions, build_report, parse_day
 
-    chosen = list(paths) or default_paths()
-    if not chosen:
-        raise ArgumentError("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
-                      "~/.openclaw/agents exists; pass transcript files or directories, "
-                      "e.g. `ctxreplay report data/samples`")
+    chosen = paths_or_roots(paths, "ctxreplay report data/samples")
     opts = ReportOptions(by=by, since=parse_day(since, "--since"), until=parse_day(until, "--until"),  # type: ignore[arg-type]
                          tz=tz, compat=compat, count_progress_copies=count_progress_copies,  # type: ignore[arg-type]
                          workers=workers)
@@ -349,8 +346,8 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
     Each --pipeline runs over PATHS (fresh ledger, fresh simulated cache) and its requests go
     through the prompt-cache simulator. Per session and in total: prompt tokens (calibrated to
     the provider's tokenizer), simulated cache read and write, cost, cache hit rate and breaks,
-    with the differences from the first pipeline. Without PATHS: ~/.claude/projects and
-    ~/.openclaw/agents.
+    with the differences from the first pipeline. Without PATHS: the directories `ctxreplay run`
+    reads.
 
     \b
     Example:
@@ -361,18 +358,13 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
 
     from ctxreplay.pipeline.reporting.compare import compare as run_compare
     from ctxreplay.pipeline.reporting.compare import parse_choice
-    from ctxreplay.pipeline.reporting.report import default_paths
-
     if not pipelines:
         raise ArgumentError("give at least one --pipeline (a preset name or a spec file), e.g. "
                       "`ctxreplay compare PATH --pipeline identity --pipeline default`")
     if html_file is not None and not html_file.resolve().parent.is_dir():
         raise ArgumentError(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
                       f"or pass another path")
-    chosen = list(paths) or default_paths()
-    if not chosen:
-        raise ArgumentError("no PATHS given and none of ~/.claude/projects, ~/.config/claude/projects, "
-                      "~/.openclaw/agents exists; pass transcript files or directories")
+    chosen = paths_or_roots(paths, "ctxreplay compare data/samples --pipeline identity --pipeline default")
     say = None if (quiet or json_ or not sys.stderr.isatty()) else (lambda m: click.echo(f"… {m}", err=True))
     choices = [parse_choice(p) for p in pipelines]
     if len({c.label for c in choices}) < len(choices):

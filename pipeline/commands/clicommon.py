@@ -17,8 +17,22 @@ from typing import Any
 import click
 
 from ctxreplay.errors import ArgumentError
+from ctxreplay.pipeline.loaders import ROOTS_TEXT, default_roots
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def paths_or_roots(paths: Sequence[Path], example: str) -> list[Path]:
+    """PATHS as given; without them the transcript directories that exist on this machine
+    (`ctxreplay.pipeline.loaders.default_roots`, the same for every command), or ArgumentError
+    when there is none (`example`: a command line that passes PATHS)."""
+    if paths:
+        return list(paths)
+    found = default_roots()
+    if not found:
+        raise ArgumentError(f"no PATHS given and none of {ROOTS_TEXT} exists; pass transcript files or "
+                            f"directories, e.g. `{example}`")
+    return found
 
 
 def did_you_mean(value: str, names: Sequence[str]) -> str:

@@ -110,16 +110,6 @@ def is_transcript_name(name: str) -> bool:
     return name.endswith(".jsonl") or ".jsonl.deleted." in name or ".jsonl.reset." in name
 
 
-def default_paths() -> list[Path]:
-    """What ccusage reads: `$CLAUDE_CONFIG_DIR/projects` (comma-separated dirs) or ~/.claude/projects and
-    ~/.config/claude/projects, and ~/.openclaw/agents; those that exist."""
-    home = Path.home()
-    env = os.environ.get("CLAUDE_CONFIG_DIR")
-    claude = ([Path(p).expanduser() / "projects" for p in env.split(",") if p.strip()] if env
-              else [home / ".claude" / "projects", home / ".config" / "claude" / "projects"])
-    return [p for p in [*claude, home / ".openclaw" / "agents"] if p.is_dir()]
-
-
 def discover(paths: Iterable[Path]) -> list[str]:
     """Transcript files under `paths` (recursive), sorted, each once."""
     out: list[str] = []
