@@ -1,6 +1,7 @@
 """The live engine on the sample Claude Code session: feed it as the agent wrote it, assemble each
 request before its answer arrives, check every request against the batch replay, then restart and
-resume. Run from the repository root:
+resume. It needs ctxreplay installed (an editable install of the checkout or the wheel) and reads
+the sample session beside it, in the checkout's data/samples/, so it runs from any directory:
 
     python examples/engine_quickstart.py
 
@@ -10,12 +11,8 @@ docs/engine.md walks through it.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import polars as pl
 
@@ -23,13 +20,20 @@ from ctxreplay.pipeline.batch.runner import RunOptions, run
 from ctxreplay.pipeline.engine.engine import Engine
 from ctxreplay.pipeline.staging.spec import load_spec
 
+# the checkout this file is in (not the installed package, which ships no samples; importing
+# ctxreplay from the checkout's folders would not work either: they are mapped under it at install)
+ROOT = Path(__file__).resolve().parent.parent
 SESSION = "5f0c1d2e-3a4b-4c5d-8e9f-0a1b2c3d4e5f"
 TRANSCRIPT = ROOT / "data" / "samples" / "claude-projects" / "-home-dev-demo" / f"{SESSION}.jsonl"
 
 
 def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="engine-quickstart-") as tmp:
+        quickstart(Path(tmp))
+
+
+def quickstart(work: Path) -> None:
     entries = [json.loads(line) for line in TRANSCRIPT.read_text().splitlines() if line.strip()]
-    work = Path(tempfile.mkdtemp(prefix="engine-quickstart-"))
     ledger = work / "ledger.duckdb"
     spec = load_spec(preset="default")
 
