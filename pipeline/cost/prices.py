@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -100,11 +100,7 @@ class Rates:
 
     def at(self, prompt_tokens: int) -> TokenRates:
         """The rates of a request with this prompt size (the provider's whole-request rule)."""
-        chosen = self.base
-        for above, rates in self.tiers:
-            if prompt_tokens > above:
-                chosen = rates
-        return chosen
+        return tier_of(prompt_tokens, self.base, self.tiers)[0]
 
     def scaled(self, factor: float, note: str) -> Rates:
         return replace(self, base=self.base.scaled(factor),
@@ -145,6 +141,73 @@ class Price:
 
 def _five(r: TokenRates) -> tuple[float, float, float, float, float]:
     return (r.input, r.output, r.cache_write_5m, r.cache_write_1h, r.cache_read)
+
+
+# ---------------------------------------------------------------------------------------------
+# the provider's whole-request rule, written once. It is evaluated in three forms: Python numbers
+# (price_with, Rates.at, the report's per-record pricing), polars expressions (price_frame) and
+# DuckDB SQL text (cost_sql). A form brings its values (the counts; the rates as a TokenRates whose
+# fields hold the form's values) and its `pick(cond, then, otherwise)`; comparisons and arithmetic
+# are the form's operators.
+
+def _pick(cond: Any, then: Any, otherwise: Any) -> Any:
+    return then if cond else otherwise
+
+
+def tier_of(prompt: Any, base: Any, tiers: Iterable[tuple[Any, Any]],
+            pick: Callable[[Any, Any, Any], Any] = _pick) -> tuple[Any, Any]:
+    """(rates, threshold) of a request whose prompt is `prompt` tokens: those of the last tier
+    (ascending) whose threshold the prompt exceeds, else `base` and None. In a vectorised form a
+    null threshold (a model with fewer tiers than the widest) never picks its tier."""
+    rates, used = base, None
+    for above, tier in tiers:
+        hit = prompt > above
+        rates = pick(hit, tier, rates)
+        used = pick(hit, above, used)
+    return rates, used
+
+
+def request_usd(counts: tuple[Any, Any, Any, Any, Any], base: Any, tiers: Iterable[tuple[Any, Any]],
+                pick: Callable[[Any, Any, Any], Any] = _pick) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The USD of one request's five counts (TOKEN_KINDS order) and the threshold of the tier used
+    (None: the base rates): the prompt (input + cache writes + cache reads) picks the tier
+    (`tier_of`), and every count is priced at that tier's rate (USD per million tokens)."""
+    n_in, n_out, n_5m, n_1h, n_read = counts
+    r, used = tier_of(n_in + n_5m + n_1h + n_read, base, tiers, pick)
+    return (n_in * r.input / 1e6, n_out * r.output / 1e6, n_5m * r.cache_write_5m / 1e6,
+            n_1h * r.cache_write_1h / 1e6, n_read * r.cache_read / 1e6, used)
+
+
+class _Sql(str):
+    """SQL text that `request_usd` can compute with (its operators write SQL)."""
+
+    __slots__ = ()
+
+    def __add__(self, other: object) -> _Sql:
+        return _Sql(f"({self} + {other})")
+
+    def __mul__(self, other: object) -> _Sql:  # type: ignore[override]
+        return _Sql(f"{self} * {other}")
+
+    def __truediv__(self, other: object) -> _Sql:
+        return _Sql(f"{self} / {other}")
+
+    def __gt__(self, other: object) -> _Sql:  # type: ignore[override]
+        return _Sql(f"{self} > {other}")
+
+
+def _sql_pick(cond: Any, then: Any, otherwise: Any) -> Any:
+    if isinstance(then, TokenRates):
+        return TokenRates(*(_sql_pick(cond, a, b) for a, b in zip(_five(then), _five(otherwise), strict=True)))
+    return _Sql(f"CASE WHEN {cond} THEN {then} ELSE {'NULL' if otherwise is None else otherwise} END")
+
+
+def _polars_pick(pl: Any) -> Callable[[Any, Any, Any], Any]:
+    def pick(cond: Any, then: Any, otherwise: Any) -> Any:
+        if isinstance(then, TokenRates):
+            return TokenRates(*(pick(cond, a, b) for a, b in zip(_five(then), _five(otherwise), strict=True)))
+        return pl.when(cond).then(then).otherwise(otherwise)
+    return pick
 
 
 def modifiers(*, speed: Any = None, service_tier: Any = None, inference_geo: Any = None) -> Modifiers:
@@ -688,18 +751,14 @@ class PriceBook:
         FROM calls c LEFT JOIN rates r ON r.model = c.model AND r.day = c.day AND r.modifiers = c.modifiers
         ```
         """
-        counts = {"input": input, "output": output, "cache_write_5m": cache_write_5m,
-                  "cache_write_1h": cache_write_1h, "cache_read": cache_read}
-        prompt = f"({input} + {cache_write_5m} + {cache_write_1h} + {cache_read})"
-        terms = []
-        for kind, col in counts.items():
-            rate = f"{rates}.{kind}"
-            for i in range(1, n_tiers + 1):
-                rate = (f"CASE WHEN {rates}.tier{i}_above IS NOT NULL AND {prompt} > {rates}.tier{i}_above "
-                        f"THEN {rates}.tier{i}_{kind} ELSE {rate} END")
-            terms.append(f"{col} * {rate}")
-        return (f"CASE WHEN {rates}.priced THEN ({' + '.join(terms)}) / 1e6 + {rates}.per_request "
-                f"ELSE NULL END")
+        def five(prefix: str) -> TokenRates:
+            return TokenRates(*(_Sql(f"{rates}.{prefix}{k}") for k in TOKEN_KINDS))
+
+        counts = (_Sql(input), _Sql(output), _Sql(cache_write_5m), _Sql(cache_write_1h), _Sql(cache_read))
+        tiers = [(_Sql(f"{rates}.tier{i}_above"), five(f"tier{i}_")) for i in range(1, n_tiers + 1)]
+        usd = request_usd(counts, five(""), tiers, _sql_pick)[:5]
+        total = usd[0] + usd[1] + usd[2] + usd[3] + usd[4] + _Sql(f"{rates}.per_request")
+        return f"CASE WHEN {rates}.priced THEN {total} ELSE NULL END"
 
     def price_frame(self, df: Any, *, model: str = "model", timestamp: str = "timestamp",
                     input: str = "input_tokens", output: str = "output_tokens",
@@ -734,18 +793,14 @@ class PriceBook:
             return df.with_columns(pl.lit(None, pl.Float64).alias(out))
         table = table.rename({"model": "_pm", "day": "_pday", "modifiers": "_pmods", "provider": "_pprov"})
         joined = keyed.join(table, on=["_pm", "_pday", "_pmods", "_pprov"], how="left", nulls_equal=True)
-        counts = {"input": pl.col(input), "output": pl.col(output), "cache_write_5m": pl.col(cache_write_5m),
-                  "cache_write_1h": pl.col(cache_write_1h), "cache_read": pl.col(cache_read)}
-        prompt = counts["input"] + counts["cache_write_5m"] + counts["cache_write_1h"] + counts["cache_read"]
+        def five(prefix: str) -> TokenRates:
+            return TokenRates(*(pl.col(f"{prefix}{k}") for k in TOKEN_KINDS))
+
+        counts = tuple(pl.col(c).cast(pl.Float64) for c in (input, output, cache_write_5m, cache_write_1h, cache_read))
         width = max((r["n_tiers"] for r in rows), default=0)
-        total = pl.lit(0.0)
-        for kind in TOKEN_KINDS:
-            rate = pl.col(kind)
-            for i in range(1, width + 1):
-                rate = pl.when(pl.col(f"tier{i}_above").is_not_null() & (prompt > pl.col(f"tier{i}_above"))) \
-                    .then(pl.col(f"tier{i}_{kind}")).otherwise(rate)
-            total = total + counts[kind].cast(pl.Float64) * rate / 1e6
-        total = total + pl.col("per_request")
+        tiers = [(pl.col(f"tier{i}_above"), five(f"tier{i}_")) for i in range(1, width + 1)]
+        usd = request_usd(counts, five(""), tiers, _polars_pick(pl))
+        total = usd[0] + usd[1] + usd[2] + usd[3] + usd[4] + pl.col("per_request")
         cost = pl.when(pl.col("priced")).then(total).otherwise(pl.lit(None, pl.Float64))
         return joined.with_columns(cost.alias(out)).select(*df.columns, out)
 
@@ -764,16 +819,10 @@ def price_with(r: Rates, input: int, output: int, cache_write_5m: int = 0, cache
                cache_read: int = 0, *, web_search_requests: int = 0, tier_rule: TierRule = "request") -> Price:
     """Price usage with known rates. `tier_rule="category"` is ccusage's per-category split."""
     counts = (input, output, cache_write_5m, cache_write_1h, cache_read)
-    tier_above = None
     if tier_rule == "request" or not r.tiers:
-        prompt = input + cache_write_5m + cache_write_1h + cache_read
-        chosen = r.base
-        for above, tr in r.tiers:
-            if prompt > above:
-                chosen, tier_above = tr, above
-        usd = [n * rate / 1e6 for n, rate in zip(counts, _five(chosen), strict=True)]
+        *usd, tier_above = request_usd(counts, r.base, r.tiers)
     else:
-        usd = [_split(n, i, r) for i, n in enumerate(counts)]
+        usd, tier_above = [_split(n, i, r) for i, n in enumerate(counts)], None
     other = r.per_request + web_search_requests * r.web_search
     return Price(usd[0], usd[1], usd[2], usd[3], usd[4], other, r, tier_above)
 
@@ -792,4 +841,4 @@ def _split(n: int, kind: int, r: Rates) -> float:
 
 
 __all__ = ["FAST_MULTIPLIERS", "Modifiers", "Price", "PriceBook", "PriceError", "Rates", "TokenRates",
-           "load_overrides", "modifiers", "modifiers_key", "price_with", "usage_modifiers"]
+           "load_overrides", "modifiers", "modifiers_key", "price_with", "request_usd", "tier_of", "usage_modifiers"]

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import orjson
 
 from ctxreplay.errors import InputError
-from ctxreplay.pipeline.cost.prices import Modifiers, PriceBook, modifiers, price_with
+from ctxreplay.pipeline.cost.prices import Modifiers, PriceBook, modifiers, price_with, request_usd
 
 By = Literal["session", "day", "month", "model", "project"]
 BY_CHOICES = ("session", "day", "month", "model", "project")
@@ -732,14 +732,9 @@ class Pricer:
         if rates.per_request or r[WEB] or (rates.tiers and self.tier_rule == "category"):
             return price_with(rates, r[IN], r[OUT], r[CW5], r[CW1], r[CR], web_search_requests=r[WEB],
                               tier_rule=self.tier_rule).total_usd
-        b = rates.base
-        if rates.tiers:                       # the provider's rule: the whole request at its tier
-            prompt = r[IN] + r[CW5] + r[CW1] + r[CR]
-            for above, tr in rates.tiers:
-                if prompt > above:
-                    b = tr
-        return (r[IN] * b.input + r[OUT] * b.output + r[CW5] * b.cache_write_5m + r[CW1] * b.cache_write_1h
-                + r[CR] * b.cache_read) / 1e6
+        # the provider's rule (the whole request at its tier): price_with's total, without its Price
+        usd = request_usd((r[IN], r[OUT], r[CW5], r[CW1], r[CR]), rates.base, rates.tiers)
+        return usd[0] + usd[1] + usd[2] + usd[3] + usd[4]
 
     def finish(self, records: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         day_of, cost_of = self.day_of, self.cost_of
