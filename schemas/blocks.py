@@ -64,6 +64,12 @@ BLOCKS = pa.schema(
         pa.field("usage_cache_write", pa.int64()),
         pa.field("usage_cache_write_5m", pa.int64()),
         pa.field("usage_cache_write_1h", pa.int64()),
+        # the provider's own cache diagnosis of the request (Anthropic `diagnostics.cache_miss_reason`,
+        # recorded by Claude Code 2.1.140+): its `type` as written (model_changed, system_changed,
+        # tools_changed, messages_changed, previous_message_not_found, unavailable, or a later one)
+        # and `cache_missed_input_tokens`; null when the answer records no diagnosis
+        pa.field("cache_miss_reason", pa.string()),
+        pa.field("cache_missed_tokens", pa.int64()),
         # normalised usage (sanitize §3.8; null until a pipeline normalises it): missing = 0, the
         # largest copy of a split message, u_total = their sum; usage_stale: an assistant row
         # before the latest compaction summary (its usage describes a context that is gone)
@@ -86,7 +92,7 @@ BLOCKS = pa.schema(
         pa.field("origin", pa.string(), nullable=False),  # transcript | <stage name> for inserted rows
         pa.field("cache_epoch", pa.int32(), nullable=False),
     ],
-    metadata={"name": "blocks", "version": "1"},
+    metadata={"name": "blocks", "version": "2"},
 )
 
 KEY = ["session_id", "thread_id", "entry_id", "block_pos", "part_pos", "first_call"]

@@ -30,6 +30,11 @@ CALLS = pa.schema(
         pa.field("recorded_cache_write_tokens", pa.int64()),
         pa.field("recorded_cache_write_5m_tokens", pa.int64()),
         pa.field("recorded_cache_write_1h_tokens", pa.int64()),
+        # the server's own diagnosis of why the request did not reuse the previous one's cache
+        # (Anthropic `diagnostics.cache_miss_reason.type`, unknown later types kept as written) and
+        # the tokens it says were missed; null where the answer records none
+        pa.field("recorded_miss_reason", pa.string()),
+        pa.field("recorded_missed_tokens", pa.int64()),
         # cost and prompt cache (pipeline/cost/cachesim.py, pipeline/cost/calibrate.py, pipeline/cost/breaks.py);
         # null for the pending call; costs null where the model has no price
         pa.field("preamble_tokens", pa.int64()),  # calibrated tokens the transcript does not hold (system, tools, injected)
@@ -56,5 +61,5 @@ CALLS = pa.schema(
         pa.field("sim_summary_output_tokens", pa.int64()),
         pa.field("sim_summary_cost_usd", pa.float64()),
     ],
-    metadata={"name": "calls", "version": "4"},
+    metadata={"name": "calls", "version": "5"},
 )

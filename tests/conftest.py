@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT.parent / "shared" / "corpus"
+CORPUS_EXTRA = ROOT.parent / "shared" / "corpus-extra"
 
 # Hypothesis profiles: `dev` (the default: the whole default suite stays within a few minutes on two
 # cores) and `ci` (set by .ci/run: four times the examples of every property test; tests that set
@@ -40,3 +41,14 @@ def corpus() -> Path:
             pytest.fail(f"CTXREPLAY_REQUIRE_CORPUS=1 but the corpus is missing at {CORPUS}")
         pytest.skip(f"the shared corpus is not present at {CORPUS} (only beside the team's checkout)")
     return CORPUS
+
+
+@pytest.fixture(scope="session")
+def corpus_extra() -> Path:
+    """../shared/corpus-extra (the second real corpus: Claude Code 2.1.140+ with the server's cache
+    diagnoses, OpenClaw, Codex, Gemini CLI); skipped when absent, an error when CTXREPLAY_REQUIRE_CORPUS=1."""
+    if not CORPUS_EXTRA.is_dir():
+        if os.environ.get("CTXREPLAY_REQUIRE_CORPUS") == "1":
+            pytest.fail(f"CTXREPLAY_REQUIRE_CORPUS=1 but the second corpus is missing at {CORPUS_EXTRA}")
+        pytest.skip(f"the second shared corpus is not present at {CORPUS_EXTRA} (only beside the team's checkout)")
+    return CORPUS_EXTRA

@@ -170,3 +170,49 @@ def test_claude_projects_every_request_replayed_once(corpus: Path) -> None:
     for ld in r.loads:
         assert ld.message_lines + sum(ld.other_lines.values()) + ld.quarantined_lines == ld.lines
         assert ld.quarantined_lines == 0
+
+
+DIAGNOSES = [  # (message.diagnostics as recorded, the reason and missed tokens read)
+    ({"cache_miss_reason": {"type": "model_changed", "cache_missed_input_tokens": 25488}}, "model_changed", 25488),
+    ({"cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": 119127}}, "system_changed", 119127),
+    ({"cache_miss_reason": {"type": "tools_changed", "cache_missed_input_tokens": 339884}}, "tools_changed", 339884),
+    ({"cache_miss_reason": {"type": "messages_changed", "cache_missed_input_tokens": 26656}}, "messages_changed",
+     26656),
+    ({"cache_miss_reason": {"type": "previous_message_not_found"}}, "previous_message_not_found", None),
+    ({"cache_miss_reason": {"type": "unavailable"}}, "unavailable", None),
+    ({"cache_miss_reason": {"type": "thinking_changed", "cache_missed_input_tokens": 7}}, "thinking_changed", 7),
+    ({"cache_miss_reason": None}, None, None),  # the comparison was still running: no diagnosis
+    (None, None, None),  # nothing diverged
+    ("absent", None, None),
+    ({"cache_miss_reason": {"type": 5, "cache_missed_input_tokens": "many"}}, None, None),  # not what it should be
+]
+
+
+@pytest.mark.parametrize("engine", ["columnar", "reference"])
+def test_the_servers_cache_diagnosis_is_read_with_the_usage(tmp_path: Path, engine: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claude Code 2.1.140+ records the API's cache diagnosis on the answer (`message.diagnostics`):
+    every type is kept as written (a later one too), with its missed tokens; null, absent or a
+    null reason is no diagnosis. A split answer (one line per block) carries it on every line."""
+    from ctxreplay.pipeline.loaders import cc_columnar
+
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)  # the columnar engine even for a small file
+    entries, parent = [], None
+    for i, (diag, _, _) in enumerate(DIAGNOSES):
+        entries.append(_u(f"u{i}", parent, "user", f"question {i}"))
+        for j, part in enumerate(("first", "second")):  # two lines of one answer
+            a = _u(f"a{i}-{j}", f"u{i}" if j == 0 else f"a{i}-0", "assistant",
+                   [{"type": "text", "text": f"{part} {i}"}], mid=f"m{i}", rid=f"r{i}")
+            if diag != "absent":
+                a["message"]["diagnostics"] = diag
+            entries.append(a)
+        parent = f"a{i}-1"
+    f = _write(tmp_path / "s1.jsonl", entries)
+    r = load_paths([f], engine=engine)
+    df = pl.from_arrow(r.blocks)
+    got = (df.filter(pl.col("is_call")).group_by("msg_key")
+           .agg(pl.col("cache_miss_reason").unique().alias("reason"), pl.col("cache_missed_tokens").unique().alias("n"),
+                call=pl.col("first_call").min() - 1).sort("call"))
+    assert got["reason"].to_list() == [[want] for _, want, _ in DIAGNOSES]
+    assert got["n"].to_list() == [[n] for _, _, n in DIAGNOSES]
+    assert not df.filter(pl.col("role") != "assistant")["cache_miss_reason"].drop_nulls().len()

@@ -260,6 +260,23 @@ EDGE_LINES: dict[str, list[bytes | str]] = {
         json.dumps(_a("x2", "x1", [{"type": "tool_use", "id": "tS", "name": "B", "input": {}}], mid="mS", rid="rS")),
         json.dumps(_a("x3", "x2", [{"type": "text", "text": "p3"}], mid="mS", rid="rS")).replace(
             '"stop_reason": "end_turn"', '"stop_reason": ""')],
+    # the server's cache diagnosis (Claude Code 2.1.140+), in every shape the two engines must read alike
+    "cache diagnoses": [json.dumps(_a(f"x{i}", "a1" if i == 0 else f"x{i - 1}", [{"type": "text", "text": "d"}],
+                                      mid=f"md{i}", rid=f"rd{i}")).replace('"message": {', '"message": {"diagnostics": '
+                                                                           + d + ", ", 1)
+                        for i, d in enumerate([
+                            '{"cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": 119127}}',
+                            '{"cache_miss_reason": {"type": "unavailable"}}',
+                            '{"cache_miss_reason": {"type": "a_later_type", "cache_missed_input_tokens": 3}}',
+                            '{"cache_miss_reason": null}', "null", "[]", '"text"', '{"cache_miss_reason": "text"}',
+                            '{"cache_miss_reason": {"type": 5, "cache_missed_input_tokens": "5"}}',
+                            '{"cache_miss_reason": {"type": {"a": 1}, "cache_missed_input_tokens": true}}',
+                            '{"cache_miss_reason": {"type": "tools_changed", "cache_missed_input_tokens": 12.7}}',
+                            '{"cache_miss_reason": {"type": "tools_changed", "cache_missed_input_tokens": 1e400}}',
+                            '{"cache_miss_reason": {"type": "x", "cache_missed_input_tokens": 18446744073709551616}}',
+                            '{"cache_miss_reason": {"type": "a", "type": "b"}}',
+                            '{"cache_miss_reason": {"type": "a"}, "cache_miss_reason": null}',
+                            '{"cache_miss_reason": {"type": "t\\u00e9\\"q"}}'])],
     "repeated entries": [json.dumps(_u("x1", "a1", "same")), json.dumps(_u("x1", "a1", "same")),
                          json.dumps(_u("x1", "a1", "other")), json.dumps(_u("x1", "a1", "other")),
                          json.dumps({"type": "summary", "summary": "no uuid"}),
@@ -280,6 +297,18 @@ def test_edge_lines_are_identical(case: str, tmp_path: Path) -> None:
     lines: list[Any] = [*_base(), *EDGE_LINES[case], _u("z1", "a1", "after")]
     p = _session(tmp_path, lines)
     both([p], case)
+
+
+def test_the_fast_path_reads_the_cache_diagnosis(tmp_path: Path) -> None:
+    """Well-formed diagnoses are read by the SQL path itself (not sent the careful way)."""
+    lines = [*_base(), *EDGE_LINES["cache diagnoses"][:4]]
+    p = _session(tmp_path, lines)
+    res = _columnar_only([p])
+    assert not res.batch.slow_msgs
+    got = pa.table(res.blocks()).to_pydict()
+    assert [r for r in got["cache_miss_reason"] if r] == ["system_changed", "unavailable", "a_later_type"]
+    assert [n for n in got["cache_missed_tokens"] if n is not None] == [119127, 3]
+    both([p], "cache diagnoses")
 
 
 def test_a_bom_and_an_agent_file(tmp_path: Path) -> None:

@@ -822,6 +822,8 @@ def call_skeleton(blocks: pl.DataFrame) -> pl.DataFrame:
             usage_cache_write=pl.col("usage_cache_write").first(),
             usage_cache_write_5m=pl.col("usage_cache_write_5m").first(),
             usage_cache_write_1h=pl.col("usage_cache_write_1h").first(),
+            cache_miss_reason=pl.col("cache_miss_reason").first(),
+            cache_missed_tokens=pl.col("cache_missed_tokens").first(),
         )
         .sort("session_id", "thread_id", "call")
     )

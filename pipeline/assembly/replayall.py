@@ -85,7 +85,8 @@ def replay_all(blocks: pl.DataFrame, skeleton: pl.DataFrame, target_name: str, c
         "session_id", "thread_id", "call", "message_id", "request_id",
         recorded_input_tokens="usage_input", recorded_output_tokens="usage_output",
         recorded_cache_read_tokens="usage_cache_read", recorded_cache_write_tokens="usage_cache_write",
-        recorded_cache_write_5m_tokens="usage_cache_write_5m", recorded_cache_write_1h_tokens="usage_cache_write_1h")
+        recorded_cache_write_5m_tokens="usage_cache_write_5m", recorded_cache_write_1h_tokens="usage_cache_write_1h",
+        recorded_miss_reason="cache_miss_reason", recorded_missed_tokens="cache_missed_tokens")
     replayed = pl.DataFrame(rows_out, schema={k: v for k, v in polars_schema(CALLS).items() if k not in recorded.columns
                                               or k in ("session_id", "thread_id", "call")})
     calls_df = replayed.join(recorded, on=["session_id", "thread_id", "call"], how="left").select(CALLS.names)

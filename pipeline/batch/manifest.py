@@ -31,7 +31,8 @@ from ctxreplay.pipeline.loaders.base import FileLoad, QuarantineRow, path_str
 
 MANIFEST_FILE = "manifest.json"
 FACTS_FILE = "call_facts.parquet"
-MANIFEST_VERSION = 1
+# 2: blocks and calls gained columns (the server's cache diagnosis): a run before it is not reused
+MANIFEST_VERSION = 2
 EDGE = 64 * 1024
 
 

@@ -157,7 +157,9 @@ class Message:
     provider: str | None = None
     api: str | None = None
     stop_reason: str | None = None
-    usage: dict[str, int | None] | None = None  # input, output, cache_read, cache_write, cache_write_5m, cache_write_1h
+    # input, output, cache_read, cache_write, cache_write_5m, cache_write_1h (ints); miss_reason (str)
+    # and missed_tokens: the provider's cache diagnosis recorded with the answer (Claude Code)
+    usage: dict[str, Any] | None = None
     is_call: bool | None = None  # None: assistant messages are calls
     # a recorded request on this thread's path that an earlier thread reports (a branch's shared
     # history): a call of this thread for numbering and the stages' state, not reported here
@@ -666,6 +668,8 @@ def _row_base(t: Thread, m: Message, pos: int) -> dict[str, Any]:
         "usage_cache_write": u.get("cache_write"),
         "usage_cache_write_5m": u.get("cache_write_5m"),
         "usage_cache_write_1h": u.get("cache_write_1h"),
+        "cache_miss_reason": u.get("miss_reason"),
+        "cache_missed_tokens": u.get("missed_tokens"),
         "is_sidechain": m.is_sidechain,
         "is_meta": m.is_meta,
         "is_compact_summary": m.is_compact_summary,

@@ -124,7 +124,8 @@ _LINE_SPEC = orjson.dumps({
                 "usage": {"input_tokens": "JSON", "output_tokens": "JSON", "cache_read_input_tokens": "JSON",
                           "cache_creation_input_tokens": "JSON",
                           "cache_creation": {"ephemeral_5m_input_tokens": "JSON",
-                                             "ephemeral_1h_input_tokens": "JSON"}}},
+                                             "ephemeral_1h_input_tokens": "JSON"}},
+                "diagnostics": {"cache_miss_reason": {"type": "JSON", "cache_missed_input_tokens": "JSON"}}},
 }).decode()
 _BLOCK_SPEC = orjson.dumps({k: "JSON" for k in KNOWN_BLOCK_KEYS}).decode()
 _PART_SPEC = orjson.dumps({"type": "JSON", "text": "JSON", "source": "JSON", "tool_name": "JSON"}).decode()
@@ -139,6 +140,7 @@ _SQL_PARSE = f"""
 CREATE OR REPLACE TEMP TABLE p AS
 SELECT lid, k, CASE WHEN k IS NOT NULL THEN json_transform(t, '{_LINE_SPEC}') END AS s
 FROM (SELECT lid, t, try(json_keys(t, ['$', '$.message', '$.message.usage', '$.message.usage.cache_creation',
+                                       '$.message.diagnostics', '$.message.diagnostics.cache_miss_reason',
                                        '$.data', '$.attachment'])) AS k FROM v)
 """
 
@@ -344,6 +346,8 @@ SELECT lid, typ,
   jint(s.message.usage.cache_read_input_tokens) AS u_cr, jint(s.message.usage.cache_creation_input_tokens) AS u_cw,
   jint(s.message.usage.cache_creation.ephemeral_5m_input_tokens) AS u_5m,
   jint(s.message.usage.cache_creation.ephemeral_1h_input_tokens) AS u_1h,
+  jstr(s.message.diagnostics.cache_miss_reason.type) AS d_reason,
+  jint(s.message.diagnostics.cache_miss_reason.cache_missed_input_tokens) AS d_missed,
   coalesce(nb, 0) AS nb, tr_ids, tu_ids,
   -- the line takes the fast path only when every value read has the type the loader expects
   (typ IS NOT NULL AND typ <> '' AND length(typ) <= 100 AND nodupk(k) AND NOT coalesce(anybad, false)
@@ -358,7 +362,8 @@ SELECT lid, typ,
              AND jint_ok(s.message.usage.cache_read_input_tokens)
              AND jint_ok(s.message.usage.cache_creation_input_tokens)
              AND jint_ok(s.message.usage.cache_creation.ephemeral_5m_input_tokens)
-             AND jint_ok(s.message.usage.cache_creation.ephemeral_1h_input_tokens)))))) AS ok
+             AND jint_ok(s.message.usage.cache_creation.ephemeral_1h_input_tokens)
+             AND jint_ok(s.message.diagnostics.cache_miss_reason.cache_missed_input_tokens)))))) AS ok
 FROM e
 ORDER BY lid
 """
@@ -502,7 +507,8 @@ class _Nodes:
 
 _E_COLS = ["message_id", "request_id", "role", "timestamp", "model", "provider", "api", "stop_reason",
            "usage_input", "usage_output", "usage_cache_read", "usage_cache_write", "usage_cache_write_5m",
-           "usage_cache_write_1h", "is_sidechain", "is_meta", "is_compact_summary", "is_display_only"]
+           "usage_cache_write_1h", "cache_miss_reason", "cache_missed_tokens", "is_sidechain", "is_meta",
+           "is_compact_summary", "is_display_only"]
 _EB_COLS = ["part_pos", "block_type", "part_type", "text", "signature", "tool_use_id", "tool_name", "tool_input",
             "is_error", "image_media_type", "image_data", "extra_json"]
 _E_SCHEMA = pa.schema([BLOCKS.field(c).with_nullable(True) for c in _E_COLS])
@@ -613,7 +619,7 @@ class _Batch:
         entries = pa.concat_tables([self.fast_e, slow_e]).combine_chunks() if slow_e is not None else self.fast_e
         per_msg = entries.take(pa.array(m_first, pa.int64()))
         msg_cols: dict[str, pa.Array] = {c: per_msg.column(c) for c in entries.column_names}
-        for c in _USAGE_COLS:
+        for c in (*_USAGE_COLS, *_DIAG_COLS):  # the diagnosis comes with the usage copy it was recorded on
             msg_cols[c] = entries.column(c).take(pa.array(m_usage, pa.int64()))
         msg_cols["stop_reason"] = entries.column("stop_reason").take(pa.array(m_stop, pa.int64()))
         msg_cols["parent_id"] = pa.array([nodes.parent[i] for i in m_first_node], pa.string())
@@ -678,7 +684,8 @@ class _Batch:
             u = m.usage or {}
             vals = (m.message_id, m.request_id, m.role, m.timestamp, m.model, m.provider, m.api, m.stop_reason,
                     u.get("input"), u.get("output"), u.get("cache_read"), u.get("cache_write"),
-                    u.get("cache_write_5m"), u.get("cache_write_1h"), m.is_sidechain, m.is_meta,
+                    u.get("cache_write_5m"), u.get("cache_write_1h"), u.get("miss_reason"), u.get("missed_tokens"),
+                    m.is_sidechain, m.is_meta,
                     m.is_compact_summary, m.is_display_only)
             for c, v in zip(_E_COLS, vals, strict=True):
                 cols[c].append(v)
@@ -714,6 +721,7 @@ class _Batch:
 
 _USAGE_COLS = ["usage_input", "usage_output", "usage_cache_read", "usage_cache_write", "usage_cache_write_5m",
                "usage_cache_write_1h"]
+_DIAG_COLS = ["cache_miss_reason", "cache_missed_tokens"]  # the server's cache diagnosis (claude_code._usage)
 
 
 def _gather(tbl: pa.Table, idx: list[int | None]) -> pa.Table:
@@ -1104,6 +1112,9 @@ def _fast_entry_table(ent: pa.Table) -> tuple[pa.Table, list[int]]:
     }
     for c, k in zip(_USAGE_COLS, ("u_in", "u_out", "u_cr", "u_cw", "u_5m", "u_1h"), strict=True):
         cols[c] = pc.if_else(has_usage, ent.column(k), none_i64)
+    # read with the usage, as the reference loader does (no usage object: no diagnosis)
+    cols["cache_miss_reason"] = pc.if_else(has_usage, ent.column("d_reason"), pa.nulls(n, pa.string()))
+    cols["cache_missed_tokens"] = pc.if_else(has_usage, ent.column("d_missed"), none_i64)
     tbl = pa.Table.from_arrays([_typed(cols[f.name], f.type) for f in _E_SCHEMA], schema=_E_SCHEMA)
     vals = [cols[c].to_pylist() for c in _USAGE_COLS[:4]]
     totals = [sum(v or 0 for v in four) if h else -1

@@ -146,10 +146,16 @@ def make_node(o: dict[str, Any], uid: str, file_idx: int, line: int, raw: str, c
     )
 
 
-def _usage(u: Any) -> dict[str, int | None] | None:
+def _usage(u: Any, diagnostics: Any = None) -> dict[str, Any] | None:
+    """The answer's usage, and with it the server's cache diagnosis (`message.diagnostics`, Claude
+    Code 2.1.140+: `{"cache_miss_reason": {"type": ..., "cache_missed_input_tokens": N}}`, null or
+    absent when nothing diverged): `miss_reason` is the type as written (a later type too),
+    `missed_tokens` the count; both None without a diagnosis."""
     if not isinstance(u, dict):
         return None
     cc = u.get("cache_creation") if isinstance(u.get("cache_creation"), dict) else {}
+    d = diagnostics.get("cache_miss_reason") if isinstance(diagnostics, dict) else None
+    d = d if isinstance(d, dict) else {}
     return {
         "input": num(u.get("input_tokens")),
         "output": num(u.get("output_tokens")),
@@ -157,6 +163,8 @@ def _usage(u: Any) -> dict[str, int | None] | None:
         "cache_write": num(u.get("cache_creation_input_tokens")),
         "cache_write_5m": num(cc.get("ephemeral_5m_input_tokens")),
         "cache_write_1h": num(cc.get("ephemeral_1h_input_tokens")),
+        "miss_reason": d.get("type") if isinstance(d.get("type"), str) else None,
+        "missed_tokens": num(d.get("cache_missed_input_tokens")),
     }
 
 
@@ -251,7 +259,7 @@ def _message(node: Node, path: str) -> Message:
         provider="anthropic" if node.type == "assistant" else None,
         api="anthropic-messages" if node.type == "assistant" else None,
         stop_reason=m.get("stop_reason"),
-        usage=_usage(m.get("usage")) if node.type == "assistant" else None,
+        usage=_usage(m.get("usage"), m.get("diagnostics")) if node.type == "assistant" else None,
         is_sidechain=bool(o.get("isSidechain")),
         is_meta=bool(o.get("isMeta")),
         is_compact_summary=bool(o.get("isCompactSummary")),
