@@ -51,8 +51,15 @@ import difflib
 import os
 import tempfile
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 
+
+def did_you_mean(value: str, names: Iterable[str]) -> str:
+    """` Did you mean 'x'?` when one of `names` is close to `value`, else '' (every "unknown NAME"
+    error says it the same way)."""
+    close = difflib.get_close_matches(value, list(names), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
 
 class CtxReplayError(Exception):
     """Base class: the run could not be done (exit 2)."""
@@ -154,8 +161,7 @@ class UnknownStage(CtxReplayError, KeyError):
 
     def __init__(self, name: str, known: list[str], plugin: tuple[str, str] | None = None) -> None:
         self.name, self.known = name, known
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(name, known)
         plugins = f" (the plug-in {plugin[0]} that provides it failed to load: {plugin[1]})" if plugin else ""
         self.message = (f"Unknown stage '{name}'.{hint}{plugins} Known stages: "
                         f"{', '.join(sorted(known)) or 'none'}")

@@ -24,7 +24,6 @@ call's `prompt_tokens` is `REQUEST_OVERHEAD_TOKENS + envelope tokens + sum over 
 from __future__ import annotations
 
 import bisect
-import difflib
 import os
 import tempfile
 from array import array
@@ -39,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ctxreplay.errors import StoreError
+from ctxreplay.errors import StoreError, did_you_mean
 from ctxreplay.pipeline.assembly.replay import (
     ENVELOPE_SLOT,
     MESSAGE_OVERHEAD_TOKENS,
@@ -151,8 +150,7 @@ def read_call_messages(out_dir: Path, key: str | None = None) -> pl.DataFrame:
     assert isinstance(rows, pl.DataFrame)
     if rows.height == 0:
         keys = sorted(set(pq.read_table(path, columns=["thread_key"]).column("thread_key").to_pylist()))
-        close = difflib.get_close_matches(key, keys, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(key, keys)
         raise StoreError(f"{out_dir}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
                          f"{' ...' if len(keys) > 10 else ''}")
     return rows
@@ -223,8 +221,7 @@ def _without_store(run: Path, key: str, call: int | None, target: str | None) ->
     own = calls.filter(pl.col("thread_key") == key)
     if own.height == 0:
         keys = sorted(set(calls.get_column("thread_key").to_list()))
-        close = difflib.get_close_matches(key, keys, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(key, keys)
         raise StoreError(f"{run}: no thread '{key}'.{hint} Threads: {', '.join(keys[:10])}"
                          f"{' ...' if len(keys) > 10 else ''}")
     pending = int(own.filter(pl.col("is_pending"))["call"].max() or 0)  # type: ignore[arg-type]

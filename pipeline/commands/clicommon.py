@@ -9,14 +9,13 @@ circular import when `ctxreplay.pipeline.commands.cli` runs as `python -m ctxrep
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ctxreplay.errors import ArgumentError
+from ctxreplay.errors import ArgumentError, did_you_mean
 from ctxreplay.pipeline.loaders import ROOTS_TEXT, default_roots
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -33,12 +32,6 @@ def paths_or_roots(paths: Sequence[Path], example: str) -> list[Path]:
         raise ArgumentError(f"no PATHS given and none of {ROOTS_TEXT} exists; pass transcript files or "
                             f"directories, e.g. `{example}`")
     return found
-
-
-def did_you_mean(value: str, names: Sequence[str]) -> str:
-    """` Did you mean 'x'?` when a name is close to `value`, else ''."""
-    close = difflib.get_close_matches(value, list(names), n=1)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 class RegistryChoice(click.Choice):  # type: ignore[type-arg]

@@ -48,7 +48,7 @@ def _stage_filter(name: str | None, known: list[str]) -> pl.Expr:
         return pl.lit(True)
     base = sorted({k.split("#")[0] for k in known} | set(known))
     if name not in base:
-        from ctxreplay.pipeline.commands.clicommon import did_you_mean
+        from ctxreplay.errors import did_you_mean
 
         raise CtxReplayError(f"unknown stage '{name}'.{did_you_mean(name, base)} Stages: {', '.join(base)}")
     if "#" in name:

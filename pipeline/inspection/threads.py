@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import polars as pl
 
-from ctxreplay.errors import AmbiguousRef, CtxReplayError, UnknownRef
+from ctxreplay.errors import AmbiguousRef, CtxReplayError, UnknownRef, did_you_mean
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.core.outdir import read_summary, resolve_run
 from ctxreplay.pipeline.core.words import plural
@@ -122,10 +122,7 @@ def resolve_session(ref: str, sessions: list[str], *, where: str) -> str:
     if hits:
         raise AmbiguousRef(f"session '{ref}' is ambiguous in {where}: it starts {plural(len(hits), 'session id')} "
                            f"({_listing(hits)}); give more of the id", hits)
-    import difflib
-
-    close = difflib.get_close_matches(ref, sessions, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+    hint = did_you_mean(ref, sessions)
     raise UnknownRef(f"no session '{ref}' in {where}.{hint} Sessions: {_listing(sessions) or 'none'}")
 
 
@@ -168,11 +165,8 @@ def resolve_thread(ref: str, threads: list[ThreadRef], *, where: str) -> ThreadR
                                [t.key for t in hits])
         raise AmbiguousRef(f"thread '{ref}' is ambiguous in {where}: it starts {plural(len(hits), 'thread key')} "
                            f"({_listing([t.key for t in hits])}); give more of the key", [t.key for t in hits])
-    import difflib
-
     keys = list(by_key)
-    close = difflib.get_close_matches(ref, keys, n=1)
-    hint = f" Did you mean '{close[0]}'?" if close else ""
+    hint = did_you_mean(ref, keys)
     raise UnknownRef(f"no thread '{ref}' in {where}.{hint} See them with: ctxreplay threads {where}")
 
 

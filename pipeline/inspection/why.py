@@ -187,7 +187,7 @@ def _stage_matcher(name: str | None, known: list[str]) -> Any:
         return lambda s: True
     base = {k.split("#")[0] for k in known}
     if name not in known and name not in base:
-        from ctxreplay.pipeline.commands.clicommon import did_you_mean
+        from ctxreplay.errors import did_you_mean
 
         raise CtxReplayError(f"unknown stage '{name}'.{did_you_mean(name, sorted(set(known) | base))} "
                              f"Stages: {', '.join(sorted(set(known) | base))}")

@@ -13,7 +13,6 @@ thinking_policy = "keep_signed"
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import tomllib
 import types
 import typing
@@ -22,7 +21,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from ctxreplay.errors import SpecError
+from ctxreplay.errors import SpecError, did_you_mean
 from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
 from ctxreplay.pipeline.stageapi.registry import RegisteredStage, UnknownStage, get_stage
 
@@ -183,8 +182,7 @@ def resolve_params(st: RegisteredStage, raw: dict[str, Any], *, where: str) -> A
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in fields:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(key, names)
             msg = f"{where}: unknown parameter '{key}'.{hint} Parameters: {', '.join(names) or 'none'}"
             raise SpecError(msg)
         tp = hints.get(key, Any)
@@ -217,16 +215,14 @@ def parse_spec(text: str, *, source: str) -> PipelineSpec:
         raise SpecError(f"{source}: not valid TOML: {exc}") from exc
     unknown_top = [k for k in doc if k not in ("pipeline", "stage")]
     if unknown_top:
-        close = difflib.get_close_matches(unknown_top[0], ["pipeline", "stage"], n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(unknown_top[0], ["pipeline", "stage"])
         raise SpecError(f"{source}: unknown table '{unknown_top[0]}'.{hint} A spec has [pipeline] and [[stage]] tables")
     head = doc.get("pipeline", {})
     if not isinstance(head, dict):
         raise SpecError(f"{source}: [pipeline] must be a table")
     for k in head:
         if k not in PIPELINE_KEYS:
-            close = difflib.get_close_matches(k, sorted(PIPELINE_KEYS), n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(k, sorted(PIPELINE_KEYS))
             raise SpecError(f"{source} [pipeline]: unknown key '{k}'.{hint} Keys: {', '.join(sorted(PIPELINE_KEYS))}")
     _check_settings(head, source)
     raw_stages = doc.get("stage", [])
@@ -287,8 +283,7 @@ def _check_settings(head: dict[str, Any], source: str) -> None:
 
         t, names = head["target"], target_names()
         if not isinstance(t, str) or t.replace("_", "-") not in names:
-            close = difflib.get_close_matches(str(t), names, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(str(t), names)
             raise SpecError(f"{where}: target must be one of {', '.join(names)}; got {t!r}.{hint}")
 
 
@@ -305,8 +300,7 @@ def load_spec(path: str | Path | None = None, *, preset: str | None = None) -> P
         p = PRESET_DIR / f"{name}.toml"
         if not p.is_file():
             names = preset_names()
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(name, names)
             raise SpecError(f"unknown preset '{name}'.{hint} Presets: {', '.join(names)}")
         return parse_spec(p.read_text(encoding="utf-8"), source=f"preset:{name}")
     p = Path(path)

@@ -19,11 +19,10 @@ canonical bytes of all the others, see pipeline/assembly/replay.py):
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ctxreplay.errors import UnknownTarget
+from ctxreplay.errors import UnknownTarget, did_you_mean
 
 
 @dataclass
@@ -154,8 +153,7 @@ def get_target(name: str) -> Target:
     _load_builtin()
     key = name.replace("_", "-")
     if key not in TARGETS:
-        close = difflib.get_close_matches(key, list(TARGETS), n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(key, list(TARGETS))
         raise UnknownTarget(f"unknown target '{name}'.{hint} Targets: {', '.join(sorted(TARGETS))}")
     return TARGETS[key]
 
