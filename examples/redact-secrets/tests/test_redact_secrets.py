@@ -57,11 +57,8 @@ def test_a_second_run_decides_nothing() -> None:
 
 
 def test_unknown_kind_is_a_spec_error() -> None:
-    from ctxreplay.pipeline.stageapi.registry import get_stage
-    from ctxreplay.pipeline.staging.spec import resolve_params
-
     with pytest.raises(SpecError, match="unknown kind"):
-        resolve_params(get_stage("redact_secrets"), {"kinds": ["ssh-key"]}, where="t")
+        run_stage("redact_secrets", make_blocks([{"role": "user", "text": "hi"}]), {"kinds": ["ssh-key"]})
 
 
 def test_blocks_without_text_are_left_alone() -> None:

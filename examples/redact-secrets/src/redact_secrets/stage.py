@@ -2,9 +2,10 @@
 and tool results become `[REDACTED <kind>]`, so replays of transcripts can be shared.
 
 It is a plain ctxreplay stage (docs/writing-a-stage.md in ctxreplay): a pure function over the
-blocks LazyFrame, edits made with `ctxreplay.pipeline.stageapi.marks`, one decision per changed block. It never looks
-inside thinking blocks (signed thinking must stay byte-identical) or tool inputs (a tool call's
-input is what the model wrote, and changing it would change what the model said).
+blocks LazyFrame, edits made with the marks functions of ctxreplay's stable API (it imports from
+`ctxreplay` only), one decision per changed block. It never looks inside thinking blocks (signed
+thinking must stay byte-identical) or tool inputs (a tool call's input is what the model wrote, and
+changing it would change what the model said).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay import StageContext, StageResult, finish, mark_replace, stage, start_marks
 
 # kind -> regex; `[REDACTED <kind>]` replaces each match. A pattern with two groups keeps them (the
 # name and the separator of an assignment) and masks what follows.
