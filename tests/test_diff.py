@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import polars as pl
@@ -26,7 +27,7 @@ from tests.goldenkit import POLICY, write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
-README = ROOT / "README.md"
+RECIPE = ROOT / "examples" / "github-actions.yml"
 CODEX = "019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d"
 PI = "3b8e2f41-6c0d-4d7a-a1e5-8f2b9c4d6e10"
 OPENCLAW = "7d3f9a2e-1b4c-4e8a-9f60-2c5d8e1a4b37"
@@ -419,63 +420,120 @@ def test_spec_changes_lists_settings_stages_and_params() -> None:
 # --------------------------------------------------------------------------- the CI job
 
 
-def _job_steps() -> dict[str, dict]:
-    """The steps of the GitHub Actions job in the README's "Use in CI" section: name -> {run, env, if}."""
-    text = README.read_text()
-    section = text[text.index("## Use in CI"):]
-    yaml = section[section.index("```yaml\n") + 8: section.index("\n```", section.index("```yaml"))]
-    steps: dict[str, dict] = {}
-    cur: dict | None = None
-    lines = yaml.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        m = re.match(r"^(\s*)- name: (.+)$", line)
-        if m:
-            cur = {"env": {}, "run": None, "if": None, "indent": len(m.group(1)) + 2}
-            steps[m.group(2).strip()] = cur
-        elif cur is not None:
-            ind = len(line) - len(line.lstrip())
-            stripped = line.strip()
-            if stripped.startswith("run: |"):
-                body = []
-                i += 1
-                while i < len(lines) and (not lines[i].strip() or len(lines[i]) - len(lines[i].lstrip()) > ind):
-                    body.append(lines[i][ind + 2:])
+def _yaml(text: str) -> Any:
+    """The block YAML the recipe is written in: mappings, sequences of mappings, `|` literals, plain
+    and quoted scalars, whole-line comments (PyYAML is not a dependency; no flow style, anchors or
+    inline comments, which the recipe does not use)."""
+    lines = text.splitlines()
+
+    def skip(i: int) -> int:
+        while i < len(lines) and (not lines[i].strip() or lines[i].lstrip().startswith("#")):
+            i += 1
+        return i
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip(" "))
+
+    def scalar(v: str) -> str:
+        return v[1:-1] if len(v) >= 2 and v[0] == v[-1] and v[0] in "\"'" else v
+
+    def block(i: int, ind: int) -> tuple[Any, int]:
+        if not lines[i].lstrip().startswith("- "):
+            return mapping(i, ind)
+        items = []
+        while (i := skip(i)) < len(lines) and indent(lines[i]) == ind and lines[i].lstrip().startswith("- "):
+            lines[i] = " " * (ind + 2) + lines[i][ind + 2:]  # the item: a mapping whose first key follows "- "
+            item, i = mapping(i, ind + 2)
+            items.append(item)
+        return items, i
+
+    def mapping(i: int, ind: int) -> tuple[dict[str, Any], int]:
+        out: dict[str, Any] = {}
+        while (i := skip(i)) < len(lines) and indent(lines[i]) == ind and not lines[i].lstrip().startswith("- "):
+            key, sep, rest = lines[i].strip().partition(":")
+            assert sep and key not in out, f"line {i + 1}: {lines[i]!r}"
+            rest = rest.strip()
+            i += 1
+            if rest == "|":  # literal: the lines below, their common indent removed, one newline at the end
+                body: list[str] = []
+                j = skip(i)
+                at = indent(lines[j])
+                while i < len(lines) and (not lines[i].strip() or indent(lines[i]) >= at):
+                    body.append(lines[i][at:])
                     i += 1
-                cur["run"] = "\n".join(body).rstrip() + "\n"
-                continue
-            if stripped.startswith("run: "):
-                cur["run"] = stripped[5:] + "\n"
-            elif stripped.startswith("if: "):
-                cur["if"] = stripped[4:]
-            elif stripped == "env:":
-                i += 1
-                while i < len(lines) and len(lines[i]) - len(lines[i].lstrip()) > ind:
-                    k, _, v = lines[i].strip().partition(": ")
-                    cur["env"][k] = v
-                    i += 1
-                continue
-        i += 1
-    return steps
+                out[key] = "\n".join(body).rstrip("\n") + "\n"
+            elif rest:
+                out[key] = scalar(rest)
+            elif (j := skip(i)) < len(lines) and indent(lines[j]) > ind:
+                out[key], i = block(j, indent(lines[j]))
+            else:
+                out[key] = None
+        return out, i
+
+    doc, end = mapping(skip(0), 0)
+    assert skip(end) == len(lines), f"line {end + 1} not read: {lines[end]!r}"
+    return doc
 
 
-def _run_step(step: dict, cwd: Path, env: dict[str, str], values: dict[str, str]) -> subprocess.CompletedProcess:
+def _the_recipe() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """examples/github-actions.yml: its job, and its steps by name (or by `uses`)."""
+    workflow = _yaml(RECIPE.read_text())
+    assert workflow["on"] == "pull_request"
+    (job,) = workflow["jobs"].values()
+    return job, {s.get("name") or s["uses"]: s for s in job["steps"]}
+
+
+def _run_step(step: dict[str, Any], cwd: Path, env: dict[str, str], values: dict[str, str],
+              timeout: int = 300) -> subprocess.CompletedProcess:
     step_env = dict(env)
-    for k, v in step["env"].items():
+    for k, v in (step.get("env") or {}).items():
         step_env[k] = values.get(v, v)
     script = cwd / ".step.sh"
     script.write_text(step["run"])
     # GitHub runs `run:` scripts with `bash -e {0}` (`bash --noprofile --norc -eo pipefail {0}` with shell: bash)
     return subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], cwd=cwd, env=step_env,
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _tagged_copy_of_the_checkout(dest: Path, tag: str) -> Path:
+    """A git repository holding the checkout's files as they are now (tracked and new ones, not what
+    .gitignore leaves out), committed and tagged `tag`: what the recipe's URL names, here on disk."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():  # (a file deleted but not yet committed is listed, and absent)
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    git = ["git", "-c", "user.name=ctxreplay tests", "-c", "user.email=tests@ctxreplay.invalid",
+           "-c", "init.defaultBranch=main", "-c", "commit.gpgsign=false", "-c", "tag.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the checkout"], ["tag", tag]):
+        subprocess.run([*git, *cmd], cwd=dest, check=True, capture_output=True)
+    return dest
 
 
 @pytest.mark.slow
 def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
-    steps = _job_steps()
-    assert {"Install ctxreplay", "ctxreplay diff", "Upload the report", "Comment on the pull request",
-            "Fail when the requests changed"} <= set(steps)
+    """examples/github-actions.yml, the `run:` steps as GitHub runs them, the install included. Two
+    things differ, for the runner: `actions/setup-python` is a fresh venv put first on PATH, and the
+    git URL of CTXREPLAY_PACKAGE points at a tagged git copy of this checkout (its files as they are
+    now, not a release on GitHub: the test checks this ctxreplay, offline from GitHub; pip fetches
+    the dependencies from the package index). `gh` is a stub that records its arguments."""
+    from ctxreplay.version import __version__
+
+    job, steps = _the_recipe()
+    assert {"actions/checkout@v4", "actions/setup-python@v5", "Install ctxreplay", "ctxreplay diff",
+            "Upload the report", "Comment on the pull request", "Fail when the requests changed"} <= set(steps)
+    assert list(steps).index("Install ctxreplay") < list(steps).index("ctxreplay diff")
+    # the recipe installs this version, by the tag a release of it gets
+    package = job["env"]["CTXREPLAY_PACKAGE"]
+    url = "git+https://github.com/OWNER/ctxreplay"
+    assert package == f"ctxreplay @ {url}@v{__version__}"
+    clone = _tagged_copy_of_the_checkout(tmp_path / "ctxreplay-git", f"v{__version__}")
+    # (file://localhost/...: pip's requirement parser takes no empty host in a git+file URL)
+    values = {package: package.replace(url, f"git+file://localhost{clone.as_posix()}"),
+              "${{ github.token }}": "token", "${{ github.event.pull_request.number }}": "7",
+              "${{ github.repository }}": "acme/agents"}
+
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copytree(SAMPLES, repo / "sessions")
@@ -485,13 +543,27 @@ def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
     (fake / "gh").write_text('#!/bin/sh\necho "$@" >> "$GH_LOG"\n'
                              'while [ $# -gt 0 ]; do [ "$1" = --body-file ] && cat "$2" > "$GH_LOG.body"; shift; done\n')
     (fake / "gh").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "GITHUB_OUTPUT": str(tmp_path / "gh-output"), "GH_LOG": str(tmp_path / "gh.log"),
-           "CTXREPLAY_CACHE_DIR": str(tmp_path / "cache")}
-    values = {"${{ github.token }}": "token", "${{ github.event.pull_request.number }}": "7",
-              "${{ github.repository }}": "acme/agents"}
-    # the goldens, as the README says to write them
-    setup = re.search(r"\$ (ctxreplay snapshot sessions/ [^\n]+)", README.read_text())
+    venv = tmp_path / "python"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({"PATH": f"{fake}:{venv / 'bin'}:{os.environ['PATH']}", "GITHUB_OUTPUT": str(tmp_path / "gh-output"),
+                "GH_LOG": str(tmp_path / "gh.log"), "CTXREPLAY_CACHE_DIR": str(tmp_path / "cache"),
+                "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    for k, v in job["env"].items():
+        env[k] = values.get(v, v)
+
+    r = _run_step(steps["Install ctxreplay"], repo, env, values, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert shutil.which("ctxreplay", path=env["PATH"]) == str(venv / "bin" / "ctxreplay")
+    # installed from the git URL into the venv (not the checkout's editable install)
+    where = ("import ctxreplay, importlib.metadata as m; print(ctxreplay.__file__); "
+             "print(m.distribution('ctxreplay').read_text('direct_url.json'))")
+    installed = subprocess.run([str(venv / "bin" / "python"), "-c", where], cwd=repo, env=env, capture_output=True,
+                               text=True, check=True).stdout
+    assert installed.startswith(str(venv)) and '"vcs": "git"' in installed, installed
+    assert f'"requested_revision": "v{__version__}"' in installed, installed
+    # the goldens, as the recipe's comment says to write them
+    setup = re.search(r"#\s+(ctxreplay snapshot sessions/ [^\n]+)", RECIPE.read_text())
     assert setup is not None
     subprocess.run(setup.group(1), shell=True, cwd=repo, env=env, check=True, capture_output=True)
 
@@ -508,6 +580,7 @@ def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
         assert cond is not None and "steps.diff.outputs.status != '0'" in cond
         return status != "0"
 
+    assert steps["Upload the report"]["if"] == "always()"
     assert diff_step() == "0"
     assert "identical" in (repo / "ctxreplay-report.md").read_text()
     assert not runs("Comment on the pull request", "0") and not runs("Fail when the requests changed", "0")
@@ -527,11 +600,6 @@ def test_the_readme_ci_job_runs_as_written(tmp_path: Path) -> None:
     status = diff_step()
     report = (repo / "ctxreplay-report.md").read_text()
     assert status == "2" and "could not run" in report and "no goldens" in report
-    # not run here (it needs the network): it installs the version this checkout is
-    import pipeline
-
-    assert steps["Install ctxreplay"]["run"] == 'python -m pip install "$CTXREPLAY_PACKAGE"\n'
-    assert f"CTXREPLAY_PACKAGE: ctxreplay=={pipeline.__version__}\n" in README.read_text()
 
 
 # ------------------------------------------------------------------------ the real corpus
