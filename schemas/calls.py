@@ -49,7 +49,8 @@ CALLS = pa.schema(
         pa.field("sim_break_detail", pa.string()),
         pa.field("sim_break_tokens", pa.int64()),  # tokens re-written instead of read
         pa.field("sim_break_cost_usd", pa.float64()),  # what the break added to the call's cost
-        pa.field("recorded_break_cause", pa.string()),  # the same for the recorded usage
+        pa.field("recorded_break_cause", pa.string()),  # the same for the recorded usage (the server's diagnosis where recorded)
+        pa.field("recorded_break_inferred_cause", pa.string()),  # our own inference of it, without the server's diagnosis
         pa.field("recorded_break_detail", pa.string()),
         pa.field("recorded_break_tokens", pa.int64()),
         pa.field("recorded_break_cost_usd", pa.float64()),

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import polars as pl
+import pytest
 
 from ctxreplay.pipeline.cost import breaks
 
@@ -14,7 +15,8 @@ OPUS, HAIKU = "claude-opus-4-6", "claude-haiku-4-5-20251001"
 
 
 def frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
-    """One thread; each row: t (s), read, write (5m unless w1), model, seg, strip, pre."""
+    """One thread; each row: t (s), read, write (5m unless w1), model, seg, strip, turn (a new user
+    turn; default: strip), pre, and the server's diagnosis: reason, missed."""
     out = []
     for k, r in enumerate(rows):
         w1 = r.get("w1", False)
@@ -25,8 +27,11 @@ def frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
                     "recorded_cache_write_5m_tokens": 0 if w1 else r["write"],
                     "recorded_cache_write_1h_tokens": r["write"] if w1 else 0,
                     "segment": r.get("seg", 0), "recorded_strip": r.get("strip", False),
+                    "recorded_turn": r.get("turn", r.get("strip", False)),
+                    "recorded_miss_reason": r.get("reason"), "recorded_missed_tokens": r.get("missed"),
                     "preamble_tokens": r.get("pre", 20000)})
-    return pl.DataFrame(out, schema_overrides={"call": pl.Int32, "segment": pl.Int32})
+    return pl.DataFrame(out, schema_overrides={"call": pl.Int32, "segment": pl.Int32, "recorded_miss_reason": pl.String,
+                                               "recorded_missed_tokens": pl.Int64})
 
 
 def causes(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -97,3 +102,59 @@ def test_automatic_caching_misses_are_best_effort_and_count_the_uncached_input()
     out = breaks.recorded_breaks(f).sort("call")
     assert out["recorded_break_cause"].to_list() == [None, None, "best_effort"]
     assert out["recorded_break_tokens"][2] == 4096 - 1024      # the lost prefix, cached again as input
+
+
+def test_a_tool_loop_step_that_reads_only_the_previous_read_is_an_eviction() -> None:
+    """The previous request's own write was not kept: the next step of the tool loop (which only
+    appends to it) reads exactly what it read (Anthropic says previous_message_not_found). A new
+    user turn reading the same is left unexplained: the agent may have changed the tail."""
+    base = [{"t": 0, "read": 17000, "write": 9000}, {"t": 5, "read": 26000, "write": 800}]
+    assert causes([*base, {"t": 10, "read": 26000, "write": 1500}])[2][:2] == ("eviction", 800)
+    assert causes([*base, {"t": 10, "read": 26000, "write": 1500, "turn": True}])[2][0] == "unexplained"
+    # a thinking strip that falls back to the same place stays a thinking strip
+    assert causes([*base, {"t": 10, "read": 26000, "write": 1500, "strip": True}])[2][0] == "thinking_strip"
+    # other providers: automatic caching is best effort
+    oa = [{**r, "model": "gpt-5.4"} for r in [*base, {"t": 10, "read": 26000, "write": 1500}]]
+    assert causes(oa)[2][0] == "best_effort"
+
+
+SERVER = [  # (the server's reason, what the usage alone shows at the break, cause, inferred cause, detail begins)
+    ("system_changed", {"strip": True}, "preamble", "thinking_strip", "system prompt changed; server: system_changed"),
+    ("tools_changed", {"read": 18000}, "preamble", "preamble", "tools changed; read 18000 <= preamble 20000"),
+    ("model_changed", {"model": HAIKU}, "model_switch", "model_switch", f"{OPUS} -> {HAIKU}; server"),
+    ("model_changed", {}, "model_switch", "unexplained", f"{OPUS} -> {OPUS}; server: model_changed"),
+    ("previous_message_not_found", {"t": 3610}, "ttl_expiry", "ttl_expiry", "idle 3610 s > TTL 1h; server: previous_message_not_found"),
+    ("previous_message_not_found", {}, "eviction", "unexplained",
+     "the previous request's cache entry is gone; server: previous_message_not_found; inferred unexplained"),
+    ("messages_changed", {"strip": True}, "thinking_strip", "thinking_strip", "server: messages_changed, 30000 tokens"),
+    ("messages_changed", {"seg": 1}, "compaction", "compaction", "server: messages_changed"),
+    ("messages_changed", {"read": 19000}, "messages_change", "preamble",
+     "server: messages_changed, 30000 tokens missed; inferred preamble"),
+    ("unavailable", {}, "provider_miss", "unexplained", "server: unavailable; inferred unexplained"),
+    ("unavailable", {"seg": 1}, "compaction", "compaction", "server: unavailable"),
+    ("a_type_from_2027", {"strip": True}, "thinking_strip", "thinking_strip", "server: a_type_from_2027"),
+    (None, {"strip": True}, "thinking_strip", "thinking_strip", None),
+]
+
+
+@pytest.mark.parametrize(("reason", "shows", "cause", "inferred", "detail"), SERVER)
+def test_the_servers_diagnosis_names_the_cause(reason: str | None, shows: dict[str, Any], cause: str, inferred: str,
+                                               detail: str | None) -> None:
+    """Where the answer records the server's cache diagnosis, it names the recorded break's cause;
+    recorded_break_inferred_cause keeps our own inference from the transcript and usage alone."""
+    missed = 30000 if (reason or "").endswith("_changed") else None   # the changed kinds carry it
+    brk = {"t": 10, "read": 21000, "write": 9000, "reason": reason, "missed": missed, "w1": True, **shows}
+    brk["t"] = shows.get("t", 10)
+    out = breaks.recorded_breaks(frame([{"t": 0, "read": 17000, "write": 9000, "w1": True}, brk])).sort("call")
+    r = out.row(1, named=True)
+    assert (r["recorded_break_cause"], r["recorded_break_inferred_cause"]) == (cause, inferred)
+    assert (r["recorded_break_detail"] or "").startswith(detail or "") if detail else r["recorded_break_detail"] is None
+    assert breaks.recorded_breaks(frame([{"t": 0, "read": 17000, "write": 9000, "w1": True}, brk]), use_server=False) \
+        .sort("call")["recorded_break_cause"][1] == inferred
+
+
+def test_a_diagnosis_without_a_shortfall_is_no_break() -> None:
+    """The diagnosis compares request structures, not the cache: a call that read the whole
+    previous prefix is no break whatever the server says."""
+    out = causes([{"t": 0, "read": 17000, "write": 9000}, {"t": 5, "read": 26000, "write": 500, "reason": "unavailable"}])
+    assert out[1][0] is None

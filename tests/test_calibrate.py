@@ -150,4 +150,7 @@ def test_recorded_facts_segment_and_thinking_strip(tmp_path: Path) -> None:
     assert f["call"].to_list() == [0, 1, 2, 3, 4, 5]
     assert f["segment"].to_list() == [0, 0, 0, 1, 1, 1]
     assert f["recorded_strip"].to_list() == [False, False, True, False, False, False]
+    # a new user turn (not a step of the tool loop, which only appends the answer and its results);
+    # the first call after the compaction (3) is a new segment, which the break causes take first
+    assert f["recorded_turn"].to_list() == [True, False, True, False, True, False]
     assert f["rec_tokens"][0] == 3 + 3 + (len("Fix the parser") + 3) // 4     # request + message overhead + text

@@ -299,18 +299,27 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
     click.echo(f"ctxreplay report --breaks {out}: {sum(r['source'] == 'recorded' for r in rows)} recorded and "
                f"{sum(r['source'] == 'sim' for r in rows)} simulated cache break(s); pipeline {doc['pipeline']}")
     table = Table()
-    for label in ("Source", "Thread", "Call", "Time", "Cause", "Detail", "Re-written", "Cost (USD)"):
+    for label in ("Source", "Thread", "Call", "Time", "Cause", "Server", "Detail", "Re-written", "Cost (USD)"):
         table.add_column(label, justify="right" if label in ("Call", "Re-written", "Cost (USD)") else "left",
                          no_wrap=label in ("Thread", "Time"), overflow="fold")
     for r in rows:
-        table.add_row(r["source"], r["thread_key"], str(r["call"]), r["timestamp"] or "", r["cause"], r["detail"] or "",
-                      _fmt_int(r["tokens"]), _usd(r["cost_usd"]))
+        # the server's own diagnosis (Claude Code 2.1.140+) beside our cause; the detail says what we inferred
+        server = r.get("server_reason") or ""
+        if server and r.get("server_missed_tokens") is not None:
+            server += f" ({r['server_missed_tokens']:,} missed)"
+        detail = "; ".join(p for p in (r["detail"] or "").split("; ") if p and not p.startswith("server: "))
+        table.add_row(r["source"], r["thread_key"], str(r["call"]), r["timestamp"] or "", r["cause"], server,
+                      detail, _fmt_int(r["tokens"]), _usd(r["cost_usd"]))
     _console().print(table)
     for src in ("recorded", "sim"):
         d = doc["by_cause"][src]
         parts = [f"{c} {v['breaks']}" for c, v in d.items() if isinstance(v, dict)]
         click.echo(f"{src}: {d['total']} break(s){': ' + ', '.join(parts) if parts else ''}; "
                    f"unexplained {d['unexplained_share']:.0%}")
+    dg = doc.get("diagnosis") or {}
+    if dg.get("breaks"):
+        click.echo(f"server diagnosis on {dg['breaks']} recorded break(s), the cause taken from it; our inference alone "
+                   f"puts {dg['agree']} in the same family")
     table = Table(title="Share of cost caused by breaks")
     for label in ("Session", "Breaks rec", "Cost rec", "Break cost rec", "Share rec", "Breaks sim", "Cost sim",
                   "Break cost sim", "Share sim"):

@@ -19,10 +19,23 @@ holds, in this order:
   changes the prefix from the first of them on (a documented provider rule);
 - `preamble`: nothing above, and the read stops inside the preamble (before the first recorded
   message): the system prompt or the tools changed, which only the usage shows (Anthropic);
+- `eviction`: a step of the tool loop (no new user turn: the request only appends the answer and
+  its tool results to the previous one) reads exactly what the previous request read: that
+  request's own write was not kept (Anthropic; the server then says `previous_message_not_found`,
+  typically after a request it diagnosed `unavailable`);
 - `best_effort`: a provider with automatic caching (OpenAI, Gemini implicit, a router such as
   OpenRouter) missed: their caching is documented as best effort, with no guaranteed hit;
 - `unexplained`: none of these.
-`recorded_break_detail` names the other causes that also hold. Simulated breaks get their cause
+That is our own inference (`recorded_break_inferred_cause`). Where the answer records the server's
+own diagnosis (`recorded_miss_reason`: Anthropic's cache diagnostics, ../shared/docs/cost-and-cache.md §2.5),
+it names the cause (`recorded_break_cause`): `system_changed` / `tools_changed` a `preamble` change
+(the detail says which), `model_changed` a `model_switch`, `previous_message_not_found` an
+`eviction` (a `ttl_expiry` when the idle gap exceeds the TTL), `messages_changed` the messages
+cause we infer (compaction, thinking strip; `messages_change` when we infer none),
+`unavailable` (the server could not compare) and a later type leave ours, an `unexplained` one
+becoming `provider_miss`. `recorded_break_detail` gives the cause's own detail, the server's
+diagnosis and missed tokens, our inferred cause where it differs, and the other causes that also
+hold. Simulated breaks get their cause
 from the simulator itself (pipeline/cost/cachesim.py): the same names, plus `layer` (a decision of the
 run's context layers changed the prefix: `stage/action:reason@cache_epoch`), `lookback` (more
 than 20 blocks after the last cached prefix) and `concurrent` (the prefix was written by a request
@@ -37,8 +50,8 @@ import polars as pl
 
 from ctxreplay.pipeline.core.constants import TTL_1H_S, TTL_5M_S
 
-CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "best_effort",
-          "lookback", "concurrent", "unexplained")
+CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "eviction",
+          "messages_change", "provider_miss", "best_effort", "lookback", "concurrent", "unexplained")
 
 
 def _recorded_ttl() -> pl.Expr:
@@ -48,12 +61,34 @@ def _recorded_ttl() -> pl.Expr:
         (w5 > 0) | (pl.col("recorded_cache_write_tokens").fill_null(0) > 0)).then(pl.lit(TTL_5M_S)).otherwise(None)
 
 
-def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
-    """Add recorded_break_cause / _detail / _tokens to the calls (those with recorded usage, by
-    thread in call order). Needs `segment`, `recorded_strip` and `preamble_tokens`."""
+# the server's diagnosis (Anthropic `cache_miss_reason.type`, schemas/calls.py recorded_miss_reason)
+# -> the family of causes it names (pipeline/cost/breaks.py diagnosis_agreement); `unavailable` and
+# later types name none
+SERVER_FAMILY = {"system_changed": "preamble", "tools_changed": "preamble", "model_changed": "model",
+                 "previous_message_not_found": "gone", "messages_changed": "messages"}
+CAUSE_FAMILY = {"preamble": "preamble", "model_switch": "model", "ttl_expiry": "gone", "eviction": "gone",
+                "compaction": "messages", "thinking_strip": "messages", "layer": "messages", "lookback": "messages",
+                "messages_change": "messages"}
+# causes that are a change of the messages (what the server calls messages_changed)
+_MESSAGE_CAUSES = [k for k, v in CAUSE_FAMILY.items() if v == "messages" and k != "messages_change"]
+
+
+def _col(c: pl.DataFrame, name: str, dtype: Any, default: Any = None) -> pl.Expr:
+    return pl.col(name) if name in c.columns else pl.lit(default, dtype).alias(name)
+
+
+def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame:
+    """Add recorded_break_cause / _detail / _tokens and recorded_break_inferred_cause to the calls
+    (those with recorded usage, by thread in call order). Needs `segment`, `recorded_strip` and
+    `preamble_tokens`; reads `recorded_turn` and the server's diagnosis (`recorded_miss_reason`,
+    `recorded_missed_tokens`) where present. `use_server=False`: our own inference only (the cause
+    is the inferred one on every call)."""
     from ctxreplay.pipeline.cost.calibrate import recorded_write
 
-    r = c.with_columns(recorded_cache_write_tokens=recorded_write())
+    r = c.with_columns(recorded_cache_write_tokens=recorded_write(),
+                       _turn=_col(c, "recorded_turn", pl.Boolean, False).fill_null(False),
+                       _reason=_col(c, "recorded_miss_reason", pl.String) if use_server else pl.lit(None, pl.String),
+                       _missed=_col(c, "recorded_missed_tokens", pl.Int64))
     known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
         & pl.col("recorded_cache_write_tokens").is_not_null()
     # a call that neither read nor wrote (no breakpoint, below the minimum) is no break and leaves
@@ -63,6 +98,7 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
     r = r.with_columns(_rttl=pl.col("_rttl").forward_fill().backward_fill().over("thread_key").fill_null(TTL_5M_S))
     prev = {
         "_p_cached": pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"),
+        "_p_read": pl.col("recorded_cache_read_tokens"), "_p_write": pl.col("recorded_cache_write_tokens"),
         "_p_model": pl.col("model"), "_p_t": pl.col("timestamp"), "_p_ttl": pl.col("_rttl"),
         "_p_seg": pl.col("segment"),
     }
@@ -74,16 +110,21 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
     fresh = pl.when(pl.col("recorded_cache_write_tokens") > 0).then(pl.col("recorded_cache_write_tokens")) \
         .otherwise(pl.col("recorded_input_tokens").fill_null(0))
     gap = (pl.col("timestamp") - pl.col("_p_t")).dt.total_milliseconds() / 1000.0
+    expired = gap > pl.col("_p_ttl")
+    idle = pl.format("idle {} s > TTL {}", gap.round(0).cast(pl.Int64),
+                     pl.when(pl.col("_p_ttl") >= TTL_1H_S).then(pl.lit("1h")).otherwise(pl.lit("5m")))
+    switch = pl.format("{} -> {}", pl.col("_p_model"), pl.col("model"))
     conds = [
-        ("model_switch", pl.col("model").ne_missing(pl.col("_p_model")),
-         pl.format("{} -> {}", pl.col("_p_model"), pl.col("model"))),
-        ("ttl_expiry", gap > pl.col("_p_ttl"),
-         pl.format("idle {} s > TTL {}", gap.round(0).cast(pl.Int64),
-                   pl.when(pl.col("_p_ttl") >= TTL_1H_S).then(pl.lit("1h")).otherwise(pl.lit("5m")))),
+        ("model_switch", pl.col("model").ne_missing(pl.col("_p_model")), switch),
+        ("ttl_expiry", expired, idle),
         ("compaction", pl.col("segment") != pl.col("_p_seg"), pl.lit(None, pl.String)),
         ("thinking_strip", pl.col("recorded_strip").fill_null(False), pl.lit(None, pl.String)),
         ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,
          pl.format("read {} <= preamble {}", read, pl.col("preamble_tokens"))),
+        # a step of the tool loop only appends to the previous request; reading exactly what that
+        # request read means its own write was not kept (Anthropic says previous_message_not_found)
+        ("eviction", anthropic & ~pl.col("_turn") & (read == pl.col("_p_read")) & (pl.col("_p_write") > 0),
+         pl.format("read {} = the previous request's read: its write was not kept", read)),
         ("best_effort", ~anthropic, pl.lit("automatic caching guarantees no hit")),
     ]
     cause = pl.lit("unexplained")
@@ -91,24 +132,78 @@ def recorded_breaks(c: pl.DataFrame) -> pl.DataFrame:
     for name, cond, det in reversed(conds):
         cause = pl.when(cond.fill_null(False)).then(pl.lit(name)).otherwise(cause)
         detail = pl.when(cond.fill_null(False)).then(det).otherwise(detail)
-    also = pl.concat_str([pl.when(cond.fill_null(False)).then(pl.lit(name)) for name, cond, _ in conds],
-                         separator=",", ignore_nulls=True)
-    r = r.with_columns(_cause=cause, _detail=detail, _also=also)
-    # the other causes that also hold, after the first one's own detail
-    others = pl.col("_also").str.split(",").list.eval(pl.element().filter(pl.element() != "")).list.slice(1) \
-        .list.join(", ")
+    r = r.with_columns(_inferred=cause, _idetail=detail)
+    # the server's diagnosis, where the answer records one, names the cause (cost-and-cache.md
+    # §2.5): a system or tools change is a preamble change, a previous request it cannot find an
+    # eviction unless the TTL expired; a messages change is the messages cause we infer, if any;
+    # `unavailable` (and a later type) leaves ours, an unexplained one becoming the provider's miss
+    reason, inferred = pl.col("_reason"), pl.col("_inferred")
+    server_cause = (
+        pl.when(reason.is_in(["system_changed", "tools_changed"])).then(pl.lit("preamble"))
+        .when(reason == "model_changed").then(pl.lit("model_switch"))
+        .when(reason == "previous_message_not_found").then(
+            pl.when(expired.fill_null(False)).then(pl.lit("ttl_expiry")).otherwise(pl.lit("eviction")))
+        .when(reason == "messages_changed").then(
+            pl.when(inferred.is_in(_MESSAGE_CAUSES)).then(inferred).otherwise(pl.lit("messages_change")))
+        .when((reason == "unavailable") & (inferred == "unexplained")).then(pl.lit("provider_miss"))
+        .otherwise(inferred))
+    r = r.with_columns(_cause=server_cause)
+    which = (  # a preamble change: which part, as the server says
+        pl.when(reason == "system_changed").then(pl.lit("system prompt changed"))
+        .when(reason == "tools_changed").then(pl.lit("tools changed")))
+    own = pl.concat_str([which, (
+        pl.when(pl.col("_cause") == inferred).then(pl.col("_idetail"))
+        .when(pl.col("_cause") == "model_switch").then(switch)
+        .when(pl.col("_cause") == "ttl_expiry").then(idle)
+        .when(pl.col("_cause") == "eviction").then(pl.lit("the previous request's cache entry is gone")))],
+        separator="; ", ignore_nulls=True)
+    own = pl.when(own != "").then(own)
+    server = pl.when(reason.is_not_null()).then(pl.concat_str(
+        [pl.lit("server: ") + reason,
+         pl.when(pl.col("_missed").is_not_null()).then(pl.format("{} tokens missed", pl.col("_missed")))],
+        separator=", ", ignore_nulls=True))
+    # the other causes that also hold (in the order above), after the cause's own detail
+    r = r.with_columns(_others=pl.concat_str(
+        [pl.when(cond.fill_null(False) & (pl.col("_cause") != name) & (inferred != name)).then(pl.lit(name))
+         for name, cond, _ in conds],
+        separator=", ", ignore_nulls=True))
     r = r.with_columns(
         recorded_break_cause=pl.when(brk).then(pl.col("_cause")),
+        recorded_break_inferred_cause=pl.when(brk).then(inferred),
         recorded_break_detail=pl.when(brk).then(pl.concat_str(
-            [pl.col("_detail"), pl.when(others != "").then(pl.lit("also ") + others)], separator="; ",
+            [own, server, pl.when(pl.col("_cause") != inferred).then(pl.lit("inferred ") + inferred),
+             pl.when(pl.col("_others") != "").then(pl.lit("also ") + pl.col("_others"))], separator="; ",
             ignore_nulls=True)),
         recorded_break_tokens=pl.when(brk).then((pl.min_horizontal(pl.col("_p_cached"), read + fresh) - read)
                                                 .clip(0).cast(pl.Int64)),
     )
     r = r.with_columns(recorded_break_detail=pl.when(pl.col("recorded_break_detail") == "")
                        .then(None).otherwise(pl.col("recorded_break_detail")))
-    return c.join(r.select("thread_key", "call", "recorded_break_cause", "recorded_break_detail",
-                           "recorded_break_tokens"), on=["thread_key", "call"], how="left")
+    return c.drop([x for x in RECORDED_BREAK_COLUMNS if x in c.columns]).join(
+        r.select("thread_key", "call", *RECORDED_BREAK_COLUMNS), on=["thread_key", "call"], how="left")
+
+
+RECORDED_BREAK_COLUMNS = ("recorded_break_cause", "recorded_break_inferred_cause", "recorded_break_detail",
+                          "recorded_break_tokens")
+
+
+def diagnosis_agreement(calls: pl.DataFrame) -> dict[str, Any]:
+    """Our own inference against the server's diagnosis, on every recorded break whose answer
+    carries one that names a cause (not `unavailable`, not a later type): per server family
+    (`preamble`: system or tools changed, `model`, `gone`: previous message not found, `messages`),
+    the breaks, how many our inference (recorded_break_inferred_cause) puts in the same family, and
+    the disagreeing calls."""
+    d = _with_diagnosis(calls).filter(pl.col("recorded_break_cause").is_not_null()
+                     & pl.col("recorded_miss_reason").is_in(list(SERVER_FAMILY))).with_columns(
+        server_family=pl.col("recorded_miss_reason").replace_strict(SERVER_FAMILY),
+        inferred_family=pl.col("recorded_break_inferred_cause").replace_strict(CAUSE_FAMILY, default=None))
+    d = d.with_columns(agree=(pl.col("server_family") == pl.col("inferred_family")).fill_null(False))
+    fams = {f: {"breaks": int(g.height), "agree": int(g["agree"].sum())}
+            for (f,), g in d.group_by("server_family", maintain_order=True)}
+    off = d.filter(~pl.col("agree")).sort("thread_key", "call").select(
+        "thread_key", "call", "recorded_miss_reason", "recorded_missed_tokens", "recorded_break_inferred_cause")
+    return {"breaks": d.height, "agree": int(d["agree"].sum()), "families": dict(sorted(fams.items())),
+            "disagree": off.to_dicts()}
 
 
 def classify(calls: pl.DataFrame) -> pl.DataFrame:
@@ -168,14 +263,30 @@ def sessions(calls: pl.DataFrame) -> pl.DataFrame:
 
 def break_rows(calls: pl.DataFrame) -> pl.DataFrame:
     """One row per break, recorded and simulated: source, session, thread, call, timestamp, model,
-    cause, detail, tokens re-written, cost."""
+    cause, detail, tokens re-written, cost; for recorded breaks also the server's diagnosis
+    (`server_reason`, `server_missed_tokens`) and our own inferred cause (`inferred_cause`)."""
+    calls = _with_diagnosis(calls)
     base = ["session_id", "thread_id", "thread_key", "call", "timestamp", "model"]
     parts = []
     for src, p in (("recorded", "recorded_break"), ("sim", "sim_break")):
+        rec = src == "recorded"
         parts.append(calls.filter(pl.col(f"{p}_cause").is_not_null()).select(
             pl.lit(src).alias("source"), *base, cause=pl.col(f"{p}_cause"), detail=pl.col(f"{p}_detail"),
-            tokens=pl.col(f"{p}_tokens"), cost_usd=pl.col(f"{p}_cost_usd")))
+            tokens=pl.col(f"{p}_tokens"), cost_usd=pl.col(f"{p}_cost_usd"),
+            server_reason=pl.col("recorded_miss_reason") if rec else pl.lit(None, pl.String),
+            server_missed_tokens=pl.col("recorded_missed_tokens") if rec else pl.lit(None, pl.Int64),
+            inferred_cause=pl.col("recorded_break_inferred_cause") if rec else pl.lit(None, pl.String)))
     return pl.concat(parts).sort("session_id", "thread_id", "call", "source")
+
+
+def _with_diagnosis(calls: pl.DataFrame) -> pl.DataFrame:
+    """calls of a run made before the server's diagnosis was read: its columns, null (the inferred
+    cause is then the recorded cause)."""
+    add = {k: pl.lit(None, t) for k, t in (("recorded_miss_reason", pl.String), ("recorded_missed_tokens", pl.Int64))
+           if k not in calls.columns}
+    if "recorded_break_inferred_cause" not in calls.columns:
+        add["recorded_break_inferred_cause"] = pl.col("recorded_break_cause")
+    return calls.with_columns(**add) if add else calls
 
 
 def by_cause(calls: pl.DataFrame) -> dict[str, dict[str, Any]]:
@@ -300,8 +411,9 @@ def breaks_view(calls: pl.DataFrame, summary: dict[str, Any]) -> dict[str, Any]:
     return {"pipeline": summary.get("pipeline"), "prices": cs.get("prices"),
             "breaks": [{k: _num(v) for k, v in r.items()} for r in rows.to_dicts()],
             "by_cause": by_cause(calls),
+            "diagnosis": diagnosis_agreement(calls),
             "sessions": [{k: _num(v) for k, v in r.items()} for r in sess.to_dicts()]}
 
 
-__all__ = ["CAUSES", "break_rows", "breaks_view", "by_cause", "classify", "load_run", "recorded_breaks", "sessions",
-           "sim_view", "summary"]
+__all__ = ["CAUSES", "CAUSE_FAMILY", "RECORDED_BREAK_COLUMNS", "SERVER_FAMILY", "break_rows", "breaks_view", "by_cause",
+           "classify", "diagnosis_agreement", "load_run", "recorded_breaks", "sessions", "sim_view", "summary"]

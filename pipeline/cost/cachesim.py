@@ -462,21 +462,23 @@ class _Walk:
 @dataclass
 class Prepared:
     """What simulate needs besides the calls and the store: the calibration and per-call facts
-    (`segment`, `recorded_strip`, `answer_timestamp`) keyed by (session_id, thread_id, call)."""
+    (`segment`, `recorded_strip`, `recorded_turn`, `answer_timestamp`) keyed by (session_id, thread_id, call)."""
 
     calibration: Calibration
     facts: pl.DataFrame
 
     @classmethod
     def for_calls(cls, calls: pl.DataFrame, calibration: Calibration, *, segment: str | None = None,
-                  recorded_strip: str | None = None, answer_timestamp: str | None = None) -> Prepared:
+                  recorded_strip: str | None = None, answer_timestamp: str | None = None,
+                  recorded_turn: str | None = None) -> Prepared:
         """Facts taken from columns of `calls` (each optional: segment 0, no recorded strip, the
-        answer readable from the request's own time), with a given calibration."""
+        answer readable from the request's own time, no new user turn), with a given calibration."""
         keys = ["session_id", "thread_id", "call"]
         f = calls.select(
             *keys,
             segment=pl.col(segment).cast(pl.Int32) if segment else pl.lit(0, pl.Int32),
             recorded_strip=pl.col(recorded_strip).cast(pl.Boolean) if recorded_strip else pl.lit(False),
+            recorded_turn=pl.col(recorded_turn).cast(pl.Boolean) if recorded_turn else pl.lit(False),
             answer_timestamp=pl.col(answer_timestamp) if answer_timestamp else pl.lit(None, pl.Datetime("ms", "UTC")),
         )
         return cls(calibration, f)
@@ -528,7 +530,8 @@ SIM_COLUMNS = {
     "sim_cache_read_tokens": pl.Int64, "sim_cache_write_5m_tokens": pl.Int64, "sim_cache_write_1h_tokens": pl.Int64,
     "sim_input_tokens": pl.Int64, "sim_cost_usd": pl.Float64, "recorded_cost_usd": pl.Float64,
     "sim_break_cause": pl.String, "sim_break_detail": pl.String, "sim_break_tokens": pl.Int64,
-    "sim_break_cost_usd": pl.Float64, "recorded_break_cause": pl.String, "recorded_break_detail": pl.String,
+    "sim_break_cost_usd": pl.Float64, "recorded_break_cause": pl.String,
+    "recorded_break_inferred_cause": pl.String, "recorded_break_detail": pl.String,
     "recorded_break_tokens": pl.Int64, "recorded_break_cost_usd": pl.Float64,
     "sim_summary_cache_read_tokens": pl.Int64, "sim_summary_cache_write_tokens": pl.Int64,
     "sim_summary_input_tokens": pl.Int64, "sim_summary_output_tokens": pl.Int64, "sim_summary_cost_usd": pl.Float64,
@@ -554,8 +557,9 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     calls = calls.drop([x for x in SIM_COLUMNS if x in calls.columns])
     cal = prep.calibration
     c = calibrate.apply(calls.with_row_index("_row"), cal, prep.facts)
-    c = c.join(prep.facts.select("session_id", "thread_id", "call", "segment", "recorded_strip", "answer_timestamp"),
-               on=["session_id", "thread_id", "call"], how="left")
+    facts = prep.facts if "recorded_turn" in prep.facts.columns else prep.facts.with_columns(recorded_turn=pl.lit(False))
+    c = c.join(facts.select("session_id", "thread_id", "call", "segment", "recorded_strip", "recorded_turn",
+                            "answer_timestamp"), on=["session_id", "thread_id", "call"], how="left")
     c = c.join(cal.threads.select("thread_key", "ratio", "shared_tokens", "system_tokens", "tail_tokens",
                                   "uses_cache", "owner_key", "strips_thinking"), on="thread_key", how="left")
     c = _ttl_choice(c, policy)

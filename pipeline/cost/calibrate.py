@@ -100,9 +100,10 @@ def recorded_facts(blocks: pl.DataFrame, count_tokens: object | None) -> pl.Data
     """Per call of every thread, facts of the recorded session itself (the blocks as loaded, before
     any stage): `rec_tokens` (our estimate of its request: every block visible at the call plus 3
     per message and 3 per request, as the replay counts), `segment` (recorded compactions at or
-    before the call) and `recorded_strip` (a user message without a tool result arrives at this call
-    while the turn before it holds thinking blocks: with extended thinking Anthropic strips them,
-    which changes the prefix).
+    before the call), `recorded_turn` (a user message without a tool result arrives at this call: a
+    new turn, not a step of the tool loop, which only appends the answer and its tool results) and
+    `recorded_strip` (such a new turn while the turn before it holds thinking blocks: with extended
+    thinking Anthropic strips them, which changes the prefix).
 
     `blocks` are the loaded blocks (rows no call sees are dropped here); `count_tokens` the run's
     counter (`TokenCounter.series_counter()`), None for ceil(chars / 4).
@@ -135,10 +136,13 @@ def recorded_facts(blocks: pl.DataFrame, count_tokens: object | None) -> pl.Data
     strip = users.join(think, on=[*THREAD, "turn"], how="inner").filter(
         (pl.col("first") <= pl.col("call")) & (pl.col("last").is_null() | (pl.col("last") > pl.col("call")))
     ).select(*THREAD, pl.col("call").cast(pl.Int32), recorded_strip=pl.lit(True)).unique()
-    out = toks.join(seg, on=[*THREAD, "call"], how="left").join(strip, on=[*THREAD, "call"], how="left").select(
+    turns = users.select(*THREAD, pl.col("call").cast(pl.Int32), recorded_turn=pl.lit(True)).unique()
+    out = toks.join(seg, on=[*THREAD, "call"], how="left").join(strip, on=[*THREAD, "call"], how="left") \
+        .join(turns, on=[*THREAD, "call"], how="left").select(
         *THREAD, "call", rec_tokens=(pl.col("tokens") + 3).cast(pl.Int64),
         segment=pl.col("segment").fill_null(0).cast(pl.Int32),
-        recorded_strip=pl.col("recorded_strip").fill_null(False) & (pl.col("call") > 0))
+        recorded_strip=pl.col("recorded_strip").fill_null(False) & (pl.col("call") > 0),
+        recorded_turn=pl.col("recorded_turn").fill_null(False))
     return out.collect(engine=POLARS_ENGINE).sort(*THREAD, "call")
 
 
