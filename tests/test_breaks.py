@@ -22,7 +22,7 @@ def frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
         w1 = r.get("w1", False)
         out.append({"session_id": "s", "thread_id": "main", "thread_key": "s", "call": k, "is_pending": False,
                     "timestamp": T0 + timedelta(seconds=r["t"]), "model": r.get("model", OPUS),
-                    "recorded_input_tokens": 1, "recorded_cache_read_tokens": r["read"],
+                    "recorded_input_tokens": 1, "recorded_output_tokens": 10, "recorded_cache_read_tokens": r["read"],
                     "recorded_cache_write_tokens": r["write"],
                     "recorded_cache_write_5m_tokens": 0 if w1 else r["write"],
                     "recorded_cache_write_1h_tokens": r["write"] if w1 else 0,
@@ -158,3 +158,30 @@ def test_a_diagnosis_without_a_shortfall_is_no_break() -> None:
     previous prefix is no break whatever the server says."""
     out = causes([{"t": 0, "read": 17000, "write": 9000}, {"t": 5, "read": 26000, "write": 500, "reason": "unavailable"}])
     assert out[1][0] is None
+
+
+def test_calls_without_usage_are_counted_apart_not_compared() -> None:
+    """A call whose answer recorded no usage (missing, or all zero: a model or proxy that reports
+    none) has nothing to compare the simulation with: classify leaves it out, sessions counts it as
+    no_usage (a session of such calls only is listed with calls 0), and no model becomes unpriced."""
+    rows = [{"t": 0, "read": 17000, "write": 9000}, {"t": 10, "read": 26000, "write": 500},
+            {"t": 20, "read": 0, "write": 0}]
+    c = breaks.recorded_breaks(frame(rows))
+    c = c.with_columns(recorded_input_tokens=pl.Series([1, 1, 0]), recorded_output_tokens=pl.Series([10, 10, 0]))
+    other = c.filter(pl.col("call") == 2).with_columns(session_id=pl.lit("t"), thread_key=pl.lit("t"),
+                                                       recorded_cache_read_tokens=pl.lit(None, pl.Int64),
+                                                       recorded_input_tokens=pl.lit(None, pl.Int64),
+                                                       recorded_output_tokens=pl.lit(None, pl.Int64))
+    c = pl.concat([c, other]).with_columns(
+        sim_cache_read_tokens=pl.lit(20000, pl.Int64), sim_cache_write_5m_tokens=pl.lit(600, pl.Int64),
+        sim_cache_write_1h_tokens=pl.lit(0, pl.Int64), sim_input_tokens=pl.lit(1, pl.Int64),
+        recorded_cost_usd=pl.when(breaks.has_usage()).then(pl.lit(1.0)), sim_cost_usd=pl.lit(1.0),
+        sim_break_cause=pl.lit(None, pl.String), sim_break_detail=pl.lit(None, pl.String),
+        sim_break_tokens=pl.lit(None, pl.Int64), recorded_break_cost_usd=pl.lit(None, pl.Float64),
+        sim_break_cost_usd=pl.lit(None, pl.Float64))
+    assert breaks.classify(c)["call"].sort().to_list() == [0, 1]
+    s = {r["session_id"]: r for r in breaks.sessions(c).to_dicts()}
+    assert (s["s"]["calls"], s["s"]["no_usage"], s["s"]["unpriced"], s["s"]["rec_read"]) == (2, 1, 0, 43000)
+    assert (s["t"]["calls"], s["t"]["no_usage"]) == (0, 1)
+    doc = breaks.sim_view(c, {})
+    assert (doc["totals"]["calls"], doc["totals"]["no_usage"]) == (2, 2)

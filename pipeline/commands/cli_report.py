@@ -252,6 +252,8 @@ def _sim_table(doc: dict[str, Any], out: str) -> None:
     t = doc["totals"]
     click.echo(f"ctxreplay report --sim {out}: {len(doc['sessions'])} session(s), {t.get('calls', 0):,} calls; "
                f"pipeline {doc['pipeline']}; prices: {doc['prices']}")
+    if t.get("no_usage"):
+        click.echo(f"{t['no_usage']:,} call(s) recorded no usage: left out of the comparison (no_usage)")
     table = Table(show_footer=True)
     table.add_column("Session", footer="Total", no_wrap=True)
     table.add_column("Calls", justify="right", footer=f"{t.get('calls', 0):,}")

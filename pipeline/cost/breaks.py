@@ -206,14 +206,32 @@ def diagnosis_agreement(calls: pl.DataFrame) -> dict[str, Any]:
             "disagree": off.to_dicts()}
 
 
+def has_usage() -> pl.Expr:
+    """The call's answer recorded usage: some input, output, cache read or write. A call without
+    (its usage missing, or all zero: a model or proxy that reports none, Claude Code's `<synthetic>`
+    local notices) has nothing to compare a simulation with, and no cost to price."""
+    return pl.sum_horizontal([pl.col(c).fill_null(0) for c in (
+        "recorded_input_tokens", "recorded_output_tokens", "recorded_cache_read_tokens",
+        "recorded_cache_write_tokens")]) > 0
+
+
+def _simulated() -> pl.Expr:
+    return ~pl.col("is_pending") & pl.col("sim_cache_read_tokens").is_not_null()
+
+
+def no_usage(calls: pl.DataFrame) -> pl.DataFrame:
+    """Per session: the simulated calls whose answer recorded no usage (`no_usage`), left out of
+    every recorded-vs-simulated figure."""
+    return calls.filter(_simulated() & ~has_usage()).group_by("session_id").agg(no_usage=pl.len())
+
+
 def classify(calls: pl.DataFrame) -> pl.DataFrame:
-    """Per simulated call with recorded usage: `rec_class` and `sim_class` (`warm` / `cold` for a
-    thread's first call: read something or not; later calls `hit` (read at least the previous
-    request's cached prefix) or `break`) and `agree`."""
+    """Per simulated call with recorded usage (see `has_usage`): `rec_class` and `sim_class`
+    (`warm` / `cold` for a thread's first call: read something or not; later calls `hit` (read at
+    least the previous request's cached prefix) or `break`) and `agree`."""
     from ctxreplay.pipeline.cost.calibrate import recorded_write
 
-    known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
-        & pl.col("sim_cache_read_tokens").is_not_null()
+    known = _simulated() & pl.col("recorded_cache_read_tokens").is_not_null() & has_usage()
     c = calls.with_columns(recorded_cache_write_tokens=recorded_write()).filter(known).sort("thread_key", "call")
     rprev = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")).shift(1).over("thread_key")
     sprev = (pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens")
@@ -252,6 +270,8 @@ def sessions(calls: pl.DataFrame) -> pl.DataFrame:
     def rel(a: str, b: str) -> pl.Expr:
         return pl.when(pl.col(b) != 0).then(pl.col(a) / pl.col(b) - 1.0)
 
+    g = g.join(no_usage(calls), on="session_id", how="full", coalesce=True).with_columns(
+        calls=pl.col("calls").fill_null(0), no_usage=pl.col("no_usage").fill_null(0).cast(pl.UInt32))
     g = g.with_columns(
         read_diff=rel("sim_read", "rec_read"), write_diff=rel("sim_write", "rec_write"), cost_diff=rel("sim_cost", "rec_cost"),
         agreement=pl.col("agree") / pl.col("calls"),
@@ -316,8 +336,10 @@ def summary(calls: pl.DataFrame, calibration: Any, policy: Any, prices: Any) -> 
         recorded_cost_usd=pl.col("recorded_cost_usd").sum(), sim_cost_usd=pl.col("sim_cost_usd").sum(),
         agreement=pl.col("agree").mean(),
     ).to_dicts()[0] if c.height else {"calls": 0}
+    t["no_usage"] = int(no_usage(calls)["no_usage"].sum())
+    # a model is unpriced when a call with usage to price got no cost (a call without usage has none)
     unpriced = sorted({m for m in calls.filter(
-        ~pl.col("is_pending") & (pl.col("sim_cost_usd").is_null() | pl.col("recorded_cost_usd").is_null())
+        ~pl.col("is_pending") & has_usage() & (pl.col("sim_cost_usd").is_null() | pl.col("recorded_cost_usd").is_null())
         & pl.col("sim_input_tokens").is_not_null()).get_column("model").drop_nulls().to_list()}) if prices else None
     from dataclasses import asdict
 
@@ -371,7 +393,7 @@ def sim_view(calls: pl.DataFrame, summary: dict[str, Any], *, per_call: bool = F
     sess = sessions(calls)
     cols = ["session_id", "calls", "rec_read", "sim_read", "read_diff", "rec_write", "sim_write", "write_diff",
             "rec_input", "sim_input", "rec_cost", "sim_cost", "cost_diff", "agreement", "rec_breaks", "sim_breaks",
-            "rec_break_share", "sim_break_share", "unpriced"]
+            "rec_break_share", "sim_break_share", "unpriced", "no_usage"]
     rows = [{k: _num(v) for k, v in r.items()} for r in sess.select(cols).to_dicts()]
     c = classify(calls)
     tot = c.select(
@@ -385,6 +407,7 @@ def sim_view(calls: pl.DataFrame, summary: dict[str, Any], *, per_call: bool = F
     for a, b, d in (("sim_read", "rec_read", "read_diff"), ("sim_write", "rec_write", "write_diff"),
                     ("sim_cost", "rec_cost", "cost_diff")):
         tot[d] = (tot[a] / tot[b] - 1.0) if tot.get(b) else None
+    tot["no_usage"] = int(no_usage(calls)["no_usage"].sum())
     cs = summary.get("cache_sim", {})
     doc: dict[str, Any] = {"pipeline": summary.get("pipeline"), "target": summary.get("target"),
                            "prices": cs.get("prices"), "sessions": rows, "totals": {k: _num(v) for k, v in tot.items()},
@@ -416,4 +439,5 @@ def breaks_view(calls: pl.DataFrame, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["CAUSES", "CAUSE_FAMILY", "RECORDED_BREAK_COLUMNS", "SERVER_FAMILY", "break_rows", "breaks_view", "by_cause",
-           "classify", "diagnosis_agreement", "load_run", "recorded_breaks", "sessions", "sim_view", "summary"]
+           "classify", "diagnosis_agreement", "has_usage", "load_run", "no_usage", "recorded_breaks", "sessions",
+           "sim_view", "summary"]
