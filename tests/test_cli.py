@@ -395,11 +395,11 @@ def test_a_ledger_that_is_not_duckdb_is_exit_2_8(tmp_path: Path) -> None:
     bad.write_text("not a database\n")
     r = _run("run", CC_SAMPLE, "--out", tmp_path / "o", "--ledger", bad, "--fast-tokens")
     assert r.exit_code == 2
-    assert _no_traceback(r).startswith(f"ctxreplay: {bad}: cannot open the ledger: ")
+    assert _no_traceback(r).startswith(f"ctxreplay: {bad} is not a DuckDB database, not a ctxreplay ledger")
     assert bad.read_text() == "not a database\n"
     assert not (tmp_path / "o" / "current").exists()
     r = _run("ledger", tmp_path / "o", "--ledger", bad)
-    assert r.exit_code == 2 and "cannot open the ledger" in _no_traceback(r)
+    assert r.exit_code == 2 and "not a ctxreplay ledger" in _no_traceback(r)
 
 
 def test_an_out_that_is_a_file_is_exit_2_8(tmp_path: Path) -> None:

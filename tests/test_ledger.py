@@ -63,8 +63,9 @@ def test_a_locked_or_bad_ledger_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_text("this is not a database")
     from ctxreplay.errors import LedgerError
 
-    with pytest.raises(LedgerError, match="cannot open the ledger"):
+    with pytest.raises(LedgerError, match="is not a DuckDB database, not a ctxreplay ledger"):
         Ledger(bad)
+    assert bad.read_text() == "this is not a database"
 
 
 def test_decisions_table_matches_the_schema(tmp_path: Path) -> None:

@@ -7,12 +7,23 @@ with the `run_id` of its outputs), `specs` (resolved spec per sha256), `token_ca
 by text sha256 and counter). A run writes everything in one transaction: a crash leaves the ledger
 as before or after the run. Two runs never share a ledger at once: the runner holds a lock on it
 (pipeline/core/outdir.py).
+
+A ledger is known by its `meta` row `format = ctxreplay-ledger` (ledgers written before that row
+by their `schema_version` row and tables that are all ledger tables; they gain the row when next
+opened for writing). Before DuckDB opens a file, its header is checked (`check_file`): a path
+that does not exist yet, an empty file, or a DuckDB file (b"DUCK" at byte 8 of its main header);
+anything else (a Parquet file, a SQLite database, ...) is refused, and so is a DuckDB database
+that holds tables of its own: ctxreplay never adds its tables to someone else's file. DuckDB is
+opened with extension autoloading off (pipeline/core/duck.py), and a read that fails on a damaged
+file is a LedgerError naming the file, not an internal error.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import orjson
@@ -21,6 +32,7 @@ import pyarrow as pa
 
 from ctxreplay.errors import LedgerError
 from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.core.duck import connect
 from ctxreplay.schemas.check import conform, polars_schema, to_arrow
 from ctxreplay.schemas.decisions import DECISIONS, STAGE_DECISION
 
@@ -50,21 +62,98 @@ CREATE TABLE IF NOT EXISTS token_cache (
 );
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS run_id VARCHAR;
 """
+FORMAT = "ctxreplay-ledger"
+# the tables a ctxreplay ledger may hold (engine_usage: the live engine's, pipeline/engine/engine.py)
+TABLES = frozenset({"meta", "decisions", "runs", "decision_calls", "specs", "token_cache", "engine_usage"})
+# a DuckDB database file: its main header holds this magic at this offset (DuckDB storage format)
+DUCKDB_MAGIC, DUCKDB_MAGIC_AT = b"DUCK", 8
+# what a file that is not DuckDB is, by its first bytes (for the message)
+_KNOWN_MAGIC = ((b"PAR1", "a Parquet file"), (b"SQLite format 3\x00", "a SQLite database"),
+                (b"\x89HDF", "an HDF5 file"), (b"PK\x03\x04", "a ZIP file"), (b"ARROW1", "an Arrow file"))
+_USE_ANOTHER = ("Pass --ledger a new file (it becomes a new, empty ledger) or an existing ctxreplay ledger, or "
+                "leave --ledger out to use OUT/ledger.duckdb")
+
+T = TypeVar("T")
+
+
+def _what_file(head: bytes) -> str:
+    for magic, what in _KNOWN_MAGIC:
+        if head.startswith(magic):
+            return what
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "a JSON file"
+    return "not a DuckDB database"
+
+
+def check_file(path: Path, *, read_only: bool = False) -> str:
+    """What `path` is, before DuckDB opens it: "new" (no such file), "empty" (0 bytes) or "duckdb";
+    a LedgerError for anything else (and, read-only, for a new or empty file too)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+    except FileNotFoundError:
+        if read_only:
+            raise LedgerError(f"{path}: no ledger here; run `ctxreplay run ... --ledger {path}` first, or pass "
+                              f"the ledger a run wrote") from None
+        return "new"
+    except IsADirectoryError:
+        raise LedgerError(f"ledger {path} is a directory, not a file: pass a file path") from None
+    except OSError as exc:
+        raise LedgerError(f"{path}: cannot read the ledger: {exc.strerror or exc}. Pass a ledger file you can "
+                          f"read and write") from exc
+    if not head:
+        if read_only:
+            raise LedgerError(f"{path} is an empty file: no ctxreplay run has written this ledger yet")
+        return "empty"
+    if head[DUCKDB_MAGIC_AT:DUCKDB_MAGIC_AT + len(DUCKDB_MAGIC)] != DUCKDB_MAGIC:
+        raise LedgerError(f"{path} is {_what_file(head)}, not a ctxreplay ledger (a DuckDB file): ctxreplay "
+                          f"never writes into a file it did not make. {_USE_ANOTHER}")
+    return "duckdb"
+
+
+def _reads(method: Callable[..., T]) -> Callable[..., T]:
+    """A DuckDB error while reading the ledger (a file cut short, overwritten) as a LedgerError."""
+
+    @functools.wraps(method)
+    def guarded(self: Ledger, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except duckdb.Error as exc:
+            raise self.damaged(exc) from exc
+
+    return guarded
+
+
 RUN_COLUMNS = ("run_seq", "spec_sha256", "spec_name", "started_at", "finished_at", "input_files", "versions",
                "counts", "run_id")
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class Ledger:
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
+        kind = check_file(self.path, read_only=read_only)
         try:
             if not read_only:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.con = duckdb.connect(str(self.path), read_only=read_only)
+                if kind == "empty":  # DuckDB refuses a 0-byte file: it becomes a new ledger
+                    self.path.unlink()
+            self.con = connect(str(self.path), read_only=read_only)
         except (duckdb.Error, OSError) as exc:
             msg = (f"{self.path}: cannot open the ledger: {exc}. Is another ctxreplay run using it, or is it "
                    f"not a ctxreplay ledger? Pass another file with --ledger")
             raise LedgerError(msg) from exc
+        try:
+            ours = self._identify()
+        except LedgerError:
+            self.con.close()
+            raise
+        if read_only and ours == "new":
+            self.con.close()
+            raise LedgerError(f"{self.path} is an empty DuckDB database: no ctxreplay run has written this ledger yet")
         if not read_only:
             try:
                 # in one transaction, so that a crash never leaves half the tables
@@ -78,6 +167,7 @@ class Ledger:
                     self.con.close()
                     raise LedgerError(f"{self.path}: ledger schema version {row[0][0]}, this ctxreplay writes "
                                       f"{SCHEMA_VERSION}; use a new --ledger file")
+                self.con.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?)", [FORMAT])
                 self.con.execute("COMMIT")
             except duckdb.Error as exc:
                 self.con.close()
@@ -87,11 +177,44 @@ class Ledger:
         self._pending_calls: list[pa.Table] = []
         self._pending_tokens: list[pa.Table] = []
 
+    def _identify(self) -> str:
+        """"ours" (a ctxreplay ledger) or "new" (a database without any table or view); a
+        LedgerError for a DuckDB database of someone else's."""
+        try:
+            tables = sorted(r[0] for r in self.con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()").fetchall())
+            views = self.con.execute("SELECT count(*) FROM duckdb_views() WHERE NOT internal "
+                                     "AND database_name = current_database()").fetchall()[0][0]
+        except duckdb.Error as exc:
+            raise self.damaged(exc) from exc
+        meta: dict[str, str] = {}
+        if "meta" in tables:
+            try:
+                meta = {str(k): str(v) for k, v in self.con.execute("SELECT key, value FROM meta").fetchall()}
+            except duckdb.IOException as exc:
+                raise self.damaged(exc) from exc
+            except duckdb.Error:
+                meta = {}  # a `meta` table of another shape: not ours
+        if not tables and not views:
+            return "new"
+        if meta.get("format") == FORMAT or ("schema_version" in meta and set(tables) <= TABLES and not views):
+            return "ours"
+        what = f"tables {_listed(tables)}" if tables else f"{views} views"
+        raise LedgerError(f"{self.path} is a DuckDB database but not a ctxreplay ledger: it holds {what} and no "
+                          f"ctxreplay marker (a `meta` table with format = {FORMAT}). ctxreplay does not add its "
+                          f"tables to another database. {_USE_ANOTHER}")
+
+    def damaged(self, exc: BaseException) -> LedgerError:
+        return LedgerError(f"{self.path}: the ledger cannot be read ({str(exc).strip().splitlines()[0][:300]}): the "
+                           f"file is damaged (cut short, or overwritten). Restore it from a copy, or pass --ledger a "
+                           f"new file (the run then starts an empty ledger: earlier decisions are not reused)")
+
     def close(self) -> None:
         self.con.close()
 
     # ------------------------------------------------------------------ decisions
 
+    @_reads
     def earlier(self, spec_sha256: str, stage: str, sessions: list[str]) -> pl.LazyFrame:
         """This stage's decisions in this namespace for these sessions (STAGE_DECISION columns)."""
         cols = ", ".join(f.name for f in STAGE_DECISION)
@@ -108,6 +231,7 @@ class Ledger:
             self.con.unregister("_sessions")
         return conform(pl.from_arrow(t), STAGE_DECISION)  # type: ignore[arg-type]
 
+    @_reads
     def earlier_all(self, spec_sha256: str, sessions: list[str]) -> pl.DataFrame:
         """Every decision of this namespace for these sessions, in seq order: STAGE_DECISION columns
         plus `stage`, `seq` and `call_key` (null for decisions written before call keys)."""
@@ -127,6 +251,7 @@ class Ledger:
             self.con.unregister("_sessions")
         return pl.from_arrow(t).cast(schema)  # type: ignore[union-attr,arg-type]
 
+    @_reads
     def next_seq(self, spec_sha256: str) -> int:
         """The next free seq of this namespace, counting the rows queued for this run's commit."""
         rows = self.con.execute("SELECT coalesce(max(seq), -1) FROM decisions WHERE spec_sha256 = ?",
@@ -216,6 +341,7 @@ class Ledger:
             params["session"] = session_id
         return (" WHERE " + " AND ".join(conds) if conds else ""), params
 
+    @_reads
     def decisions(self, *, stage: str | None = None, session_id: str | None = None,
                   with_replacement: bool = True, limit: int | None = None) -> pl.DataFrame:
         """Decision rows (all namespaces), in namespace and seq order; filtered and cut in DuckDB."""
@@ -224,6 +350,7 @@ class Ledger:
         q = f"SELECT {cols} FROM decisions{where} ORDER BY spec_sha256, seq" + (f" LIMIT {int(limit)}" if limit else "")
         return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
 
+    @_reads
     def decision_counts(self, *, stage: str | None = None, session_id: str | None = None) -> pl.DataFrame:
         """How many decisions per namespace, stage, action and reason."""
         where, params = self._where(stage, session_id)
@@ -231,12 +358,14 @@ class Ledger:
              f"GROUP BY ALL ORDER BY spec_sha256, stage, action, reason")
         return pl.from_arrow(self.con.sql(q, params=params or None).to_arrow_table())  # type: ignore[return-value]
 
+    @_reads
     def runs(self) -> pl.DataFrame:
         """One row per completed run (older ledgers, opened read-only, may lack `run_id`)."""
         return pl.from_arrow(self.con.sql("SELECT * FROM runs ORDER BY run_seq").to_arrow_table())  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ token cache
 
+    @_reads
     def cached_tokens(self, counter: str, shas: list[str]) -> dict[str, int]:
         if not shas:
             return {}
