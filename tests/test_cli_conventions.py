@@ -272,8 +272,8 @@ def test_output_files_follow_the_umask(tmp_path: Path, umask: Any, mask: int) ->
         files += stat.S_ISREG(st.st_mode)
         dirs += stat.S_ISDIR(st.st_mode)
     # 6 parquet files (the request store too), the summary, 8 + 8 requests, the ledger and both lock files,
-    # the manifest and call_facts.parquet (what a re-run reuses)
-    assert files == 6 + 1 + 16 + 1 + 2 + 2 and dirs == 4
+    # the manifest and call_facts.parquet (what a re-run reuses), the record of what is ours in OUT
+    assert files == 6 + 1 + 16 + 1 + 2 + 2 + 1 and dirs == 4
 
 
 @pytest.mark.parametrize("args", [

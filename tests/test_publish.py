@@ -1,5 +1,6 @@
 """The output directory (issue 8, defect 4): a run is staged and published all at once; readers
-go through `current`; what interrupted runs and older versions left behind is cleaned."""
+go through `current`; what interrupted runs left behind is cleaned (only what the record of OUT
+lists: issue 23, tests/test_foreign_outputs.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import ctxreplay.pipeline.batch.runner as runner_mod
 from ctxreplay.errors import CtxReplayError, OutputError
 from ctxreplay.pipeline.batch.runner import RunOptions, run
 from ctxreplay.pipeline.commands.cli import main
-from ctxreplay.pipeline.core.outdir import resolve_run
+from ctxreplay.pipeline.core.outdir import OutputDir, resolve_run
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
 from ctxreplay.pipeline.staging.spec import load_spec
 from tests.crashkit import SAMPLES, leftovers, out_state
@@ -81,40 +82,44 @@ def test_a_failed_write_keeps_the_previous_outputs(tmp_path: Path, monkeypatch: 
     assert out_state(out) == before and leftovers(out, before.run_id) == []
 
 
-def test_stale_staging_and_old_temp_files_are_removed_by_the_next_run(tmp_path: Path) -> None:
+def test_stale_staging_and_temp_links_are_removed_by_the_next_run(tmp_path: Path) -> None:
     out = tmp_path / "o"
     _run(out)
-    (out / ".runs" / "20260101T000000000000Z-1-dead00").mkdir()  # a killed run's staging
-    (out / ".runs" / "20260101T000000000000Z-1-dead00" / "blocks.parquet").write_bytes(b"x" * 1000)
-    os.symlink(".runs/20260101T000000000000Z-1-dead00", out / ".current.20260101T000000000000Z-1-dead00")
-    (out / ".blocks.parquet.k3j4h5g6").write_bytes(b"x" * 100_000)  # what versions before staging left
+    killed = "20260101T000000000000Z-0000001-dead00"
+    od = OutputDir(out)
+    with od.lock():  # a killed run's staging: listed in the record, then made
+        od.adopt()
+        od.clean_stale()
+        (od.stage(killed) / "blocks.parquet").write_bytes(b"x" * 1000)
+    os.symlink(f".runs/{killed}", out / f".current.{killed}")
+    os.symlink("current/blocks.parquet", out / f".link-blocks.parquet.{killed}")
+    (out / ".blocks.parquet.k3j4h5g6").write_bytes(b"x" * 100)  # not in the record: not ours, kept
     res = _run(out)
     assert sorted(res.summary["stale_outputs_removed"]) == [
-        ".blocks.parquet.k3j4h5g6", ".current.20260101T000000000000Z-1-dead00", ".runs/20260101T000000000000Z-1-dead00"]
-    assert leftovers(out, res.summary["run_id"]) == []
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".ledger.duckdb.lock", ".lock", ".runs"]
+        f".current.{killed}", f".link-blocks.parquet.{killed}", f".runs/{killed}"]
+    assert leftovers(out, res.summary["run_id"]) == [".blocks.parquet.k3j4h5g6"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [
+        ".blocks.parquet.k3j4h5g6", ".ctxreplay-out.json", ".ledger.duckdb.lock", ".lock", ".runs"]
 
 
-def test_an_output_directory_of_an_older_version_is_taken_over(tmp_path: Path) -> None:
+def test_an_output_directory_of_the_layout_before_staging_is_read_but_not_written(tmp_path: Path) -> None:
+    """Outputs written into OUT itself (before runs were staged) cannot be told from files of
+    someone else's (issue 23): readers still read them; a run refuses OUT and changes nothing."""
     out = tmp_path / "o"
-    old = _run(tmp_path / "old")
+    _run(tmp_path / "old")
     out.mkdir()
-    # the layout before staging: real files and a real requests/ directory in OUT
     for name in ("calls.parquet", "blocks.parquet", "decisions.parquet", "quarantine.parquet", "summary.json"):
         (out / name).write_bytes((tmp_path / "old" / name).read_bytes())
     (out / "requests").mkdir()
     (out / "requests" / "stale.json").write_text("{}")
-    (out / "notes.txt").write_text("mine")  # not ctxreplay's: left alone
-    # a reader of the old layout still works
+    (out / "notes.txt").write_text("mine")
     assert resolve_run(out) == out
     r = CliRunner().invoke(main, ["request", str(out), SID, "--call", "1"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    res = _run(out)
-    shown = out_state(out)
-    assert shown.run_id == res.summary["run_id"] and shown.calls == out_state(tmp_path / "old").calls
-    assert not (out / "requests" / "stale.json").exists()
-    assert (out / "notes.txt").read_text() == "mine"
-    assert old.summary["run_id"] != shown.run_id
+    with pytest.raises(OutputError, match="is not a ctxreplay output directory"):
+        _run(out)
+    assert (out / "requests" / "stale.json").exists() and (out / "notes.txt").read_text() == "mine"
+    assert not (out / "current").exists() and not (out / ".lock").exists()
 
 
 def test_readers_see_one_run(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ OUT the previous one, and a re-run reuses the committed decisions and publishes 
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import sys
 import time
 from collections import Counter
@@ -41,6 +42,7 @@ from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, Tok
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.loaders import LoadResult
 from ctxreplay.pipeline.staging.ledger import Ledger
+from ctxreplay.pipeline.staging.ledger import check_file as check_ledger_file
 from ctxreplay.pipeline.staging.spec import DEFAULT_TARGET, PipelineSpec
 from ctxreplay.pipeline.staging.stagerun import StageFailure, position_names
 from ctxreplay.pipeline.targets import Violation, get_target
@@ -113,11 +115,14 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
     spec = spec.for_target(target.name)
     ledger_path = opts.ledger_path or (opts.out_dir / "ledger.duckdb")
     out = OutputDir(opts.out_dir)
-    out.check()
+    own = _own_in_out(opts.out_dir, ledger_path)
+    out.check(own)
     if ledger_path.exists() and not ledger_path.is_file():
         raise OutputError(f"--ledger {ledger_path} is a directory, not a file: pass a file path")
+    out.check_ledger(ledger_path)
+    check_ledger_file(ledger_path)  # a file that is not a ledger is refused before OUT is made
     crashpoints.phase("lock")
-    out.create()
+    out.create(own)
     run_id = new_run_id()
     published = False
     try:
@@ -126,6 +131,7 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         except OSError as exc:
             raise OutputError(f"cannot create the ledger's directory {ledger_path.parent}: {exc.strerror}") from exc
         with out.lock(), RunLock(ledger_lock_path(ledger_path), f"the ledger {ledger_path}"):
+            out.adopt(own)
             stale = out.clean_stale()
             staging = out.stage(run_id)
             try:
@@ -143,6 +149,15 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
     return result
 
 
+def _own_in_out(out_dir: Path, ledger_path: Path) -> set[str]:
+    """The names in OUT that are this run's ledger and its lock and WAL, when the ledger is in OUT
+    itself (the default): OUT may hold them and still be taken for a new output directory."""
+    if os.path.realpath(ledger_path.parent) != os.path.realpath(out_dir):
+        return set()
+    name = ledger_path.name
+    return {name, f"{name}.wal", ledger_lock_path(ledger_path).name}
+
+
 def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_name: str, ledger_path: Path,
                 staging: Path, run_id: str, stale: list[str]) -> RunResult:
     """The run proper, with OUT and the ledger locked: every output goes to `staging`, batch by
@@ -154,6 +169,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
     conf = manifest.config(spec.sha256, target_name, opts.token_counter, opts.all_calls, opts.validate, ledger_path)
     plan_ = _Plan.make(batches, *(manifest.prior(opts.out_dir, conf) if opts.reuse else (None, "--full")))
     ledger: Any = _LazyLedger(ledger_path)  # opened when first needed: a run with nothing to do leaves no ledger
+    if check_ledger_file(ledger_path) == "duckdb":
+        ledger.open()  # it exists: refused now, before any work, when it is not a ctxreplay ledger
     writers = Writers(staging, run_id, opts.out_dir)
     closed = False
     results: Any = None  # the batches' results (a generator: closed at the end, its workers or Ray with it)
@@ -232,10 +249,13 @@ class _LazyLedger:
         self.path = path
         self._ledger: Ledger | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def open(self) -> Ledger:
         if self._ledger is None:
             self._ledger = Ledger(self.path)
-        return getattr(self._ledger, name)
+        return self._ledger
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.open(), name)
 
     def close(self) -> None:
         if self._ledger is not None:
