@@ -75,6 +75,8 @@ class Writers:
                 schema = table.schema.with_metadata(meta)
                 # without the Arrow schema in the file, dictionary-encoded columns read back as strings
                 w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=name != "call_messages")
+                if name == "call_messages":  # no Arrow schema: the run id goes in as the file's own metadata
+                    w.add_key_value_metadata({RUN_ID_KEY: self.run_id.encode()})
             if table.num_rows or w.schema is None:
                 if not table.schema.equals(w.schema, check_metadata=False):
                     table = table.cast(w.schema)

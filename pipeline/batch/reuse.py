@@ -227,6 +227,8 @@ def copy_parquet(src: Path, dest: Path, run_id: str, *, store_schema: bool = Tru
     schema = f.schema_arrow
     schema = schema.with_metadata({**(schema.metadata or {}), RUN_ID_KEY: run_id.encode()})
     with pq.ParquetWriter(dest, schema, store_schema=store_schema) as w:
+        if not store_schema:  # no Arrow schema to carry it: the run id as the file's own metadata
+            w.add_key_value_metadata({RUN_ID_KEY: run_id.encode()})
         for i in range(f.num_row_groups):
             w.write_table(f.read_row_group(i).replace_schema_metadata(schema.metadata))
 
