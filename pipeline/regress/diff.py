@@ -849,6 +849,17 @@ def run_diff(paths: Sequence[Path], spec: Any, golden_dir: Path, *, target: str 
     there are none, or they cannot be read: returns None then). Raises GoldenError (exit 2) when
     the goldens cannot be compared with. `token_counter` is used only to write new goldens: a
     comparison counts with the goldens' counter."""
+    from ctxreplay.pipeline.regress.snapshot import golden_lock
+
+    if not update:
+        return _run_diff(paths, spec, golden_dir, target, update, out_dir, prices, token_counter, progress)
+    with golden_lock(golden_dir):  # --update writes the goldens: one writer at a time
+        return _run_diff(paths, spec, golden_dir, target, update, out_dir, prices, token_counter, progress)
+
+
+def _run_diff(paths: Sequence[Path], spec: Any, golden_dir: Path, target: str | None, update: bool,
+              out_dir: Path | None, prices: Path | None, token_counter: str | None,
+              progress: Callable[[str], None] | None) -> DiffReport | None:
     from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER
     from ctxreplay.pipeline.regress.snapshot import check_golden_dir, replay, write_golden
 

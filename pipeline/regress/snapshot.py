@@ -267,6 +267,22 @@ def check_golden_dir(golden: Path) -> None:
                           f"and writing goldens replaces the whole directory. Pass a new or empty directory")
 
 
+def golden_lock(golden: Path) -> Any:
+    """The lock of a golden directory (a RunLock, pipeline/core/outdir.py): two runs writing one
+    --golden at once would each replace the other's goldens, so the second fails at once naming
+    the first. The lock file sits beside the directory (which is swapped whole) while it is held."""
+    from ctxreplay.pipeline.core.outdir import RunLock
+
+    g = Path(golden).absolute()
+    try:
+        g.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create the golden directory {golden}: {exc.strerror}; pass a --golden "
+                          f"you can write to") from exc
+    return RunLock(g.parent / f".{g.name}.lock", f"the golden directory {golden}", instead="another --golden",
+                   remove=True)
+
+
 def spec_source(spec: Any) -> str:
     """The spec's source without the machine's paths: `preset:<name>` or the file's name."""
     src = str(spec.source)
@@ -382,8 +398,8 @@ def snapshot(paths: Sequence[Path], spec: Any, golden: Path, *, target: str | No
 
     check_golden_dir(golden)
     t0 = time.perf_counter()
-    with replay(paths, spec, target=target, token_counter=token_counter or TIKTOKEN_COUNTER,
-                progress=progress) as rp:
+    with golden_lock(golden), replay(paths, spec, target=target, token_counter=token_counter or TIKTOKEN_COUNTER,
+                                     progress=progress) as rp:
         stats = write_golden(rp, golden)
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -498,4 +514,4 @@ def spans_at(rows: Sequence[dict[str, Any]], k: int) -> tuple[list[str], str | N
 
 
 __all__ = ["GOLDEN_FORMAT_VERSION", "Golden", "GoldenError", "Inputs", "Replay", "SnapshotStats",
-           "collect_inputs", "replay", "snapshot", "spans_at", "write_golden"]
+           "collect_inputs", "golden_lock", "replay", "snapshot", "spans_at", "write_golden"]
