@@ -348,7 +348,8 @@ def threads(out_dir: Path, session: str | None, json_: bool) -> None:
 @click.option("--session", "session_id", help="Only this session's decisions (a unique prefix of its id).")
 @click.option("--thread", "thread", help="Only this thread's decisions (as THREAD of `ctxreplay request`).")
 @click.option("--quarantine", is_flag=True, help="Show the quarantined lines of the run instead.")
-@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Rows to list (0: all).")
+@click.option("--limit", type=click.IntRange(min=0, max=2**63 - 1, clamp=True), default=50, show_default=True,
+              help="Rows to list (0: all; more than there are: all).")
 @json_option()
 def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, session_id: str | None,
            thread: str | None, quarantine: bool, limit: int, json_: bool) -> None:
