@@ -1,4 +1,5 @@
-"""Labels for wire messages, shared by the targets (not a target itself: the name starts with `_`).
+"""What the targets share (not a target itself: the name starts with `_`): the loop of `shape`,
+the labels of wire messages, and the wire forms of a few row kinds.
 
 The replay keeps, with every wire message, the index of the first logical message it holds, and
 re-shapes a changed tail from the wire message whose label is the latest one <= the logical index
@@ -14,6 +15,7 @@ plain meaning; the replay only compares labels and hands them back to `shape`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -32,6 +34,78 @@ def split(start: float) -> tuple[int, int]:
     """(logical index, wire messages of it to skip) for a label handed back by the replay."""
     i = math.floor(start)
     return i, round((start - i) * SUB)
+
+
+Run = Callable[[Sequence[Any], int], tuple[int, list[Any]]]
+LeadIn = Callable[[Sequence[Any], int, list[Any]], Any]
+
+
+def shape_runs(msgs: Sequence[Any], start: float, run: Run, lead_in: LeadIn | None = None) -> list[tuple[Any, Any]]:
+    """The loop of every target's `shape(msgs, start)`: from the label `start`, cut the logical
+    messages into runs and label the wire messages each run makes.
+
+    `run(msgs, i)` -> `(j, items)`: the run of logical messages [i, j) (j > i) and its wire messages
+    (none when it has no wire content). What a run is, is the target's: one message (OpenAI
+    Responses), one message or a run of tool-result messages (OpenAI chat), adjacent messages of
+    one wire role (Anthropic, Gemini: `merge_run`).
+    `lead_in(msgs, i, items)` -> a wire message or None: asked for the first run that makes wire
+    messages in this call, a message to put before them (the bootstrap user turn of the APIs that
+    want a user turn first; each target says when its history needs one).
+
+    The k-th wire message of a run that starts at i is labelled `label(i, k)`; those of the run
+    `start` points into are skipped up to its sub-index. A run without wire messages gives its
+    label to the next wire message (its messages belong to that one: re-shaping from that label
+    shapes them again)."""
+    out: list[tuple[Any, Any]] = []
+    i, skip = split(start)
+    i0, n = i, len(msgs)
+    pending: int | None = None  # first of the messages just left out (no wire content)
+    while i < n:
+        j, items = run(msgs, i)
+        if items and lead_in is not None and not out:
+            first = lead_in(msgs, i, items)
+            if first is not None:
+                items = [first, *items]
+        if not items and pending is None:
+            pending = i
+        for k, item in enumerate(items):
+            if not (i == i0 and k < skip):
+                out.append((pending if k == 0 and pending is not None else label(i, k), item))
+        if items:
+            pending = None
+        i = j
+    return out
+
+
+Content = Callable[[Sequence[Any], int], "tuple[str, list[Any], list[Any], list[Any]] | None"]
+
+
+def merge_run(msgs: Sequence[Any], i: int,
+              content: Content) -> tuple[int, str | None, list[Any], list[Any], list[Any]]:
+    """The run from logical message i of the targets that merge adjacent messages of one wire role
+    (Anthropic, Gemini): `content(msgs, j)` -> `(wire role, lead, rest, rows)`, or None for a
+    message without wire content, which belongs to the run it sits in (or starts the next one).
+    Returns `(j, role, lead, rest, rows)`: the run is [i, j); its wire message holds every
+    message's `lead` parts first (the tool results), then their `rest`, and sends `rows`; role None:
+    nothing up to the end has wire content."""
+    role: str | None = None
+    lead: list[Any] = []
+    rest: list[Any] = []
+    sent: list[Any] = []
+    j, n = i, len(msgs)
+    while j < n:
+        c = content(msgs, j)
+        if c is not None:
+            r, first, other, rows = c
+            if role is None:
+                role = r
+            elif r != role:
+                break
+            lead.extend(first)
+            rest.extend(other)
+            sent.extend(rows)
+        j += 1
+    return j, role, lead, rest, sent
 
 
 def result_text(parts: list[dict[str, Any]]) -> str:

@@ -19,7 +19,7 @@ import orjson
 
 from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from ctxreplay.pipeline.targets._wire import label, split, tool_input_object
+from ctxreplay.pipeline.targets._wire import merge_run, shape_runs, tool_input_object
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 
@@ -102,6 +102,33 @@ def _content(msgs: list[LogicalMessage]) -> tuple[list[dict[str, Any]], list[dic
     return blocks, sent
 
 
+def _message(msgs: list[LogicalMessage], j: int) -> tuple[str, list[Any], list[Any], list[Any]] | None:
+    """Message j for merge_run: its wire role, and in a user message its tool results first, the
+    other blocks after (stable)."""
+    c, rows = _content([msgs[j]])
+    if not c:
+        return None
+    role = WIRE_ROLE.get(msgs[j].role, "user")
+    if role == "user":
+        results = [b for b in c if b.get("type") == "tool_result"]
+        return role, results, [b for b in c if b.get("type") != "tool_result"], rows
+    return role, [], c, rows
+
+
+def _run(msgs: list[LogicalMessage], i: int) -> tuple[int, list[Any]]:
+    """One wire message: a run of messages of one wire role."""
+    j, role, results, other, sent = merge_run(msgs, i, _message)
+    return j, [] if role is None else [Wire({"role": role, "content": results + other}, sent)]
+
+
+def _lead_in(msgs: list[LogicalMessage], i: int, items: list[Any]) -> Wire | None:
+    """The Messages API wants a user turn first: a history that starts with the assistant (a resumed
+    or truncated session: no message before i has wire content) gets the bootstrap turn before it."""
+    if items[0]["role"] == "assistant" and not any(message_content([msgs[x]]) for x in range(i)):
+        return Wire({"role": "user", "content": [{"type": "text", "text": BOOTSTRAP}]})
+    return None
+
+
 class Anthropic:
     name = "anthropic"
     list_key = "messages"
@@ -112,45 +139,7 @@ class Anthropic:
     allow_prefill = False  # a request may end with an assistant message (a prefill)
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
-        out: list[tuple[int, dict[str, Any]]] = []
-        i, skip = split(start)
-        i0, n = i, len(msgs)
-        while i < n:
-            # one wire message: a run of messages of one wire role; messages without wire content
-            # belong to the run they sit in (or start the next one)
-            role: str | None = None
-            content: list[dict[str, Any]] = []
-            sent: list[dict[str, Any]] = []
-            j = i
-            while j < n:
-                c, rows = _content([msgs[j]])
-                if c:
-                    r = WIRE_ROLE.get(msgs[j].role, "user")
-                    if role is None:
-                        role = r
-                    elif r != role:
-                        break
-                    content.extend(c)
-                    sent.extend(rows)
-                j += 1
-            if role is None:
-                break
-            if role == "user":
-                # tool results first, then the other blocks (stable)
-                content = [b for b in content if b.get("type") == "tool_result"] + \
-                          [b for b in content if b.get("type") != "tool_result"]
-            items: list[dict[str, Any]] = []
-            if role == "assistant" and not out and not any(message_content([msgs[x]]) for x in range(i)):
-                # the Messages API wants a user turn first: a history that starts with the assistant
-                # (a resumed or truncated session) gets the bootstrap turn before it
-                items.append(Wire({"role": "user", "content": [{"type": "text", "text": BOOTSTRAP}]}))
-            items.append(Wire({"role": role, "content": content}, sent))
-            for k, item in enumerate(items):
-                if i == i0 and k < skip:
-                    continue
-                out.append((label(i, k), item))  # type: ignore[arg-type]
-            i = j
-        return out
+        return shape_runs(msgs, start, _run, _lead_in)
 
     def empty_messages(self) -> list[dict[str, Any]]:
         """The stand-in for a request with no recorded message (the API needs one user turn)."""

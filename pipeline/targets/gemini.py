@@ -27,7 +27,7 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import label, raw_item, result_text, split, tool_input_object
+from ctxreplay.pipeline.targets._wire import merge_run, raw_item, result_text, shape_runs, tool_input_object
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:
@@ -80,6 +80,32 @@ def _parts(msgs: list[LogicalMessage], i: int,
     return responses, parts
 
 
+def _message(msgs: list[LogicalMessage], j: int) -> tuple[str, list[Any], list[Any], list[Any]] | None:
+    """Message j for merge_run: its role on the wire, its function responses (first in the turn)
+    and its other parts."""
+    rows: list[dict[str, Any]] = []
+    fr, ps = _parts(msgs, j, rows)
+    if not (fr or ps):
+        return None
+    return ("model" if msgs[j].role == "assistant" else "user"), fr, ps, rows
+
+
+def _run(msgs: list[LogicalMessage], i: int) -> tuple[int, list[Any]]:
+    """One turn: a run of messages of one role."""
+    j, role, responses, parts, sent = merge_run(msgs, i, _message)
+    return j, [] if role is None else [Wire({"role": role, "parts": responses + parts}, sent)]
+
+
+def _lead_in(msgs: list[LogicalMessage], i: int, items: list[Any]) -> Wire | None:
+    """The first turn must be a user turn: a leading model turn gets the bootstrap turn before it.
+    The leading turn is the one of the run at message 0 (the replay shapes the first wire message
+    from label 0); Anthropic's `_lead_in` looks for wire content before i instead, which agrees for
+    every start the replay passes."""
+    if i == 0 and items[0]["role"] != "user":
+        return Wire({"role": "user", "parts": [{"text": BOOTSTRAP}]})
+    return None
+
+
 class Gemini:
     name = "gemini"
     list_key = "contents"
@@ -88,39 +114,7 @@ class Gemini:
         return True
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
-        out: list[tuple[int, dict[str, Any]]] = []
-        i, skip = split(start)
-        i0, n = i, len(msgs)
-        while i < n:
-            role: str | None = None
-            responses: list[dict[str, Any]] = []
-            parts: list[dict[str, Any]] = []
-            sent: list[dict[str, Any]] = []
-            j = i
-            while j < n:
-                rows: list[dict[str, Any]] = []
-                fr, ps = _parts(msgs, j, rows)
-                if fr or ps:
-                    r = "model" if msgs[j].role == "assistant" else "user"
-                    if role is None:
-                        role = r
-                    elif r != role:
-                        break
-                    responses.extend(fr)
-                    parts.extend(ps)
-                    sent.extend(rows)
-                j += 1
-            if role is None:
-                break
-            items = [Wire({"role": role, "parts": responses + parts}, sent)]
-            if i == 0 and role != "user":
-                items.insert(0, Wire({"role": "user", "parts": [{"text": BOOTSTRAP}]}))
-            for k, item in enumerate(items):
-                if i == i0 and k < skip:
-                    continue
-                out.append((label(i, k), item))  # type: ignore[arg-type]
-            i = j
-        return out
+        return shape_runs(msgs, start, _run, _lead_in)
 
     def empty_messages(self) -> list[dict[str, Any]]:
         """The stand-in for a request with no recorded message (a history that starts with the model's

@@ -27,7 +27,7 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import image_data_url, label, raw_item, result_text, split
+from ctxreplay.pipeline.targets._wire import image_data_url, raw_item, result_text, shape_runs
 
 
 def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
@@ -91,6 +91,10 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
     return items
 
 
+def _run(msgs: list[LogicalMessage], i: int) -> tuple[int, list[Any]]:
+    return i + 1, message_items(msgs[i])
+
+
 class OpenAIResponses:
     name = "openai-responses"
     list_key = "input"
@@ -99,20 +103,8 @@ class OpenAIResponses:
         return True
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
-        out: list[tuple[int, dict[str, Any]]] = []
-        i0, skip = split(start)
-        pending: int | None = None  # first of the messages just left out (no wire content)
-        for i in range(i0, len(msgs)):
-            items = message_items(msgs[i])
-            if not items and pending is None:
-                pending = i
-            for k, item in enumerate(items):
-                if not (i == i0 and k < skip):
-                    # messages left out before this one belong to it: its label is theirs
-                    out.append((pending if k == 0 and pending is not None else label(i, k), item))  # type: ignore[arg-type]
-            if items:
-                pending = None
-        return out
+        # each message on its own; no lead-in: the API takes a history that starts with the assistant
+        return shape_runs(msgs, start, _run)
 
     def empty_messages(self) -> list[dict[str, Any]]:
         """The stand-in for a request with no recorded message (a history that starts with the
