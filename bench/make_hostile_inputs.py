@@ -19,6 +19,11 @@ DIR gets (all invented or derived from tests/fixtures/loaders, plus corpus lines
                            labelled image/png, an animated GIF
 - deep/                    10,000 nested lists inside an entry, 250 levels, a deep tool input
 
+Not written into DIR (they are not transcripts): `foreign_out_dir` and `not_ledgers` make the
+hostile `--out` directories and `--ledger` files of issue 23 (a directory of someone else's files,
+a Parquet / SQLite / JSON file, a DuckDB database with tables of its own, a ledger cut in half),
+which tests/test_foreign_outputs.py passes to `ctxreplay run` and `ctxreplay ledger`.
+
 The mutation functions are importable (tests/test_fuzz_loaders.py drives them with hypothesis):
 each takes the lines of a file and a `random.Random`, changes one place, and records on the lines
 it touched what the loader must do with them (`expect`: a quarantine code, "kept", or None).
@@ -718,6 +723,57 @@ def write_hostile_inputs(out: Path, *, huge_mb: float = 100, seed: int = 0, corp
         + dump(cc_entry(sid, "deep-a9", f"{sid[:8]}-a1", "assistant", [
             {"type": "tool_use", "id": "toolu_deep", "name": "x", "input": json.loads(_nested(150))}])) + b"\n")
     return counts
+
+
+# ------------------------------------------------------------ hostile --out directories and --ledger files
+
+
+FOREIGN_OUT_FILES = {
+    "summary.json": b'{"mine": true}\n',  # the name of an output, not written by ctxreplay
+    "requests/important.txt": b"keep me\n",  # inside a directory with an output's name
+    ".runs/keep/data.txt": b"keep me too\n",  # inside ctxreplay's staging area, not a run of it
+    ".summary.json.bak": b"a backup\n",  # a name older versions took for their temp files
+}
+
+
+def foreign_out_dir(path: Path) -> dict[str, bytes]:
+    """A directory that is not a ctxreplay output (a run must refuse it as --out and touch nothing
+    in it); returns its files, relative path -> bytes."""
+    for rel, data in FOREIGN_OUT_FILES.items():
+        _write(path / rel, data)
+    return dict(FOREIGN_OUT_FILES)
+
+
+def not_ledgers(d: Path, *, ledger: Path | None = None) -> dict[str, Path]:
+    """Files that are not ctxreplay ledgers, by kind: a Parquet file, a SQLite database, a JSON
+    file, random bytes, a DuckDB database with its own `runs` and `decisions` tables; with
+    `ledger` (a real one), that ledger cut to half its size. A run must refuse each as --ledger,
+    and leave it as it was."""
+    import sqlite3
+
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d.mkdir(parents=True, exist_ok=True)
+    out = {k: d / name for k, name in (("parquet", "data.parquet"), ("sqlite", "x.sqlite"), ("json", "l.json"),
+                                        ("random", "random.bin"), ("duckdb", "theirs.duckdb"))}
+    pq.write_table(pa.table({"run": [1, 2], "decision": ["a", "b"]}), out["parquet"])
+    con = sqlite3.connect(out["sqlite"])
+    con.execute("CREATE TABLE runs (id INTEGER)")
+    con.commit()
+    con.close()
+    out["json"].write_bytes(b'{"decisions": []}\n')
+    out["random"].write_bytes(random.Random(0).randbytes(4096))
+    duck = duckdb.connect(str(out["duckdb"]))
+    duck.execute("CREATE TABLE runs (id INTEGER, who VARCHAR); INSERT INTO runs VALUES (1, 'them'); "
+                 "CREATE TABLE decisions (id INTEGER, what VARCHAR); INSERT INTO decisions VALUES (1, 'theirs')")
+    duck.close()
+    if ledger is not None:
+        data = ledger.read_bytes()
+        out["truncated"] = d / "truncated.duckdb"
+        out["truncated"].write_bytes(data[:len(data) // 2])
+    return out
 
 
 def main() -> None:

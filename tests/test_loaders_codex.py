@@ -361,3 +361,89 @@ def test_corpus_codex_rollout(corpus: Path) -> None:
     assert sum((m.usage or {})["output"] for m in assistants) == 408
     assert all(m.model == "gpt-5.1-codex-max" for m in assistants)
     assert [b.block_type for b in assistants[0].blocks] == ["thinking", "tool_use"]
+
+
+def _count(totals: dict[str, int], last: dict[str, int] | None, ts: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"total_token_usage": totals}
+    if last is not None:
+        info["last_token_usage"] = last
+    return line("event_msg", {"type": "token_count", "info": info, "rate_limits": None}, ts)
+
+
+def _usage(inp: int, cached: int, out: int, written: int | None = None) -> dict[str, int]:
+    u = {"input_tokens": inp, "cached_input_tokens": cached, "output_tokens": out, "reasoning_output_tokens": 0,
+         "total_tokens": inp + out}
+    return u if written is None else {**u, "cache_write_tokens": written}
+
+
+def _plus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+
+def test_report_and_run_count_the_same_requests(tmp_path: Path) -> None:
+    """`ctxreplay report` sums every distinct token_count of a rollout (ccusage does the same): the
+    cumulative total_token_usage it ends on is the rollout's own account of what was sent. `run`
+    must record the same tokens on its calls: a token_count with only totals (older CLIs: the delta
+    is the difference of totals), a cache write (GPT-5.6), and a request whose answer the rollout
+    does not record (a compaction's summary request: its own call, on a thread of its own)."""
+    from click.testing import CliRunner
+
+    from ctxreplay.pipeline.commands.cli import main
+
+    reqs = [_usage(9000, 8276, 30), _usage(12000, 9000, 200), _usage(15000, 11000, 120, written=2500),
+            _usage(16000, 14000, 900), _usage(4000, 0, 60)]
+    totals, t = [], {}
+    for u in reqs:
+        t = _plus(t, u)
+        totals.append(t)
+    ts = [f"2026-01-01T10:0{i}:00.000Z" for i in range(10)]
+    objs = [
+        meta(), turn("gpt-5.4"), user("first"),
+        answer("one"), _count(totals[0], None, ts[1]),                   # totals only: the first request
+        user("second"), call("c1"), _count(totals[1], reqs[1], ts[2]), output("c1"),
+        answer("two"), _count(totals[2], reqs[2], ts[3]),                # with a cache write
+        line("compacted", {"message": "summary of the work so far"}, ts[4]),
+        _count(totals[3], reqs[3], ts[5]),                               # the compaction's own request
+        user("third"), answer("three"), _count(totals[4], reqs[4], ts[6]),
+    ]
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write(d, objs)
+    rep = CliRunner().invoke(main, ["report", str(d), "--by", "session", "--json"])
+    assert rep.exit_code == 0, rep.output
+    (row,) = json.loads(rep.stdout)["rows"]
+    assert (row["requests"], row["input_tokens"], row["cache_read_tokens"], row["output_tokens"]) == (
+        5, 724 + 3000 + 1500 + 2000 + 4000, 8276 + 9000 + 11000 + 14000, 30 + 200 + 120 + 900 + 60)
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["run", str(d), "--preset", "identity", "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    calls = pl.read_parquet(out / "calls.parquet").filter(~pl.col("is_pending") & pl.col("recorded_output_tokens")
+                                                          .is_not_null())
+    assert calls.height == 5
+    assert calls["recorded_input_tokens"].sum() == row["input_tokens"]
+    assert calls["recorded_cache_read_tokens"].sum() == row["cache_read_tokens"]
+    assert calls["recorded_output_tokens"].sum() == row["output_tokens"]
+    assert calls["recorded_cache_write_tokens"].drop_nulls().to_list() == [2500]
+    assert round(calls["recorded_cost_usd"].sum(), 6) == round(row["cost_usd"], 6)
+    # the compaction's request: the history before the compaction, answered by the summary
+    comp = calls.filter(pl.col("thread_id") != "main")
+    assert comp["thread_id"].to_list() == ["compaction-L13"] and comp["recorded_cache_read_tokens"].to_list() == [14000]
+
+
+def test_a_request_without_a_recorded_answer_is_a_call_of_its_own_thread(tmp_path: Path) -> None:
+    """Two distinct token_counts with no response between them: the second request's answer is
+    not in the rollout (an interrupted turn). It becomes the call of a thread of its own that
+    carries the history so far (the main thread's requests inherited, not reported twice); the
+    main thread's calls and requests are what they were."""
+    objs = [meta(), turn(), user("go"), answer("one"), tokens(1000, 0, 10, 1010), user("again"),
+            tokens(1200, 1000, 0, 2210), user("once more"), answer("two"), tokens(1300, 1000, 20, 3530)]
+    threads, _ = codex.load(write(tmp_path, objs))
+    main, side = threads
+    assert [m.role for m in main.messages] == ["user", "assistant", "user", "user", "assistant"]
+    assert [m.usage for m in main.messages if m.role == "assistant"] == [
+        {"input": 1000, "cache_read": 0, "output": 10}, {"input": 300, "cache_read": 1000, "output": 20}]
+    assert side.thread_id == "request-L7"
+    assert [m.role for m in side.messages] == ["user", "assistant", "user", "assistant"]
+    assert side.messages[-1].blocks == [] and side.messages[-1].usage == {"input": 200, "cache_read": 1000, "output": 0}
+    is_call, _, _ = call_ranges(side)
+    assert is_call == [False, False, False, True]      # the first answer is main's call

@@ -15,7 +15,14 @@ to and received from the Responses API, in order; everything else is bookkeeping
   `custom_tool_call` → tool_use whose tool_input is the JSON string of `input`;
   `function_call_output` / `custom_tool_call_output` → a "tool" message with the output.
 - Usage: the first new `event_msg` `token_count` after a response: `last_token_usage`, where
-  `input_tokens` includes cached tokens (usage input = input − cached, cache_read = cached).
+  `input_tokens` includes cached (and, from GPT-5.6, written) tokens (usage input = input − cached
+  − written, at least 0; cache_read = cached; cache_write = `cache_write_tokens`), or, where an
+  older CLI wrote only `total_token_usage`, the difference from the previous total (what
+  `ctxreplay report` and ccusage count). A new token_count with no response since the previous
+  one is a request whose answer the rollout does not record (a compaction's summary request, an
+  interrupted turn): a call of its own thread (`compaction-L<line>`: the history before the
+  compaction, answered by its summary; `request-L<line>`: the history so far), the main thread's
+  calls inherited, so every request the rollout counts is a call.
 - `session_meta.payload.instructions` (older CLIs) or `base_instructions.text` (newer) → a
   "system" message first; `turn_context.model` → model of the following responses.
 - `compacted` (not in the corpus): with `replacement_history`, those items replace everything
@@ -28,7 +35,7 @@ to and received from the Responses API, in order; everything else is bookkeeping
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -195,13 +202,17 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
     last_total: Any = None
     awaiting_usage: Message | None = None  # the latest response, until a new token_count arrives
     call_names: dict[str, str] = {}
+    # requests without a recorded answer: (messages before it, its answer, compactions before it)
+    unanswered: list[tuple[int, Message, int]] = []
+    compacted_at: tuple[int, str, int] | None = None  # since the last response: (keep_from, summary, compactions)
 
     def close() -> None:
-        nonlocal current, awaiting_usage
+        nonlocal current, awaiting_usage, compacted_at
         if current is not None:
             current.msg.block_lines = current.lines
             msgs.append(current.msg)
             awaiting_usage = current.msg
+            compacted_at = None
             current = None
 
     for line_no, raw, objs in iter_json_lines(path, load):
@@ -256,16 +267,23 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                     total = info.get("total_token_usage")
                     if total is not None and total == last_total:
                         continue  # the same figures again (Codex repeats them after tool output)
-                    last_total = total
+                    previous, last_total = last_total, total
                     close()
-                    u = info.get("last_token_usage")
-                    if awaiting_usage is not None and isinstance(u, dict):
-                        inp, cached = num(u.get("input_tokens")), num(u.get("cached_input_tokens"))
-                        awaiting_usage.usage = {
-                            "input": None if inp is None else inp - (cached or 0),
-                            "cache_read": cached,
-                            "output": num(u.get("output_tokens")),
-                        }
+                    usage = _token_usage(info.get("last_token_usage"), total, previous)
+                    if awaiting_usage is not None:
+                        if usage is not None:
+                            awaiting_usage.usage = usage
+                    elif usage is not None and msgs and any(v for v in usage.values()):
+                        # a request whose answer is not recorded: a compaction's own request reads
+                        # the history before it and answers with its summary
+                        text = compacted_at[1] if compacted_at else None
+                        ans = Message(entry_id=eid, role="assistant",
+                                      blocks=[Block("text", text=text)] if text else [], source_file=spath,
+                                      source_line=line_no, raw_line=raw, timestamp=ts, model=model,
+                                      provider=provider, api="openai-responses", usage=usage)
+                        unanswered.append((compacted_at[0] if compacted_at else len(msgs), ans,
+                                           compacted_at[2] if compacted_at else len(compactions)))
+                        compacted_at = None
                     awaiting_usage = None
                 continue
             if t == "compacted":
@@ -289,6 +307,7 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
                     load.recovered.append({"file": spath, "line": line_no,
                                            "note": "compacted entry without replacement_history: the history "
                                                    "before it is replaced by its summary (approximation)"})
+                compacted_at = (keep_from, str(p.get("message") or ""), len(compactions))
                 compactions.append(Compaction(at=at, keep_from=keep_from))
                 continue
             if t != "response_item":
@@ -329,7 +348,32 @@ def load(path: Path) -> tuple[list[Thread], FileLoad]:
         session_id = path_str(path.name).split(".jsonl")[0] or path_str(path.stem)
     if not msgs:
         return [], load
-    return [Thread(session_id, "main", FORMAT, spath, msgs, compactions)], load
+    threads = [Thread(session_id, "main", FORMAT, spath, msgs, compactions)]
+    for n, ans, nc in unanswered:
+        # the main thread's requests on this path stay its calls (inherited: numbered, not reported)
+        hist = [replace(m, inherited=True) if m.role == "assistant" and m.is_call is not False else m
+                for m in msgs[:n]]
+        kind = "compaction" if ans.blocks else "request"
+        threads.append(Thread(session_id, f"{kind}-{ans.entry_id}", FORMAT, spath, [*hist, ans], compactions[:nc]))
+    return threads, load
+
+
+def _token_usage(last: Any, total: Any, previous: Any) -> dict[str, int | None] | None:
+    """A token_count's usage of one request: `last_token_usage`, else the difference of the
+    cumulative totals (older CLIs write only those); None when neither is an object. Input is
+    what was neither read from nor written to the cache (Codex counts both in input_tokens)."""
+    if not isinstance(last, dict):
+        if not isinstance(total, dict):
+            return None
+        prev = previous if isinstance(previous, dict) else {}
+        last = {k: max((num(total.get(k)) or 0) - (num(prev.get(k)) or 0), 0) for k in total}
+    inp, cached, written = num(last.get("input_tokens")), num(last.get("cached_input_tokens")), \
+        num(last.get("cache_write_tokens"))
+    u = {"input": None if inp is None else max(inp - (cached or 0) - (written or 0), 0), "cache_read": cached,
+         "output": num(last.get("output_tokens"))}
+    if written is not None:   # priced as a 5-minute write, as `ctxreplay report` does
+        u.update(cache_write=written, cache_write_5m=written)
+    return u
 
 
 def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any, model: str | None,
