@@ -17,9 +17,17 @@ The live engine is `Engine` (docs/engine.md). Names are imported on first use, s
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from ctxreplay.version import __version__ as __version__
+
+# In the repository (or an unpacked sdist) pipeline/, stages/, schemas/ and data/ stand beside this
+# folder, not in it; an installed wheel has them inside. Reading them from beside it lets a checkout
+# run without an install (tests, `python -m ctxreplay`); installed, this does nothing.
+_HERE = Path(__file__).resolve().parent
+if not (_HERE / "pipeline").is_dir() and (_HERE.parent / "pipeline" / "__init__.py").is_file():
+    __path__.append(str(_HERE.parent))
 
 # public name -> the module that defines it
 _HOME = {
