@@ -244,12 +244,13 @@ def _safe_name(key: str) -> None:
     name = f"{key}.jsonl"
     assert "/" not in name and "\0" not in name and key not in ("", ".", "..")
     assert len(name.encode("utf-8")) <= 255
+    assert not key.startswith(("-", ".")), key  # never read as an option (`--help--main`), never a hidden file
 
 
 @pytest.mark.parametrize("sid, tid", [
     ("../../x", "main"), ("a/b", "main"), ("..", "main"), (".", "main"), ("", "main"), ("a\0b", "main"),
     ("x" * 300, "main"), ("é" * 200, "agent-" + "y" * 300), ("s", "../../t"), ("s", "."), ("s", ""),
-    ("-rf", "main"), ("ABC", "main")])
+    ("-rf", "main"), ("--help", "main"), ("-", "x"), (".hidden", "main"), ("ABC", "main")])
 def test_thread_key_is_always_a_safe_file_name(sid: str, tid: str) -> None:
     _safe_name(thread_key(sid, tid))
 

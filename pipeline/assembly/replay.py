@@ -80,16 +80,19 @@ def thread_key(session_id: str, thread_id: str) -> str:
     Plain ids give `<session_id>` for a main thread, else `<session_id>--<thread_id>`. Any other
     id (characters outside `[a-z0-9._-]`, uppercase, a `--` inside the session id, a leading dot
     or dash, an empty or very long id: `..`, `a/b`, a NUL, 300 bytes) gives the readable form with
-    every character outside `[A-Za-z0-9._-]` replaced by `_`, cut to KEY_MAX characters, then `~`
-    and 16 hex digits of the sha256 of the two ids. So a key is always a safe file name under 255
-    bytes, and two threads never share one (not even on a case-insensitive file system): plain
-    keys hold no `~` and decode back to their ids, the others carry the ids' hash."""
+    every character outside `[A-Za-z0-9._-]` replaced by `_`, and a leading `-` or `.` too, cut to
+    KEY_MAX characters, then `~` and 16 hex digits of the sha256 of the two ids. So a key is always a
+    safe file name under 255 bytes that never starts with `-` (no key reads as an option on a command
+    line: `ctxreplay why OUT --help--main` would need `--`) nor `.` (no hidden file), and two threads
+    never share one (not even on a case-insensitive file system): plain keys hold no `~` and decode
+    back to their ids, the others carry the ids' hash."""
     readable = session_id if thread_id == "main" else f"{session_id}--{thread_id}"
     if (len(readable) <= KEY_MAX and _PLAIN_SESSION.fullmatch(session_id) and "--" not in session_id
             and (thread_id == "main" or _PLAIN_THREAD.fullmatch(thread_id))):
         return readable
     digest = hashlib.sha256(f"{session_id}\0{thread_id}".encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"{_UNSAFE.sub('_', readable)[:KEY_MAX]}~{digest}"
+    shown = _UNSAFE.sub("_", readable)[:KEY_MAX]
+    return f"{'_' + shown[1:] if shown[:1] in ('-', '.') else shown}~{digest}"
 
 
 def _thread_keys(s: pl.Series) -> pl.Series:
