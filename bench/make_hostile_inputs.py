@@ -9,8 +9,9 @@ DIR gets (all invented or derived from tests/fixtures/loaders, plus corpus lines
                            request JSON with bad bytes (in a string, and outside), lone surrogate escapes
 - truncated/               a session cut mid-line (a crash mid-write), a file without its last newline
 - names/                   hostile file names (`...jsonl`, 250-byte name, leading dash, a newline,
-                           bytes that are not UTF-8) and hostile ids inside files (session / agent /
-                           entry ids with `/`, `..`, NUL, 300 bytes, `.`, empty)
+                           bytes that are not UTF-8, terminal escapes) and hostile ids inside files
+                           (session / agent / entry ids with `/`, `..`, NUL, 300 bytes, `.`, empty;
+                           a session id and model name holding terminal escapes and a newline)
 - copies/                  the same sessions again: exact copies, an older prefix, a copy with one
                            entry changed (Claude Code, OpenClaw, Codex)
 - huge/                    one Claude Code line of --huge-mb MB (0 leaves it out), a 0-byte file,
@@ -598,6 +599,19 @@ def cc_session(sid: str, user_content: Any, answer: str = "ok", **kw: Any) -> by
         cc_entry(sid, a1, u1, "assistant", [{"type": "text", "text": answer}], **kw)])
 
 
+# what a hostile id or name tries on a terminal: set the window title, ring the bell, clear the screen
+TERMINAL_ESCAPES = "\x1b]0;PWNED\x07\x1b[2J"
+
+
+def escapes_session(sid: str = f"esc{TERMINAL_ESCAPES}\nsession") -> bytes:
+    """A Claude Code session whose session id, model name and text hold terminal escapes, a newline
+    and rich markup (`[/x]`): every printer must show them escaped (issue 23, item 12)."""
+    u = cc_entry(sid, "esc-u1", None, "user", f"text {TERMINAL_ESCAPES} end")
+    a = cc_entry(sid, "esc-a1", "esc-u1", "assistant", [{"type": "text", "text": f"ok {TERMINAL_ESCAPES}"}])
+    a["message"]["model"] = f"claude{TERMINAL_ESCAPES}[/x]\nmodel"
+    return dump(u) + b"\n" + dump(a) + b"\n"
+
+
 def _write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
@@ -662,6 +676,7 @@ def write_hostile_inputs(out: Path, *, huge_mb: float = 100, seed: int = 0, corp
     put("names", "new\nline.jsonl", cc_session("d3000000-0000-4000-8000-000000000004", "newline in name"))
     put("names", b"bad-\xff\xfe-name.jsonl", cc_session("d3000000-0000-4000-8000-000000000005", "bytes in name"))
     put("names", "spaces and ünïcode ✓.jsonl", cc_session("d3000000-0000-4000-8000-000000000006", "unicode"))
+    put("names", f"escapes{TERMINAL_ESCAPES}.jsonl", escapes_session())
     for k, hid in enumerate(["../../escape", "a/b/../../c", "..", ".", "", "nul\u0000id", "z" * 300,
                              "/etc/passwd", "UPPER", "a--b"]):
         put("names", f"ids-{k:02d}.jsonl", cc_session(hid, f"session id {hid[:20]!r}",

@@ -448,3 +448,111 @@ def test_cli_over_the_corpus_and_the_hostile_directory(corpus: Path, tmp_path: P
     k = ["session_id", "thread_id", "call", "request_sha256"]
     # every corpus call is replayed exactly as without the hostile files
     assert corpus_calls.select(k).join(by_sid.select(k), on=k, how="anti").height == 0
+
+
+# ---------------------------------------------------------------- what reaches the terminal (issue 23, items 12, 14)
+
+
+def test_a_thread_key_never_reads_as_an_option(tmp_path: Path) -> None:
+    """A session id `--help` gives a key that `request` and `why` take as it is, without `--`."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "dash.jsonl").write_bytes(cc_session("--help", "dash"))
+    out = tmp_path / "o"
+    assert _cli("run", tmp_path / "in", "--out", out, "-q", "--fast-tokens").exit_code == 0
+    (key,) = pl.read_parquet(out / "calls.parquet")["thread_key"].unique().to_list()
+    assert key.startswith("_-help")
+    r = _cli("request", out, key)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["messages"][0]["content"][0]["text"] == "dash"
+
+
+def _printed(r: Any) -> str:
+    assert r.exit_code == 0, r.output
+    assert "Traceback" not in r.output
+    return r.output
+
+
+def test_control_characters_are_escaped_in_everything_printed(tmp_path: Path) -> None:
+    """A session id and a model name holding `ESC ] 0 ; PWNED BEL ESC [ 2 J` and a newline, a file
+    name with the same: every human-readable printer shows them escaped (`\\x1b`), each table row
+    on one line; --json keeps the values as they are (its encoder escapes them)."""
+    from bench.make_hostile_inputs import TERMINAL_ESCAPES, escapes_session
+
+    inp = tmp_path / "in"
+    inp.mkdir()
+    (inp / "session.jsonl").write_bytes(escapes_session())
+    (inp / f"notes{TERMINAL_ESCAPES}.txt").write_bytes(b"not a transcript")  # listed under skipped files
+    out = tmp_path / "o"
+    texts = {"run": _printed(_cli("run", inp, "--out", out, "--fast-tokens"))}
+    s = json.loads(_cli("run", inp, "--out", tmp_path / "o2", "--json", "--fast-tokens").stdout)
+    sid = f"esc{TERMINAL_ESCAPES}\nsession"
+    assert s["sessions"] == 1
+    th = json.loads(_printed(_cli("threads", out, "--json")))["threads"]
+    assert [t["session_id"] for t in th] == [sid]  # JSON: the value itself
+    key = th[0]["thread_key"]
+    texts["threads"] = _printed(_cli("threads", out))
+    for by in ("session", "model", "day", "project"):
+        texts[f"report --by {by}"] = _printed(_cli("report", inp, "--by", by))
+    texts["report --sim"] = _printed(_cli("report", "--sim", out, "--calls"))
+    texts["report --breaks"] = _printed(_cli("report", "--breaks", out))
+    texts["ledger"] = _printed(_cli("ledger", out))
+    texts["why"] = _printed(_cli("why", out, key))
+    for name, text in texts.items():
+        bad = sorted({c for c in text if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F})
+        assert not bad, (name, bad, text)
+    for name in ("threads", "report --by session", "report --by model", "report --sim"):
+        assert "\\x1b]0;PWNED\\x07\\x1b[2J" in texts[name], (name, texts[name])
+    assert "[/x]" in texts["report --by model"]  # rich markup in a model name is shown, not read
+    assert "notes\\x1b]0;PWNED\\x07\\x1b[2J.txt" in texts["run"]
+    # the threads table: a header, one line per thread, the totals line (a newline in an id stays in its cell)
+    lines = texts["threads"].splitlines()
+    assert len(lines) == 3 and lines[1].startswith("esc\\x1b]0;P/session  main")
+
+
+def test_every_control_character_is_escaped() -> None:
+    from ctxreplay.pipeline.core.termtext import shown, terminal_text
+
+    assert shown("a\x1b[2J\x07\nb\t\r\x00\x7f\x9b\u202e\u2028z é 日本") == (
+        "a\\x1b[2J\\x07\\nb\\t\\r\\x00\\x7f\\x9b\\u202e\\u2028z é 日本")
+    assert terminal_text("line 1\x1b[2J\n\tline 2\r\x9b") == "line 1\\x1b[2J\n\tline 2\\r\\x9b"
+    assert shown(None) == "None" and shown("plain") == "plain"
+
+
+@given(st.text())
+def test_shown_text_holds_no_control_character(text: str) -> None:
+    import unicodedata
+
+    from ctxreplay.pipeline.core.termtext import shown, terminal_text
+
+    assert not any(unicodedata.category(c) == "Cc" for c in shown(text))
+    assert all(c in "\n\t" for c in terminal_text(text) if unicodedata.category(c) == "Cc")
+
+
+def _many_sessions(d: Path, n: int) -> None:
+    d.mkdir()
+    for k in range(n):
+        sid = f"d9000000-0000-4000-8000-{k:012d}"
+        (d / f"{sid}.jsonl").write_bytes(cc_session(sid, "hi"))
+
+
+@pytest.mark.parametrize("args", [["report", "{inp}"], ["report", "{inp}", "--by", "model"], ["threads", "{out}"]],
+                         ids=["report", "report-by-model", "threads"])
+def test_a_reader_that_goes_away_ends_the_command_with_141(tmp_path: Path, args: list[str]) -> None:
+    """`ctxreplay report ... | head -1` exits 141 (SIGPIPE), as `threads | head` and Unix tools do,
+    not 1 (rich's own broken-pipe handling); nothing on stderr."""
+    import subprocess
+    import sys
+
+    inp, out = tmp_path / "in", tmp_path / "o"
+    _many_sessions(inp, 400)  # a table longer than a pipe's buffer: the write after the first line fails
+    if "{out}" in args:
+        assert _cli("run", inp, "--out", out, "-q", "--fast-tokens").exit_code == 0
+    cmd = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli", *(a.format(inp=inp, out=out) for a in args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    first = p.stdout.readline()
+    p.stdout.close()  # what `head -1` does after its line
+    err = p.stderr.read()
+    p.stderr.close()
+    assert p.wait(timeout=120) == 141, err
+    assert first and not err

@@ -22,6 +22,7 @@ from ctxreplay.pipeline.commands.cli_report import compare, report
 from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
     RegistryChoice,
+    echo,
     json_option,
     paths_or_roots,
     pipeline_option,
@@ -29,6 +30,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     preset_option,
     target_option,
 )
+from ctxreplay.pipeline.core.termtext import shown
 from ctxreplay.pipeline.core.words import plural
 
 
@@ -40,7 +42,7 @@ class _Shown(click.ClickException):
         self.exit_code = exc.exit_code
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"ctxreplay: {self.format_message()}", err=True)
+        echo(f"ctxreplay: {self.format_message()}", err=True)
 
 
 class _Main(click.Group):
@@ -70,7 +72,7 @@ class _Main(click.Group):
 def _progress(quiet: bool, json_: bool) -> Any:
     if quiet or json_ or not sys.stderr.isatty():
         return None
-    return lambda msg: click.echo(f"… {msg}", err=True)
+    return lambda msg: echo(f"… {msg}", err=True)
 
 
 @click.group(cls=_Main, context_settings=CONTEXT)
@@ -149,15 +151,15 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     if json_:
         click.echo(orjson.dumps(s, option=orjson.OPT_SORT_KEYS).decode())
     elif not quiet:
-        click.echo(_human(s))
+        echo(_human(s))
     if strict and result.found_problems:
         if not json_:
             failed = len(s.get("stage_failures") or [])
-            click.echo(f"--strict: {plural(s['quarantined_lines'], 'quarantined line')}, "
-                       f"{plural(s['violations'], 'violation')}, {plural(s['conflicts'], 'ledger conflict')}"
-                       + (f", {plural(failed, 'plug-in stage failure')}" if failed else ""), err=True)
+            echo(f"--strict: {plural(s['quarantined_lines'], 'quarantined line')}, "
+                 f"{plural(s['violations'], 'violation')}, {plural(s['conflicts'], 'ledger conflict')}"
+                 + (f", {plural(failed, 'plug-in stage failure')}" if failed else ""), err=True)
             for v in result.violations[:20]:
-                click.echo(f"  {v}", err=True)
+                echo(f"  {v}", err=True)
         sys.exit(1)
 
 
@@ -199,7 +201,7 @@ def _human(s: dict[str, Any]) -> str:
     skipped = s.get("skipped_files") or []
     if skipped:
         lines.append(f"  skipped {plural(len(skipped), 'file')}:")
-        lines += [f"    {x['file']}: {x['reason']}" for x in skipped[:SHOW_SKIPPED]]
+        lines += [f"    {shown(x['file'])}: {x['reason']}" for x in skipped[:SHOW_SKIPPED]]
         if len(skipped) > SHOW_SKIPPED:
             lines.append(f"    ... and {len(skipped) - SHOW_SKIPPED} more (all in {s['out_dir']}/summary.json)")
     lines.append(f"  wrote {s['out_dir']}/calls.parquet, requests/, summary.json (run {s['run_id']}); "
@@ -335,10 +337,10 @@ def threads(out_dir: Path, session: str | None, json_: bool) -> None:
         click.echo(_dump({"out_dir": str(out_dir), "run_id": view.summary.get("run_id"), "session": sid,
                           "target": view.target, "count": len(rows), "threads": rows}))
         return
-    click.echo(render_threads(rows, view))
+    echo(render_threads(rows, view))
     calls = sum(r["calls"] for r in rows)
-    click.echo(f"{plural(len(rows), 'thread')}, {plural(len({r['session_id'] for r in rows}), 'session')}, "
-               f"{plural(calls, 'own call')} + {len(rows):,} pending")
+    echo(f"{plural(len(rows), 'thread')}, {plural(len({r['session_id'] for r in rows}), 'session')}, "
+         f"{plural(calls, 'own call')} + {len(rows):,} pending")
 
 
 @main.command(context_settings=CONTEXT)
@@ -379,10 +381,10 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
         if json_:
             click.echo(_dump({"count": q.height, "rows": rows.to_dicts()}))
         else:
-            click.echo(f"{plural(q.height, 'quarantined line')}")
+            echo(f"{plural(q.height, 'quarantined line')}")
             for r in rows.iter_rows(named=True):
                 code = f"[{r['code']}] " if r.get("code") else ""
-                click.echo(f"{r['file']}:{r['line']}: {code}{r['reason']}\n    {r['raw'][:200]}")
+                echo(f"{shown(r['file'])}:{r['line']}: {code}{r['reason']}\n    {shown(r['raw'][:200])}")
         return
     doc = _retry_on_republish(lambda: query(out_dir, ledger_path, LedgerQuery(stage=stage_name, session=session_id,
                                                                              thread=thread, limit=limit)))
@@ -390,9 +392,9 @@ def ledger(out_dir: Path, ledger_path: Path | None, stage_name: str | None, sess
     if json_:
         click.echo(_dump(doc))
     else:
-        click.echo(text)
+        echo(text)
     for n in notes:
-        click.echo(f"ctxreplay: {n}", err=True)
+        echo(f"ctxreplay: {n}", err=True)
 
 
 @main.command(context_settings=CONTEXT)
@@ -417,17 +419,17 @@ def stages(json_: bool) -> None:
                                 default=str).decode())
         return
     if not out:
-        click.echo("no stages registered")
+        echo("no stages registered")
     for s in out:
         owner = f"{s['owner']} {s['owner_version'] or ''}".strip() + (" (built-in)" if s["builtin"] else "")
-        click.echo(f"# {s['name']} v{s['version']}, from {owner}: {s['doc']}")
+        echo(f"# {s['name']} v{s['version']}, from {owner}: {s['doc']}")
         needs = [f"requires {', '.join(s['requires'])} earlier" if s["requires"] else "",
                  f"reads {', '.join(s['reads'])}'s params" if s["reads"] else ""]
         if any(needs):
-            click.echo("# " + "; ".join(x for x in needs if x))
-        click.echo(s["toml"] + "\n")
+            echo("# " + "; ".join(x for x in needs if x))
+        echo(s["toml"] + "\n")
     for e in errors:
-        click.echo(f"plug-in {e['package']} (entry point '{e['entry_point']}') was not loaded: {e['message']}")
+        echo(f"plug-in {e['package']} (entry point '{e['entry_point']}') was not loaded: {e['message']}")
 
 
 @main.command(context_settings=CONTEXT)

@@ -16,6 +16,7 @@ import click
 
 from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
+    echo,
     json_option,
     paths_or_roots,
     pipeline_option,
@@ -30,7 +31,7 @@ FORMATS = ("text", "markdown", "json")
 def _progress(quiet: bool) -> Any:
     if quiet or not sys.stderr.isatty():
         return None
-    return lambda msg: click.echo(f"… {msg}", err=True)
+    return lambda msg: echo(f"… {msg}", err=True)
 
 
 def _size(n: int) -> str:
@@ -78,11 +79,11 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
         return
     if quiet:
         return
-    click.echo(f"ctxreplay snapshot: wrote {golden_dir}: {plural(stats.threads, 'thread')}, "
-               f"{plural(stats.calls, 'call')}, {plural(stats.files, 'input file')}; {_size(stats.bytes)} "
-               f"({plural(stats.messages_stored, 'message')} besides the pending requests)")
-    click.echo(f"  pipeline '{stats.pipeline}' ({stats.pipeline_sha256[:12]}), target {stats.target}")
-    click.echo(f"  took {stats.seconds:.2f} s")
+    echo(f"ctxreplay snapshot: wrote {golden_dir}: {plural(stats.threads, 'thread')}, "
+         f"{plural(stats.calls, 'call')}, {plural(stats.files, 'input file')}; {_size(stats.bytes)} "
+         f"({plural(stats.messages_stored, 'message')} besides the pending requests)")
+    echo(f"  pipeline '{stats.pipeline}' ({stats.pipeline_sha256[:12]}), target {stats.target}")
+    echo(f"  took {stats.seconds:.2f} s")
 
 
 @click.command(context_settings=CONTEXT)
@@ -128,20 +129,20 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
                       prices=prices_file, progress=_progress(quiet or fmt == "json"))
     if report is None:  # --update with no goldens to compare with: written afresh
         if not quiet:
-            click.echo(f"ctxreplay diff: no goldens to compare with in {golden_dir}; wrote them from this run", err=True)
+            echo(f"ctxreplay diff: no goldens to compare with in {golden_dir}; wrote them from this run", err=True)
         if fmt == "json":
             import orjson
 
             click.echo(orjson.dumps({"identical": None, "exit_code": 0, "updated": True,
                                      "golden_dir": str(golden_dir)}).decode())
         return
-    click.echo(render(report, fmt), nl=False)
+    (click.echo if fmt == "json" else echo)(render(report, fmt), nl=False)  # JSON escapes its text itself
     if not quiet:
         s = report.seconds
-        click.echo(f"ctxreplay diff: took {s.get('total', 0):.2f} s (replay {s.get('replay', 0):.2f} s, "
-                   f"compare {s.get('compare', 0):.2f} s)", err=True)
+        echo(f"ctxreplay diff: took {s.get('total', 0):.2f} s (replay {s.get('replay', 0):.2f} s, "
+             f"compare {s.get('compare', 0):.2f} s)", err=True)
         for note in report.notes:
-            click.echo(f"ctxreplay diff: note: {note}", err=True)
+            echo(f"ctxreplay diff: note: {note}", err=True)
         if report.updated:
-            click.echo(f"ctxreplay diff: goldens in {golden_dir} rewritten from this run", err=True)
+            echo(f"ctxreplay diff: goldens in {golden_dir} rewritten from this run", err=True)
     sys.exit(report.exit_code)

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ctxreplay.errors import ArgumentError
-from ctxreplay.pipeline.commands.clicommon import CONTEXT, json_option, paths_or_roots
+from ctxreplay.pipeline.commands.clicommon import CONTEXT, console, echo, json_option, paths_or_roots
 
 BY = ("session", "day", "month", "model", "project")
 
@@ -110,30 +110,29 @@ def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: lis
                                                                      "cost": pl.Float64})
     dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
     write_html(html_file, usage_html(doc, sessions, dm))
-    click.echo(f"ctxreplay report: wrote {html_file}", err=True)
+    echo(f"ctxreplay report: wrote {html_file}", err=True)
 
 
 def _warnings(doc: dict[str, Any]) -> None:
-    err = sys.stderr
     unpriced = doc["totals"]["unpriced_models"]
     if unpriced:
-        click.echo(f"ctxreplay report: no price for {', '.join(unpriced)}: their requests are left out of "
-                   f"cost_usd (listed under unpriced_models); add them with --prices FILE", file=err)
+        echo(f"ctxreplay report: no price for {', '.join(unpriced)}: their requests are left out of "
+             f"cost_usd (listed under unpriced_models); add them with --prices FILE", err=True)
     po = doc["progress_only"]
     if po["requests"] and not po["counted"]:
         ss = po["sessions"]
         where = f"session {', '.join(ss)}" if len(ss) <= 3 else \
             f"sessions {', '.join(ss[:3])} and {len(ss) - 3} more (progress_only in --json)"
-        click.echo(f"ctxreplay report: {po['requests']} request(s) recorded only as agent_progress copies "
-                   f"(subagent file missing; {where}) are not counted: "
-                   f"{po['cost_usd']:.4f} USD; --count-progress-copies counts them", file=err)
+        echo(f"ctxreplay report: {po['requests']} request(s) recorded only as agent_progress copies "
+             f"(subagent file missing; {where}) are not counted: "
+             f"{po['cost_usd']:.4f} USD; --count-progress-copies counts them", err=True)
     if doc["bad_lines"]:
         first = doc["bad_lines"][0]
-        click.echo(f"ctxreplay report: {len(doc['bad_lines'])} line(s) holding usage could not be read and are "
-                   f"left out (listed under bad_lines in --json), first: {first['file']}:{first['line']}: "
-                   f"{first['reason']}", file=err)
+        echo(f"ctxreplay report: {len(doc['bad_lines'])} line(s) holding usage could not be read and are "
+             f"left out (listed under bad_lines in --json), first: {first['file']}:{first['line']}: "
+             f"{first['reason']}", err=True)
     for w in doc["warnings"]:
-        click.echo(f"ctxreplay report: {w}", file=err)
+        echo(f"ctxreplay report: {w}", err=True)
 
 
 def _fmt_int(n: int | None) -> str:
@@ -141,17 +140,12 @@ def _fmt_int(n: int | None) -> str:
 
 
 def _table(doc: dict[str, Any]) -> None:
-    import shutil
-
-    from rich.console import Console
     from rich.table import Table
 
     by = doc["by"]
     t = doc["totals"]
-    width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
-    console = Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
-    click.echo(f"ctxreplay report: {len(doc['rows'])} {by} row(s), {t['requests']:,} requests from {doc['files']} "
-               f"file(s); prices: {doc['prices']}" + (f"; compat {doc['compat']}" if doc["compat"] else ""))
+    echo(f"ctxreplay report: {len(doc['rows'])} {by} row(s), {t['requests']:,} requests from {doc['files']} "
+         f"file(s); prices: {doc['prices']}" + (f"; compat {doc['compat']}" if doc["compat"] else ""))
     table = Table(show_footer=True)
     table.add_column(by.capitalize(), footer="Total", no_wrap=True)
     if by == "session":
@@ -173,7 +167,7 @@ def _table(doc: dict[str, Any]) -> None:
         cells += [_fmt_int(r[k]) for _, k in cols]
         cells += [_rate(r["cache_hit_rate"]), _cost(r)]
         table.add_row(*cells)
-    console.print(table)
+    _console().print(table)
 
 
 def _rate(v: float | None) -> str:
@@ -213,14 +207,14 @@ def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, br
             from ctxreplay.pipeline.reporting.html_report import sim_html, write_html
 
             write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
-            click.echo(f"ctxreplay report: wrote {html_file}", err=True)
+            echo(f"ctxreplay report: wrote {html_file}", err=True)
         if json_:
             click.echo(orjson.dumps(doc).decode())
         else:
             _sim_table(doc, str(out))
         if doc["unpriced_models"]:
-            click.echo(f"ctxreplay report: no price for {', '.join(doc['unpriced_models'])}: their calls are left out "
-                       f"of the costs", file=sys.stderr)
+            echo(f"ctxreplay report: no price for {', '.join(doc['unpriced_models'])}: their calls are left out "
+                 f"of the costs", err=True)
     else:
         doc = breaks_view(calls, summary)
         if json_:
@@ -240,20 +234,18 @@ def _usd(v: float | None) -> str:
 def _console() -> Any:
     import shutil
 
-    from rich.console import Console
-
     width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
-    return Console(file=sys.stdout, width=width, highlight=False, soft_wrap=False)
+    return console(width=width, soft_wrap=False)
 
 
 def _sim_table(doc: dict[str, Any], out: str) -> None:
     from rich.table import Table
 
     t = doc["totals"]
-    click.echo(f"ctxreplay report --sim {out}: {len(doc['sessions'])} session(s), {t.get('calls', 0):,} calls; "
-               f"pipeline {doc['pipeline']}; prices: {doc['prices']}")
+    echo(f"ctxreplay report --sim {out}: {len(doc['sessions'])} session(s), {t.get('calls', 0):,} calls; "
+         f"pipeline {doc['pipeline']}; prices: {doc['prices']}")
     if t.get("no_usage"):
-        click.echo(f"{t['no_usage']:,} call(s) recorded no usage: left out of the comparison (no_usage)")
+        echo(f"{t['no_usage']:,} call(s) recorded no usage: left out of the comparison (no_usage)")
     table = Table(show_footer=True)
     table.add_column("Session", footer="Total", no_wrap=True)
     table.add_column("Calls", justify="right", footer=f"{t.get('calls', 0):,}")
@@ -271,14 +263,14 @@ def _sim_table(doc: dict[str, Any], out: str) -> None:
     _console().print(table)
     cal = doc.get("calibration") or {}
     for fam, d in (cal.get("families") or {}).items():
-        click.echo(f"calibration {fam}: ratio {d.get('ratio_family')} over {d.get('threads')} thread(s) "
-                   f"(per thread {d.get('thread_ratio_min')} - {d.get('thread_ratio_max')}, median "
-                   f"{d.get('thread_ratio_median')}); calibrated prompt within {d.get('fit_mape', 0):.1%} of the recorded "
-                   f"one at the median call, {d.get('fit_p90_ape', 0):.1%} at p90")
+        echo(f"calibration {fam}: ratio {d.get('ratio_family')} over {d.get('threads')} thread(s) "
+             f"(per thread {d.get('thread_ratio_min')} - {d.get('thread_ratio_max')}, median "
+             f"{d.get('thread_ratio_median')}); calibrated prompt within {d.get('fit_mape', 0):.1%} of the recorded "
+             f"one at the median call, {d.get('fit_p90_ape', 0):.1%} at p90")
     pre = cal.get("preamble_tokens") or {}
     if pre:
-        click.echo(f"preamble (system, tools, injected; per thread and compaction segment): median "
-                   f"{pre['median']:,.0f} tokens, {pre['min']:,.0f} - {pre['max']:,.0f}")
+        echo(f"preamble (system, tools, injected; per thread and compaction segment): median "
+             f"{pre['median']:,.0f} tokens, {pre['min']:,.0f} - {pre['max']:,.0f}")
     if "calls" in doc:
         table = Table()
         for label in ("Thread", "Call", "Time", "Prompt", "Read rec", "sim", "Write rec", "sim", "Class rec/sim",
@@ -298,8 +290,8 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
     from rich.table import Table
 
     rows = doc["breaks"]
-    click.echo(f"ctxreplay report --breaks {out}: {sum(r['source'] == 'recorded' for r in rows)} recorded and "
-               f"{sum(r['source'] == 'sim' for r in rows)} simulated cache break(s); pipeline {doc['pipeline']}")
+    echo(f"ctxreplay report --breaks {out}: {sum(r['source'] == 'recorded' for r in rows)} recorded and "
+         f"{sum(r['source'] == 'sim' for r in rows)} simulated cache break(s); pipeline {doc['pipeline']}")
     table = Table()
     for label in ("Source", "Thread", "Call", "Time", "Cause", "Server", "Detail", "Re-written", "Cost (USD)"):
         table.add_column(label, justify="right" if label in ("Call", "Re-written", "Cost (USD)") else "left",
@@ -316,12 +308,12 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
     for src in ("recorded", "sim"):
         d = doc["by_cause"][src]
         parts = [f"{c} {v['breaks']}" for c, v in d.items() if isinstance(v, dict)]
-        click.echo(f"{src}: {d['total']} break(s){': ' + ', '.join(parts) if parts else ''}; "
-                   f"unexplained {d['unexplained_share']:.0%}")
+        echo(f"{src}: {d['total']} break(s){': ' + ', '.join(parts) if parts else ''}; "
+             f"unexplained {d['unexplained_share']:.0%}")
     dg = doc.get("diagnosis") or {}
     if dg.get("breaks"):
-        click.echo(f"server diagnosis on {dg['breaks']} recorded break(s), the cause taken from it; our inference alone "
-                   f"puts {dg['agree']} in the same family")
+        echo(f"server diagnosis on {dg['breaks']} recorded break(s), the cause taken from it; our inference alone "
+             f"puts {dg['agree']} in the same family")
     table = Table(title="Share of cost caused by breaks")
     for label in ("Session", "Breaks rec", "Cost rec", "Break cost rec", "Share rec", "Breaks sim", "Cost sim",
                   "Break cost sim", "Share sim"):
@@ -376,7 +368,7 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
         raise ArgumentError(f"--html {html_file}: its directory {html_file.resolve().parent} does not exist; create it "
                       f"or pass another path")
     chosen = paths_or_roots(paths, "ctxreplay compare data/samples --pipeline identity --pipeline default")
-    say = None if (quiet or json_ or not sys.stderr.isatty()) else (lambda m: click.echo(f"… {m}", err=True))
+    say = None if (quiet or json_ or not sys.stderr.isatty()) else (lambda m: echo(f"… {m}", err=True))
     choices = [parse_choice(p) for p in pipelines]
     if len({c.label for c in choices}) < len(choices):
         raise ArgumentError("the same --pipeline is given twice; each must differ (a preset, a file, or @ttl=...)")
@@ -387,13 +379,13 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
 
         write_html(html_file, compare_html(res))
         if not json_:
-            click.echo(f"ctxreplay compare: wrote {html_file}", err=True)
+            echo(f"ctxreplay compare: wrote {html_file}", err=True)
     if json_:
         click.echo(orjson.dumps(doc).decode())
     else:
         _compare_tables(doc)
     for w in doc["warnings"]:
-        click.echo(f"ctxreplay compare: {w}", err=True)
+        echo(f"ctxreplay compare: {w}", err=True)
 
 
 def _signed_usd(v: float | None) -> str:
@@ -404,8 +396,8 @@ def _compare_tables(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     labels = [p["label"] for p in doc["pipelines"]]
-    click.echo(f"ctxreplay compare: {len({r['session_id'] for r in doc['sessions']})} session(s) under "
-               f"{len(labels)} pipeline(s), differences from {labels[0]}; prices: {doc['prices']}")
+    echo(f"ctxreplay compare: {len({r['session_id'] for r in doc['sessions']})} session(s) under "
+         f"{len(labels)} pipeline(s), differences from {labels[0]}; prices: {doc['prices']}")
 
     def add_cols(table: Table) -> None:
         for label in ("Calls", "Prompt", "Cache read", "Cache write", "Hit rate", "Breaks", "Cost (USD)", "Δ cost",
@@ -439,12 +431,12 @@ def _compare_tables(doc: dict[str, Any]) -> None:
         table.add_row(r["pipeline"], *cells(r))
     _console().print(table)
     rec = doc["recorded"]
-    click.echo(f"recorded usage of the same calls: {_usd(rec['recorded_cost_usd'])} USD, cache read "
-               f"{_fmt_int(rec['recorded_cache_read_tokens'])} tokens")
+    echo(f"recorded usage of the same calls: {_usd(rec['recorded_cost_usd'])} USD, cache read "
+         f"{_fmt_int(rec['recorded_cache_read_tokens'])} tokens")
     for label, causes in doc["breaks_by_cause"].items():
         parts = ", ".join(f"{k} {v}" for k, v in causes.items())
-        click.echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))
+        echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))
     for r in doc["totals"]:
         if r["summary_requests"]:
-            click.echo(f"simulated auto-compactions under {r['pipeline']}: {r['summary_requests']}, their "
-                       f"summarisation requests {_usd(r['summary_cost_usd'])} USD (in the cost)")
+            echo(f"simulated auto-compactions under {r['pipeline']}: {r['summary_requests']}, their "
+                 f"summarisation requests {_usd(r['summary_cost_usd'])} USD (in the cost)")

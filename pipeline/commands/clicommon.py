@@ -9,6 +9,7 @@ circular import when `ctxreplay.pipeline.commands.cli` runs as `python -m ctxrep
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,36 @@ from typing import Any
 import click
 
 from ctxreplay.errors import ArgumentError, did_you_mean
+from ctxreplay.pipeline.core.termtext import shown, terminal_text
 from ctxreplay.pipeline.loaders import ROOTS_TEXT, default_roots
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def echo(text: str, *, err: bool = False, nl: bool = True) -> None:
+    """Print human-readable text (not JSON): `click.echo` of the text with its control characters
+    escaped (`ctxreplay.pipeline.core.termtext.terminal_text`): what a transcript or a file name
+    holds never acts on the terminal. Every command's text output goes through here or `console`."""
+    click.echo(terminal_text(text), err=err, nl=nl)
+
+
+def console(**kw: Any) -> Any:
+    """A rich Console on stdout for the commands' tables: every string it renders (cells, titles)
+    has its control characters escaped (`shown`: a newline in a session id stays in its cell) and
+    no markup or emoji codes read (`[/x]` in a model name is text, not a style); a reader that
+    goes away (`| head`) raises BrokenPipeError, which `ctxreplay` ends with 141 as for any output
+    (rich's own handling exits 1)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def render_str(self, text: str, **kwargs: Any) -> Any:
+            return super().render_str(shown(text), **kwargs)
+
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(**{"file": sys.stdout, "markup": False, "emoji": False, "highlight": False, **kw})
 
 
 def paths_or_roots(paths: Sequence[Path], example: str) -> list[Path]:
@@ -96,7 +124,8 @@ def preset_option(help_text: str = "A preset from data/pipelines (default: defau
     return click.option("--preset", type=preset_choice(), help=help_text)
 
 
-def target_option(default: str = "the spec's [pipeline] target, else anthropic", of: str = "the requests") -> Decorator:
+def target_option(default: str = "the spec's [pipeline] target, else gemini when every transcript is a Gemini CLI "
+                  "session, else anthropic", of: str = "the requests") -> Decorator:
     """`--target NAME` (-> `target`), its choices read from the targets (`_` taken for `-`); `default`
     says what the command uses without it."""
     return click.option("--target", type=target_choice(), help=f"Wire shape of {of} (default: {default}).")

@@ -42,7 +42,11 @@ class RunProgress:
 
     def note(self, msg: str) -> None:
         if self._task is not None:
-            self._p.update(self._task, now=msg[:40])
+            from rich.markup import escape
+
+            from ctxreplay.pipeline.core.termtext import shown
+
+            self._p.update(self._task, now=escape(shown(msg[:40])))  # shown as it is: no markup, no escapes
 
     def close(self) -> None:
         if self._task is not None:

@@ -24,6 +24,7 @@ import polars as pl
 from ctxreplay.errors import AmbiguousRef, CtxReplayError, UnknownRef, did_you_mean
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.core.outdir import read_summary, resolve_run
+from ctxreplay.pipeline.core.termtext import shown
 from ctxreplay.pipeline.core.words import plural
 
 SHOW_CANDIDATES = 8
@@ -298,6 +299,7 @@ def render_threads(rows: list[dict[str, Any]], view: RunView) -> str:
                       ", ".join(r["models"]) or "-", _short_time(r["first_time"]), _short_time(r["last_time"]),
                       f"{r['last_prompt_tokens']:,}" if r["last_prompt_tokens"] is not None else "-", dec,
                       str(r["violations"]) if r["violations"] is not None else "-"])
+    table = [[shown(c) for c in row] for row in table]  # ids and model names from transcripts: one line each
     right = {2, 6, 8}
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = []

@@ -37,6 +37,7 @@ import polars as pl
 from ctxreplay.errors import CtxReplayError, SourceChanged
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
+from ctxreplay.pipeline.core.termtext import terminal_text
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.inspection.threads import RunView, ThreadRef, known_stages, thread_kind
 from ctxreplay.pipeline.inspection.threads import stage_rank as _stage_rank
@@ -513,12 +514,12 @@ def render(doc: dict[str, Any], *, color: bool) -> str:
                   soft_wrap=True, highlight=False, markup=False, emoji=False, width=200)
 
     def line(*parts: tuple[str, str] | str) -> None:
-        t = Text()
+        t = Text()  # every part escaped: texts, ids and names from the transcript never act on the terminal
         for p in parts:
             if isinstance(p, str):
-                t.append(p)
+                t.append(terminal_text(p))
             else:
-                t.append(p[0], style=p[1])
+                t.append(terminal_text(p[0]), style=p[1])
         con.print(t)
 
     k, n = doc["call"], doc["pending_call"]
