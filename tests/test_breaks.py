@@ -182,6 +182,6 @@ def test_calls_without_usage_are_counted_apart_not_compared() -> None:
     assert breaks.classify(c)["call"].sort().to_list() == [0, 1]
     s = {r["session_id"]: r for r in breaks.sessions(c).to_dicts()}
     assert (s["s"]["calls"], s["s"]["no_usage"], s["s"]["unpriced"], s["s"]["rec_read"]) == (2, 1, 0, 43000)
-    assert (s["t"]["calls"], s["t"]["no_usage"]) == (0, 1)
+    assert (s["t"]["calls"], s["t"]["no_usage"], s["t"]["rec_breaks"], s["t"]["agreement"]) == (0, 1, 0, None)
     doc = breaks.sim_view(c, {})
     assert (doc["totals"]["calls"], doc["totals"]["no_usage"]) == (2, 2)

@@ -270,11 +270,13 @@ def sessions(calls: pl.DataFrame) -> pl.DataFrame:
     def rel(a: str, b: str) -> pl.Expr:
         return pl.when(pl.col(b) != 0).then(pl.col(a) / pl.col(b) - 1.0)
 
+    # a session whose calls all recorded no usage is listed with no call compared
     g = g.join(no_usage(calls), on="session_id", how="full", coalesce=True).with_columns(
-        calls=pl.col("calls").fill_null(0), no_usage=pl.col("no_usage").fill_null(0).cast(pl.UInt32))
+        *(pl.col(k).fill_null(0) for k in ("calls", "agree", "rec_breaks", "sim_breaks", "unpriced")),
+        no_usage=pl.col("no_usage").fill_null(0).cast(pl.UInt32))
     g = g.with_columns(
         read_diff=rel("sim_read", "rec_read"), write_diff=rel("sim_write", "rec_write"), cost_diff=rel("sim_cost", "rec_cost"),
-        agreement=pl.col("agree") / pl.col("calls"),
+        agreement=pl.when(pl.col("calls") > 0).then(pl.col("agree") / pl.col("calls")),
         rec_break_share=pl.when(pl.col("rec_cost") > 0).then(pl.col("rec_break_cost") / pl.col("rec_cost")),
         sim_break_share=pl.when(pl.col("sim_cost") > 0).then(pl.col("sim_break_cost") / pl.col("sim_cost")),
     )
