@@ -216,6 +216,58 @@ def test_run_completes_with_copies_of_every_format(tmp_path: Path) -> None:
     assert s["other_lines_by_kind"]["duplicate_entry"] == one["lines"]
 
 
+def _copies_kept_apart(d: Path) -> None:
+    """Sessions that need a `~<hash>`: one-file sessions copied with a line of their own (kept apart
+    as `<id>~<hash>`), and a request file claiming a Claude Code session's id (its thread `main` made
+    unique as `main~<hash>`)."""
+    import re
+
+    for src in (OC_FILE, CX_FILE, REQ_FILE):
+        data = src.read_bytes()
+        last = list(re.finditer(rb'"(text|content)": ?"', data))[-1]  # the last text: the copy's own line
+        for sub, body in (("a", data), ("b", data[:last.end()] + b"(edited) " + data[last.end():])):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+            (d / sub / src.name).write_bytes(body)
+    shutil.copy(CC_FILE, d / "a" / CC_FILE.name)
+    shutil.copy(REQ_FILE, d / "b" / f"{CC_SID}.json")
+
+
+def _ids(res: Any) -> list[tuple[str, str]]:
+    return sorted(set(_blocks(res).select("session_id", "thread_id").iter_rows()))
+
+
+def test_session_and_thread_ids_do_not_depend_on_where_the_input_lives(tmp_path: Path) -> None:
+    """The `~<hash>` that tells apart two files holding one session is the same for the same files
+    at another path (a checkout in another directory, CI): it is made of what the file holds and
+    its name, never of its directory."""
+    _copies_kept_apart(tmp_path / "here" / "in")
+    shutil.copytree(tmp_path / "here", tmp_path / "elsewhere" / "deeper")
+    here = load_paths([tmp_path / "here" / "in"])
+    ids = _ids(here)
+    assert len({sid for sid, _ in ids if "~" in sid}) == 3 and sum("~" in tid for _, tid in ids) == 1  # all 4 cases
+    assert _ids(load_paths([tmp_path / "elsewhere" / "deeper" / "in"])) == ids
+    import os
+
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path / "here")
+        assert _ids(load_paths([Path("in")])) == ids  # a relative path, as a CI job passes it
+    finally:
+        os.chdir(cwd)
+
+
+def test_diff_of_identical_inputs_at_another_path_is_identical(tmp_path: Path) -> None:
+    _copies_kept_apart(tmp_path / "one" / "in")
+    shutil.copytree(tmp_path / "one" / "in", tmp_path / "two" / "in")
+    golden = tmp_path / "golden"
+    r = _cli("snapshot", tmp_path / "one" / "in", "--golden", golden, "--fast-tokens", "-q")
+    assert r.exit_code == 0, r.output
+    r = _cli("diff", tmp_path / "two" / "in", "--golden", golden, "--json", "-q")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["identical"] is True, doc
+
+
 @pytest.mark.corpus
 def test_a_corpus_session_copied_to_two_folders(corpus: Path, tmp_path: Path) -> None:
     picks = [next((corpus / "claude-code").glob("*03eb5929*.jsonl")),

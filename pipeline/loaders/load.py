@@ -288,6 +288,15 @@ def _short_hash(s: str) -> str:
     return hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
+def file_mark(ld: FileLoad, line: int | None = None) -> str:
+    """What a `~<hash>` suffix telling apart two files that claim one session is made of: the file's
+    name and the digest of one of its lines (`line`, else its first), never its directory, so the
+    same files give the same ids wherever they live (a checkout elsewhere, CI; issue 23, item 11).
+    A line, not the whole file: the suffix stays when the file grows."""
+    digest = ld.digests.get(line) if line is not None else ld.digests[min(ld.digests)] if ld.digests else None
+    return _short_hash(f"{Path(ld.path).name}\0{digest.hex() if digest else ''}")
+
+
 def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thread]:
     """Threads of the files loaded one by one, each session read once.
 
@@ -295,7 +304,8 @@ def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thre
     it) are compared line by line: the file with the most understood lines is replayed; another
     whose every understood line it already holds is a copy, and its lines that were read already
     count as `duplicate_entry` other lines (its threads are dropped); one with lines of its own is
-    kept apart as session `<id>~<hash of its path>` and reported.
+    kept apart as session `<id>~<hash>` (of its name and first line of its own: `file_mark`) and
+    reported.
     """
     groups: dict[str, list[tuple[FileLoad, list[Thread]]]] = {}
     for ld, ths in per_file:
@@ -312,7 +322,7 @@ def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thre
             understood = [ln for ln in sorted(ld.digests) if ln not in q_lines]
             own = [ln for ln in understood if ld.digests[ln] not in seen]
             if own or not ld.digests:
-                new_sid = f"{sid}~{_short_hash(ld.path)}"
+                new_sid = f"{sid}~{file_mark(ld, own[0] if own else None)}"
                 for t in ths:
                     t.session_id = new_sid
                 ld.stats["session_copies_kept_apart"] += 1
@@ -339,7 +349,8 @@ def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thre
 
 def _unique_thread_ids(threads: list[Thread], loads: list[FileLoad]) -> None:
     """Two threads never share (session id, thread id): a later one gets a `~<hash>` suffix (seen
-    when files of different formats, or differing copies, claim the same session)."""
+    when files of different formats, or differing copies, claim the same session), of its file's
+    name and first line (`file_mark`) and a count."""
     by_path = {ld.path: ld for ld in loads}
     taken: set[tuple[str, str]] = set()
     for t in threads:
@@ -349,11 +360,12 @@ def _unique_thread_ids(threads: list[Thread], loads: list[FileLoad]) -> None:
             continue
         n = 0
         new = t.thread_id
+        ld = by_path.get(t.source_file)
+        mark = file_mark(ld) if ld is not None else _short_hash(Path(t.source_file).name)
         while (t.session_id, new) in taken:
             n += 1
-            new = f"{t.thread_id}~{_short_hash(f'{t.source_file}#{n}')}"
+            new = f"{t.thread_id}~{_short_hash(f'{mark}#{n}')}"
         taken.add((t.session_id, new))
-        ld = by_path.get(t.source_file)
         if ld is not None:
             ld.stats["thread_ids_made_unique"] += 1
             ld.recovered.append({"file": t.source_file, "line": t.messages[0].source_line if t.messages else 0,
