@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ctxreplay.pipeline.targets import get_target, target_names
-from ctxreplay.pipeline.targets._wire import label, split
+from ctxreplay.pipeline.targets.wire import label, split
 from ctxreplay.testkit import (
     check_replay_against_naive,
     drop_from,

@@ -51,7 +51,7 @@ from ctxreplay.errors import TargetError
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
 from ctxreplay.pipeline.core.constants import MESSAGE_OVERHEAD_TOKENS, POLARS_ENGINE, REQUEST_OVERHEAD_TOKENS
 from ctxreplay.pipeline.targets import ASSISTANT_ROLES, LogicalMessage, Target, Wire, wire_role
-from ctxreplay.pipeline.targets._wire import label, split
+from ctxreplay.pipeline.targets.wire import label, split
 
 CHUNK = 64  # a sha256 state is kept every CHUNK wire messages
 FAR = 1  # the kept hash states grow by at most FAR chunks per call; a longer tail is hashed by a worker

@@ -19,7 +19,7 @@ import orjson
 
 from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from ctxreplay.pipeline.targets._wire import merge_run, shape_runs, tool_input_object
+from ctxreplay.pipeline.targets.wire import merge_run, shape_runs, tool_input_object
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 

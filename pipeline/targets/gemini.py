@@ -27,7 +27,7 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import merge_run, raw_item, result_text, shape_runs, tool_input_object
+from ctxreplay.pipeline.targets.wire import merge_run, raw_item, result_text, shape_runs, tool_input_object
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:

@@ -27,7 +27,7 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets._wire import image_data_url, raw_item, result_text, shape_runs
+from ctxreplay.pipeline.targets.wire import image_data_url, raw_item, result_text, shape_runs
 
 
 def _input_part(r: dict[str, Any]) -> dict[str, Any] | None:
