@@ -288,13 +288,12 @@ def _short_hash(s: str) -> str:
     return hashlib.sha256(s.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
-def file_mark(ld: FileLoad, line: int | None = None) -> str:
+def file_mark(path: str, line: int, digest: bytes | None = None) -> str:
     """What a `~<hash>` suffix telling apart two files that claim one session is made of: the file's
-    name and the digest of one of its lines (`line`, else its first), never its directory, so the
-    same files give the same ids wherever they live (a checkout elsewhere, CI; issue 23, item 11).
-    A line, not the whole file: the suffix stays when the file grows."""
-    digest = ld.digests.get(line) if line is not None else ld.digests[min(ld.digests)] if ld.digests else None
-    return _short_hash(f"{Path(ld.path).name}\0{digest.hex() if digest else ''}")
+    name, a line number and (when known) that line's digest, never the file's directory, so the same
+    files give the same ids wherever they live (a checkout elsewhere, CI; issue 23, item 11). A line,
+    not the whole file: the suffix stays when the file grows."""
+    return _short_hash(f"{Path(path).name}\0{line}\0{digest.hex() if digest else ''}")
 
 
 def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thread]:
@@ -322,7 +321,7 @@ def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thre
             understood = [ln for ln in sorted(ld.digests) if ln not in q_lines]
             own = [ln for ln in understood if ld.digests[ln] not in seen]
             if own or not ld.digests:
-                new_sid = f"{sid}~{file_mark(ld, own[0] if own else None)}"
+                new_sid = f"{sid}~{file_mark(ld.path, own[0], ld.digests[own[0]]) if own else file_mark(ld.path, 0)}"
                 for t in ths:
                     t.session_id = new_sid
                 ld.stats["session_copies_kept_apart"] += 1
@@ -350,7 +349,7 @@ def _dedupe_sessions(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thre
 def _unique_thread_ids(threads: list[Thread], loads: list[FileLoad]) -> None:
     """Two threads never share (session id, thread id): a later one gets a `~<hash>` suffix (seen
     when files of different formats, or differing copies, claim the same session), of its file's
-    name and first line (`file_mark`) and a count."""
+    name and the line of its first message (`file_mark`) and a count."""
     by_path = {ld.path: ld for ld in loads}
     taken: set[tuple[str, str]] = set()
     for t in threads:
@@ -360,12 +359,12 @@ def _unique_thread_ids(threads: list[Thread], loads: list[FileLoad]) -> None:
             continue
         n = 0
         new = t.thread_id
-        ld = by_path.get(t.source_file)
-        mark = file_mark(ld) if ld is not None else _short_hash(Path(t.source_file).name)
+        mark = file_mark(t.source_file, t.messages[0].source_line if t.messages else 0)
         while (t.session_id, new) in taken:
             n += 1
             new = f"{t.thread_id}~{_short_hash(f'{mark}#{n}')}"
         taken.add((t.session_id, new))
+        ld = by_path.get(t.source_file)
         if ld is not None:
             ld.stats["thread_ids_made_unique"] += 1
             ld.recovered.append({"file": t.source_file, "line": t.messages[0].source_line if t.messages else 0,
