@@ -1,7 +1,8 @@
 """Find transcript files, detect each file's format, load them into one blocks table.
 
 `load_paths(paths)` walks files and directories (recursively), detects the format of every file
-(Claude Code, OpenClaw / pi, Codex rollout, single Anthropic / OpenAI chat request JSON), loads
+(Claude Code, OpenClaw / pi, Codex rollout, Gemini CLI session in either of its formats, single
+Anthropic / OpenAI chat request JSON), loads
 Claude Code files session by session (a session's subagent files link into its main file), and
 returns the blocks table plus the accounting of every file and every line.
 

@@ -57,6 +57,7 @@ QUARANTINE_CODES = {
     "no_payload": "a Codex rollout line without its 'payload' object",
     "unknown_format": "a file of no known transcript format",
     "not_a_request": "a request JSON document that is not a request",
+    "unknown_record": "a Gemini CLI session line that is no record of its (header, message, $set, $rewindTo)",
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from ctxreplay.errors import InputError
-from ctxreplay.pipeline.loaders import cc_columnar, claude_code, codex, openclaw, request
+from ctxreplay.pipeline.loaders import cc_columnar, claude_code, codex, gemini_cli, openclaw, request
 from ctxreplay.pipeline.loaders.base import (
     FileLoad,
     QuarantineRow,
@@ -33,7 +33,7 @@ from ctxreplay.schemas.check import empty_table
 
 # loaders of one file each, tried in this order before Claude Code; each exposes
 # sniff(first_objects, path) and load(path)
-FILE_LOADERS = (openclaw, codex)
+FILE_LOADERS = (openclaw, codex, gemini_cli)
 
 
 @dataclass
@@ -164,6 +164,11 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
                     load.other_lines["subagent_meta"] = load.lines
                     loads.append(load)
                     continue
+                if gemini_cli.sniff_document(doc, data):  # before request: it has a 'messages' list too
+                    t, ld = gemini_cli.load(f, data)
+                    per_file.append((ld, t))
+                    loads.append(ld)
+                    continue
                 if isinstance(doc, dict) and request.sniff([doc], f):
                     t, ld = request.load(f, data)
                     per_file.append((ld, t))
@@ -216,7 +221,10 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
             loads.extend(lds)
             stats.update(st)
             by_file[path_str(group.files[0])].update(st)
-    other_threads = _dedupe_sessions(per_file)
+    # Gemini CLI copies of a session (a resumed .json beside its .jsonl) are found by message id
+    is_gemini = [ld.format in (gemini_cli.FORMAT, gemini_cli.FORMAT_JSON) for ld, _ in per_file]
+    other_threads = _dedupe_sessions([p for p, g in zip(per_file, is_gemini, strict=True) if not g]) + \
+        gemini_cli.merge_copies([p for p, g in zip(per_file, is_gemini, strict=True) if g])
     threads = other_threads + cc_threads
     _unique_thread_ids(threads, loads)
     for ld in loads:
