@@ -114,8 +114,9 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: $CLAUDE_CONFIG_DIR/projects
-    (else ~/.claude/projects and ~/.config/claude/projects), ~/.openclaw/agents and
-    $CODEX_HOME/sessions (else ~/.codex/sessions), where they exist (`ctxreplay report` reads the same).
+    (else ~/.claude/projects and ~/.config/claude/projects), ~/.openclaw/agents,
+    $CODEX_HOME/sessions (else ~/.codex/sessions) and the chats folders of ~/.gemini/tmp/*
+    ($GEMINI_CLI_HOME/.gemini/tmp/* when set), where they exist (`ctxreplay report` reads the same).
     The outputs of OUT change all at once when the run ends
     (an interrupted run leaves the previous ones); a second run on the same OUT or ledger while
     one runs is refused.

@@ -47,8 +47,9 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
     PATHS are files or directories (searched recursively). Without PATHS: $CLAUDE_CONFIG_DIR/projects
-    (else ~/.claude/projects and ~/.config/claude/projects), ~/.openclaw/agents and
-    $CODEX_HOME/sessions (else ~/.codex/sessions), where they exist (the Claude Code ones are what
+    (else ~/.claude/projects and ~/.config/claude/projects), ~/.openclaw/agents,
+    $CODEX_HOME/sessions (else ~/.codex/sessions) and the chats folders of ~/.gemini/tmp/*
+    ($GEMINI_CLI_HOME/.gemini/tmp/* when set), where they exist (the Claude Code ones are what
     ccusage reads; `ctxreplay run` reads the same). One copy of each request is kept (Claude Code repeats usage on every
     line of a response), priced with genai-prices (version in the output) and --prices; a
     model without a price is listed under unpriced_models and warned about, never counted as 0.

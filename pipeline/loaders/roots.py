@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 ROOTS_TEXT = ("$CLAUDE_CONFIG_DIR/projects (else ~/.claude/projects and ~/.config/claude/projects), "
-              "~/.openclaw/agents and $CODEX_HOME/sessions (else ~/.codex/sessions)")
+              "~/.openclaw/agents, $CODEX_HOME/sessions (else ~/.codex/sessions) and the chats folders of "
+              "~/.gemini/tmp/* ($GEMINI_CLI_HOME/.gemini/tmp/* when set)")
 """The default roots in words, for --help and for the error when none exists."""
 
 
@@ -21,7 +22,9 @@ def default_roots() -> list[Path]:
       (comma-separated, as Claude Code and ccusage read it), else `~/.claude/projects` and
       `~/.config/claude/projects`;
     - OpenClaw / pi: `~/.openclaw/agents`;
-    - Codex CLI: `$CODEX_HOME/sessions`, else `~/.codex/sessions`.
+    - Codex CLI: `$CODEX_HOME/sessions`, else `~/.codex/sessions`;
+    - Gemini CLI: every `~/.gemini/tmp/<project>/chats` (the CLI's home is `$GEMINI_CLI_HOME` when
+      set), in name order: only the chats, not the project folder's logs, checkpoints or tool output.
 
     `~` is the user's home directory ($HOME)."""
     home = Path.home()
@@ -30,4 +33,10 @@ def default_roots() -> list[Path]:
               else [home / ".claude" / "projects", home / ".config" / "claude" / "projects"])
     codex_home = os.environ.get("CODEX_HOME")
     codex = (Path(codex_home).expanduser() if codex_home else home / ".codex") / "sessions"
-    return [p for p in [*claude, home / ".openclaw" / "agents", codex] if p.is_dir()]
+    gemini_home = os.environ.get("GEMINI_CLI_HOME")
+    gemini_tmp = (Path(gemini_home).expanduser() if gemini_home else home) / ".gemini" / "tmp"
+    try:
+        gemini = sorted(p / "chats" for p in gemini_tmp.iterdir() if (p / "chats").is_dir())
+    except OSError:  # no ~/.gemini/tmp (or not readable)
+        gemini = []
+    return [p for p in [*claude, home / ".openclaw" / "agents", codex] if p.is_dir()] + gemini
