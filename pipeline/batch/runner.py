@@ -41,6 +41,7 @@ from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.loaders import LoadResult
+from ctxreplay.pipeline.loaders.gemini_cli import native_target
 from ctxreplay.pipeline.staging.ledger import Ledger
 from ctxreplay.pipeline.staging.ledger import check_file as check_ledger_file
 from ctxreplay.pipeline.staging.spec import DEFAULT_TARGET, PipelineSpec
@@ -56,7 +57,8 @@ from ctxreplay.version import __version__
 class RunOptions:
     out_dir: Path = Path("ctxreplay-out")
     ledger_path: Path | None = None
-    # None: the spec's `[pipeline] target`, else anthropic; a different one than the spec's is refused
+    # None: the spec's `[pipeline] target`, else gemini when the inputs are all Gemini CLI sessions, else
+    # anthropic; a different one than the spec's is refused
     target: str | None = None
     all_calls: bool = False
     validate: bool = True
@@ -111,7 +113,8 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         from ctxreplay.pipeline.batch.rayengine import preflight
 
         preflight(opts.address)
-    target = get_target(opts.target or spec.target or DEFAULT_TARGET)  # fail early on an unknown target
+    # fail early on an unknown target; without one, Gemini CLI sessions (and only they) replay as gemini
+    target = get_target(opts.target or spec.target or native_target(paths) or DEFAULT_TARGET)
     spec = spec.for_target(target.name)
     ledger_path = opts.ledger_path or (opts.out_dir / "ledger.duckdb")
     out = OutputDir(opts.out_dir)
