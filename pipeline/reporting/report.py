@@ -1,7 +1,8 @@
 """Cost and cache report from recorded usage, without a replay: `ctxreplay report`.
 
 Reads the usage every transcript records (Claude Code `message.usage`, OpenClaw / pi `usage`,
-Codex `token_count` events), normalises it to one shape (uncached input, output, 5-minute and
+Codex `token_count` events, Gemini CLI answers' `tokens`: reporting/gemini_usage.py),
+normalises it to one shape (uncached input, output, 5-minute and
 1-hour cache writes, cache reads), keeps one copy of each request, prices it with
 `ctxreplay.pipeline.cost.prices` and sums it by session, day, month, model or project.
 
@@ -37,6 +38,7 @@ import orjson
 
 from ctxreplay.errors import InputError
 from ctxreplay.pipeline.cost.prices import Modifiers, PriceBook, modifiers, price_with, request_usd
+from ctxreplay.pipeline.reporting import gemini_usage
 
 By = Literal["session", "day", "month", "model", "project"]
 BY_CHOICES = ("session", "day", "month", "model", "project")
@@ -107,7 +109,8 @@ class Report:
 
 
 def is_transcript_name(name: str) -> bool:
-    return name.endswith(".jsonl") or ".jsonl.deleted." in name or ".jsonl.reset." in name
+    return name.endswith(".jsonl") or ".jsonl.deleted." in name or ".jsonl.reset." in name \
+        or gemini_usage.is_session_name(name)
 
 
 def discover(paths: Iterable[Path]) -> list[str]:
@@ -496,6 +499,10 @@ def _scan_data(path: str, data: Any, compat: bool) -> FileScan:
     first = _first_object(data)
     if first is None and not data[:4096].strip() and not bytes(data).strip():
         return FileScan(path, "empty", [])
+    if gemini_usage.is_header(first) or (first is None and gemini_usage.is_document(data)):
+        scan = FileScan(path, gemini_usage.SOURCE, [])
+        scan.records, scan.bad_lines, scan.usage_lines = gemini_usage.scan(path, data)
+        return scan
     if isinstance(first, dict):
         if first.get("type") == "session" and "payload" not in first:
             return _scan_pi(path, data, first)
