@@ -99,6 +99,22 @@ def test_identity_simulation_covers_gemini(tmp_path: Path) -> None:
     assert c["recorded_cost_usd"].is_not_null().all()
 
 
+def test_a_new_turn_after_thoughts_is_no_thinking_strip(tmp_path: Path) -> None:
+    """Stripping the thinking of the turn before a new user message is Anthropic's rule; Gemini CLI
+    leaves every thought out of its history, so a shorter read there is Gemini's best effort."""
+    s = GeminiSession()
+    s.user("first", 0)
+    s.answer("one", 3, tokens(9000, 5, 0, 40), thoughts=[("Plan", "think first")])
+    s.user("second", 20)
+    s.answer("two", 23, tokens(9100, 5, 8000, 40), thoughts=[("Plan", "think again")])
+    s.user("third", 40)
+    s.answer("three", 43, tokens(9200, 5, 6000))
+    path = write_jsonl(tmp_path / "chats" / "session-t.jsonl", s.records())
+    res = run([path], load_spec(preset="identity"), RunOptions(out_dir=tmp_path / "out"))
+    c = res.calls.filter(~pl.col("is_pending")).sort("call")
+    assert c["recorded_break_cause"].to_list() == [None, None, "best_effort"]
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -221,5 +237,6 @@ def test_corpus_gemini_run_validates_and_simulates(corpus_extra: Path, tmp_path:
     ident = run([d], load_spec(preset="identity"), RunOptions(out_dir=tmp_path / "id"))
     c = ident.calls.filter(~pl.col("is_pending"))
     assert c["sim_cost_usd"].is_not_null().all() and c["sim_cache_write_5m_tokens"].sum() == 0
+    assert "thinking_strip" not in c["recorded_break_cause"].drop_nulls().to_list()
     rep = build_report([d], PriceBook.load(), ReportOptions(tz="UTC"))
     assert c["recorded_cost_usd"].sum() == pytest.approx(rep.totals["cost_usd"], rel=1e-9)
