@@ -323,9 +323,9 @@ def test_rate_table_joins_in_duckdb(book: PriceBook) -> None:
     assert got[-1][0] is None          # the unpriced model
 
 
-def test_readme_prices_example_loads(tmp_path: Path) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("`--prices FILE` adds models or overrides genai-prices")[1].split("```toml\n")[1].split("```")[0]
+def test_the_documented_prices_example_loads(tmp_path: Path) -> None:
+    page = (Path(__file__).resolve().parent.parent / "docs" / "report.md").read_text()
+    block = page.split("`--prices FILE` adds models or overrides genai-prices")[1].split("```toml\n")[1].split("```")[0]
     f = _write(tmp_path, block)
     b = PriceBook.load(f, cache_dir=None)
     assert b.rates("my-local-model", "2026-02-10").base.cache_read == 0.04          # type: ignore[union-attr]
