@@ -237,7 +237,16 @@ def test_compare_json_per_session_and_total_with_differences(compared: dict[str,
         r = tot[lb]
         assert r["d_cost_usd"] == pytest.approx(r["cost_usd"] - base["cost_usd"], abs=1e-6)
         assert r["d_prompt_tokens"] == r["prompt_tokens"] - base["prompt_tokens"]
-        assert r["cache_hit_rate"] == pytest.approx(r["cache_read_tokens"] / r["prompt_tokens"], abs=1e-6)
+        est_prompt = r["cache_read_tokens"] + r["cache_write_tokens"] + r["input_tokens"]
+        assert r["cache_hit_rate"] == pytest.approx(r["cache_read_tokens"] / est_prompt, abs=1e-6)
+        # the anchored estimate and the raw simulation differ by the same amount under every pipeline
+        assert r["d_cost_usd"] == pytest.approx(r["d_sim_cost_usd"], abs=1e-6)
+        assert r["cost_usd_low"] <= r["cost_usd"] <= r["cost_usd_high"]
+        assert r["sim_cost_usd_low"] <= r["sim_cost_usd"] <= r["sim_cost_usd_high"]
+    # under identity the estimate is the recorded usage and its interval has no width
+    assert base["cost_usd"] == pytest.approx(doc["recorded"]["recorded_cost_usd"], abs=1e-6)
+    assert base["cost_usd_low"] == pytest.approx(base["cost_usd_high"], abs=1e-9)
+    assert doc["interval"]["coverage"] == 0.9
     rw, ce = tot[compared["rw"]], tot[compared["ce"]]
     # clearing shrinks the prompt either way; by rewrite it breaks the prefix, by cache edit it does not
     assert rw["prompt_tokens"] == ce["prompt_tokens"] < base["prompt_tokens"]
@@ -398,7 +407,8 @@ def test_compare_counts_the_summarisation_requests_in_the_cost(sessions: Path, t
     calls = pl.read_parquet(next(keep.glob("1-*")) / "calls.parquet").filter(~pl.col("is_pending"))
     assert ac["summary_requests"] == 2 and tot["identity"]["summary_requests"] == 0
     assert ac["summary_cost_usd"] == pytest.approx(calls["sim_summary_cost_usd"].sum(), abs=1e-6)
-    assert ac["cost_usd"] == pytest.approx(calls["sim_cost_usd"].sum() + ac["summary_cost_usd"], abs=1e-6)
+    assert ac["sim_cost_usd"] == pytest.approx(calls["sim_cost_usd"].sum() + ac["summary_cost_usd"], abs=1e-6)
+    assert ac["d_cost_usd"] == pytest.approx(ac["d_sim_cost_usd"], abs=1e-6)    # the estimate has it too
     assert ac["prompt_tokens"] < tot["identity"]["prompt_tokens"]
 
 
@@ -414,3 +424,65 @@ def test_compare_prices_file_reprices_every_pipeline(sessions: Path, tmp_path: P
     base, dear = total(), total("--prices", prices)
     # ten times genai-prices' Sonnet 4.5 rates (3 / 15 USD per million; writes and reads at the input rate)
     assert dear["identity"] > 5 * base["identity"] and dear["identity@ttl=1h"] > 5 * base["identity@ttl=1h"]
+
+
+# ----------------------------------------------------------------------- the anchored estimate (issue 20, item 3)
+
+
+SAMPLES = Path(__file__).resolve().parent.parent / "data" / "samples"
+
+
+@pytest.fixture(scope="module")
+def anchored(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from ctxreplay.pipeline.reporting.compare import compare, parse_choice
+
+    return compare([SAMPLES], [parse_choice("identity"), parse_choice("default"), parse_choice("identity@ttl=1h")])
+
+
+def test_the_identity_estimate_is_the_recorded_usage_on_every_call_with_usage(anchored: Any) -> None:
+    from ctxreplay.pipeline.cost.breaks import has_usage
+    from ctxreplay.pipeline.cost.calibrate import recorded_write
+
+    c = anchored.calls[0].filter(~pl.col("is_pending") & pl.col("sim_input_tokens").is_not_null())
+    used = c.filter(has_usage() & pl.col("recorded_cost_usd").is_not_null())
+    assert used.height >= 10
+    for est, rec in (("est_cost_usd", pl.col("recorded_cost_usd")),
+                     ("est_cache_read_tokens", pl.col("recorded_cache_read_tokens").fill_null(0)),
+                     ("est_cache_write_tokens", recorded_write().fill_null(0)),
+                     ("est_input_tokens", pl.col("recorded_input_tokens").fill_null(0))):
+        bad = used.filter((pl.col(est) - rec).abs() > 1e-9)
+        assert bad.height == 0, (est, bad.select("thread_key", "call", est))
+    # a call whose answer recorded no usage has no estimate, and is counted
+    none = c.filter(~has_usage())
+    assert none.height > 0 and none["est_cost_usd"].null_count() == none.height
+    tot = anchored.total_table().to_dicts()
+    assert {r["no_usage_calls"] for r in tot} == {none.height}
+
+
+def test_the_estimate_adds_the_simulated_change_to_the_recorded_usage(anchored: Any) -> None:
+    base, dflt = anchored.calls[0], anchored.calls[1]
+    j = dflt.join(base.select("thread_key", "call", _b="sim_cost_usd"), on=["thread_key", "call"]).filter(
+        pl.col("est_cost_usd").is_not_null())
+    diff = j.select((pl.col("est_cost_usd") - (pl.col("recorded_cost_usd") + pl.col("sim_cost_usd")
+                                               + pl.col("sim_summary_cost_usd").fill_null(0) - pl.col("_b"))).abs().max())
+    assert diff.item() < 1e-9
+
+
+def test_without_identity_compare_runs_it_as_the_anchor(anchored: Any) -> None:
+    from ctxreplay.pipeline.reporting.compare import compare, parse_choice
+
+    alone = compare([SAMPLES], [parse_choice("identity@ttl=1h")])
+    assert alone.anchor is not None
+    one = alone.total_table().to_dicts()[0]
+    ref = {r["pipeline"]: r for r in anchored.total_table().to_dicts()}["identity@ttl=1h"]
+    for k in ("cost_usd", "cache_read_tokens", "cache_write_tokens", "input_tokens", "sim_cost_usd"):
+        assert one[k] == pytest.approx(ref[k], rel=1e-9), k
+
+
+def test_compare_raw_shows_the_simulation(tmp_path: Path) -> None:
+    r = _cli("compare", SAMPLES, "--pipeline", "identity", "--pipeline", "default", "-q")
+    assert r.exit_code == 0, r.output
+    assert "anchored estimate" in r.stdout and "interval" in r.stdout
+    raw = _cli("compare", SAMPLES, "--pipeline", "identity", "--pipeline", "default", "-q", "--raw")
+    assert raw.exit_code == 0, raw.output
+    assert "raw simulation (--raw)" in raw.stdout

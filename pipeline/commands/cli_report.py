@@ -343,15 +343,18 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
 @click.option("--keep", type=click.Path(path_type=Path), metavar="DIR",
               help="Keep each pipeline's run in DIR/<n>-<name> (default: a temporary directory).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("--raw", is_flag=True, help="Show the raw simulation (sim_*) instead of the anchored estimate.")
 def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, html_file: Path | None,
-            prices_file: Path | None, keep: Path | None, quiet: bool) -> None:
+            prices_file: Path | None, keep: Path | None, quiet: bool, raw: bool) -> None:
     """What the same sessions cost under several context policies, side by side.
 
     Each --pipeline runs over PATHS (fresh ledger, fresh simulated cache) and its requests go
     through the prompt-cache simulator. Per session and in total: prompt tokens (calibrated to
-    the provider's tokenizer), simulated cache read and write, cost, cache hit rate and breaks,
-    with the differences from the first pipeline. Without PATHS: the directories `ctxreplay run`
-    reads.
+    the provider's tokenizer), cache read and write, cost with its 90 % interval, cache hit rate
+    and breaks, with the differences from the first pipeline. The figures are the anchored
+    estimate: the recorded usage plus what the simulator changes from the sessions as recorded
+    (identity; equal to the recorded usage under identity); --raw shows the raw simulation.
+    Without PATHS: the directories `ctxreplay run` reads.
 
     \b
     Example:
@@ -384,7 +387,7 @@ def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, ht
     if json_:
         click.echo(orjson.dumps(doc).decode())
     else:
-        _compare_tables(doc)
+        _compare_tables(doc, raw=raw)
     for w in doc["warnings"]:
         echo(f"ctxreplay compare: {w}", err=True)
 
@@ -393,25 +396,31 @@ def _signed_usd(v: float | None) -> str:
     return "–" if v is None else f"{v:+,.4f}"
 
 
-def _compare_tables(doc: dict[str, Any]) -> None:
+def _compare_tables(doc: dict[str, Any], *, raw: bool = False) -> None:
     from rich.table import Table
 
     labels = [p["label"] for p in doc["pipelines"]]
+    what = ("the raw simulation (--raw)" if raw else
+            "the anchored estimate: recorded usage + the simulated change from identity (--raw: the raw simulation)")
     echo(f"ctxreplay compare: {len({r['session_id'] for r in doc['sessions']})} session(s) under "
-         f"{len(labels)} pipeline(s), differences from {labels[0]}; prices: {doc['prices']}")
+         f"{len(labels)} pipeline(s), differences from {labels[0]}; prices: {doc['prices']}; figures: {what}; "
+         f"costs with their {doc['interval']['coverage']:.0%} interval")
+    p = "sim_" if raw else ""
 
     def add_cols(table: Table) -> None:
-        for label in ("Calls", "Prompt", "Cache read", "Cache write", "Hit rate", "Breaks", "Cost (USD)", "Δ cost",
-                      "Δ %"):
+        for label in ("Calls", "Prompt", "Cache read", "Cache write", "Hit rate", "Breaks", "Cost (USD)",
+                      f"{doc['interval']['coverage']:.0%} interval", "Δ cost", "Δ %"):
             table.add_column(label, justify="right")
 
     def cells(r: dict[str, Any]) -> list[str]:
         first = r["pipeline"] == labels[0]
-        cost = "unpriced" if r["unpriced_calls"] == r["calls"] else _usd(r["cost_usd"]) + (
-            " + unpriced" if r["unpriced_calls"] else "")
-        return [f"{r['calls']:,}", _fmt_int(r["prompt_tokens"]), _fmt_int(r["cache_read_tokens"]),
-                _fmt_int(r["cache_write_tokens"]), _rate(r["cache_hit_rate"]), str(r["breaks"]), cost,
-                "" if first else _signed_usd(r["d_cost_usd"]), "" if first else _pct(r.get("cost_change"))]
+        unpriced = r["unpriced_calls"] == r["calls"]
+        cost = "unpriced" if unpriced else _usd(r[f"{p}cost_usd"]) + (" + unpriced" if r["unpriced_calls"] else "")
+        lo, hi = r.get(f"{p}cost_usd_low"), r.get(f"{p}cost_usd_high")
+        span = "" if unpriced or lo is None or hi is None else f"{_usd(lo)}–{_usd(hi)}"
+        return [f"{r['calls']:,}", _fmt_int(r["prompt_tokens"]), _fmt_int(r[f"{p}cache_read_tokens"]),
+                _fmt_int(r[f"{p}cache_write_tokens"]), _rate(r[f"{p}cache_hit_rate"]), str(r["breaks"]), cost, span,
+                "" if first else _signed_usd(r[f"d_{p}cost_usd"]), "" if first else _pct(r.get(f"{p}cost_change"))]
 
     table = Table(title="Per session")
     table.add_column("Session", no_wrap=True)
@@ -434,6 +443,12 @@ def _compare_tables(doc: dict[str, Any]) -> None:
     rec = doc["recorded"]
     echo(f"recorded usage of the same calls: {_usd(rec['recorded_cost_usd'])} USD, cache read "
          f"{_fmt_int(rec['recorded_cache_read_tokens'])} tokens")
+    nu = max((r.get("no_usage_calls") or 0) for r in doc["totals"]) if doc["totals"] else 0
+    if nu:
+        echo(f"{nu:,} call(s) recorded no usage: no estimate (no_usage)")
+    iv = doc["interval"]
+    echo(f"intervals: the simulator's identity error on the other compared sessions ({iv['sessions_with_own_q']} "
+         f"session(s)), else {iv['default_q']:.0%} (measured leave-one-session-out on the shared corpora)")
     for label, causes in doc["breaks_by_cause"].items():
         parts = ", ".join(f"{k} {v}" for k, v in causes.items())
         echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))

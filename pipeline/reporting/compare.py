@@ -14,6 +14,17 @@ and in total: calls, prompt tokens (calibrated to the provider's tokenizer), sim
 and write, uncached input, cost, cache hit rate, breaks, and the difference of each from the
 first pipeline. A simulated auto-compaction's own summarisation request (stage `auto_compact`) is
 in the cost and counted under `summary_requests`.
+
+The figures lead with the **anchored estimate**: per call and pipeline P,
+`est = recorded + (sim under P − sim under identity)` for the cost and the cache read, cache write
+and uncached input tokens, so that under identity the estimate is the recorded usage exactly and
+only the simulated change is the simulator's; the identity run is one of the pipelines compared,
+else an extra run. A call whose answer recorded no usage has no estimate (null) and is counted
+under `no_usage_calls`. The raw simulation is kept beside it (`sim_cost_usd`, `sim_cache_*`; the
+table shows it with `--raw`). The differences from the first pipeline are the same either way (the
+anchor cancels). Each cost carries an interval (`cost_usd_low`, `cost_usd_high`;
+`sim_cost_usd_low` / `_high` for the raw simulation) from the identity simulation's residuals
+over the compared sessions: pipeline/cost/intervals.py says how.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ from ctxreplay.errors import CompareError
 
 TTLS = ("recorded", "5m", "1h")
 METRICS = ("calls", "prompt_tokens", "cache_read_tokens", "cache_write_tokens", "input_tokens", "output_tokens",
-           "cost_usd", "cache_hit_rate", "breaks", "summary_requests", "summary_cost_usd")
+           "cost_usd", "cache_hit_rate", "breaks", "summary_requests", "summary_cost_usd", "sim_cache_read_tokens",
+           "sim_cache_write_tokens", "sim_input_tokens", "sim_cost_usd", "sim_cache_hit_rate")
+EST_COLUMNS = ("est_cost_usd", "est_cache_read_tokens", "est_cache_write_tokens", "est_input_tokens")
 
 
 @dataclass(frozen=True)
@@ -76,17 +89,62 @@ class Compared:
     calls: list[pl.DataFrame]
     prices: str | None = None
     warnings: list[str] = field(default_factory=list)
+    anchor: pl.DataFrame | None = None
+    """The calls under identity (the anchor of the estimates); None: the pipeline `identity` is
+    one of `choices` (its calls are the anchor)."""
+
+    def __post_init__(self) -> None:
+        anchor = self.anchor
+        if anchor is None:
+            i = next((i for i, ch in enumerate(self.choices) if is_identity(ch)), None)
+            anchor = self.calls[i] if i is not None else None
+        self.calls = [with_estimate(c, anchor) for c in self.calls]
+        self._q: dict[str, float] | None = None
+
+    def session_q(self) -> dict[str, float]:
+        """Per session: the interval's half-width q (pipeline/cost/intervals.py), from the other
+        compared sessions' identity residuals, else the default."""
+        if self._q is None:
+            from ctxreplay.pipeline.cost import intervals
+
+            c = self.calls[0].filter(~pl.col("is_pending") & pl.col("est_cost_usd").is_not_null())
+            g = c.group_by("session_id").agg(rec=pl.col("recorded_cost_usd").sum(), ident=pl.col("_sim_id_cost").sum())
+            res = {r["session_id"]: intervals.residual(r["rec"], r["ident"]) for r in g.to_dicts()}
+            self._q = intervals.loo_q({k: v for k, v in res.items() if v is not None})
+        return self._q
+
+    def _table(self, by: list[str]) -> pl.DataFrame:
+        from ctxreplay.pipeline.cost.intervals import DEFAULT_Q
+
+        q = self.session_q()
+        qs = pl.DataFrame({"session_id": list(q), "_q": list(q.values())},
+                          schema={"session_id": pl.String, "_q": pl.Float64})
+        parts = []
+        for i, (ch, c) in enumerate(zip(self.choices, self.calls, strict=True)):
+            per = _metrics(c, ["session_id"]).join(qs, on="session_id", how="left").with_columns(
+                _q=pl.col("_q").fill_null(DEFAULT_Q))
+            per = per.with_columns(
+                cost_usd_low=pl.col("cost_usd") - pl.col("_q") * pl.col("_delta").abs(),
+                cost_usd_high=pl.col("cost_usd") + pl.col("_q") * pl.col("_delta").abs(),
+                sim_cost_usd_low=pl.col("sim_cost_usd") * (1 - pl.col("_q")),
+                sim_cost_usd_high=pl.col("sim_cost_usd") * (1 + pl.col("_q")))
+            if by:
+                m = per
+            else:   # a total's bounds: the sum of its sessions' (their errors taken as correlated)
+                m = _metrics(c, []).with_columns(per.select(
+                    *(pl.col(x).sum() for x in ("cost_usd_low", "cost_usd_high", "sim_cost_usd_low",
+                                                "sim_cost_usd_high"))))
+            parts.append(m.drop([x for x in ("_q", "_delta") if x in m.columns])
+                         .with_columns(pipeline=pl.lit(ch.label), _i=pl.lit(i)))
+        out = _with_diffs(pl.concat(parts, how="diagonal_relaxed"), by)
+        return out.sort(*by, "_i") if by else out.sort("_i")
 
     def session_table(self) -> pl.DataFrame:
         """One row per (session, pipeline): the metrics, and their differences from the first pipeline."""
-        parts = [_metrics(c, ["session_id"]).with_columns(pipeline=pl.lit(ch.label), _i=pl.lit(i))
-                 for i, (ch, c) in enumerate(zip(self.choices, self.calls, strict=True))]
-        return _with_diffs(pl.concat(parts, how="diagonal_relaxed"), ["session_id"]).sort("session_id", "_i")
+        return self._table(["session_id"])
 
     def total_table(self) -> pl.DataFrame:
-        parts = [_metrics(c, []).with_columns(pipeline=pl.lit(ch.label), _i=pl.lit(i))
-                 for i, (ch, c) in enumerate(zip(self.choices, self.calls, strict=True))]
-        return _with_diffs(pl.concat(parts, how="diagonal_relaxed"), []).sort("_i")
+        return self._table([])
 
     def breaks_by_cause(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -100,9 +158,12 @@ class Compared:
             return [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items() if not k.startswith("_")}
                     for r in df.to_dicts()]
 
+        from ctxreplay.pipeline.cost.intervals import COVERAGE, DEFAULT_Q
+
         recorded = self.calls[0].filter(~pl.col("is_pending")).select(
             recorded_cost_usd=pl.col("recorded_cost_usd").sum(),
             recorded_cache_read_tokens=pl.col("recorded_cache_read_tokens").sum()).to_dicts()[0]
+        q = self.session_q()
         return {
             "pipelines": [{"label": ch.label, "name": ch.spec.name, "source": ch.spec.source,
                            "spec_sha256": ch.spec.sha256, "ttl": ch.ttl} for ch in self.choices],
@@ -111,34 +172,91 @@ class Compared:
             "totals": rows(self.total_table()),
             "breaks_by_cause": self.breaks_by_cause(),
             "recorded": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in recorded.items()},
+            "interval": {"coverage": COVERAGE, "default_q": DEFAULT_Q,
+                         "sessions_with_own_q": sum(v != DEFAULT_Q for v in q.values()),
+                         "q": {k: round(v, 6) for k, v in sorted(q.items())}},
             "warnings": self.warnings,
         }
 
 
+def _sim_write() -> pl.Expr:
+    return pl.col("sim_cache_write_5m_tokens").fill_null(0) + pl.col("sim_cache_write_1h_tokens").fill_null(0)
+
+
+def _sim_cost() -> pl.Expr:
+    # a simulated compaction's summarisation request is part of what the pipeline costs
+    return pl.col("sim_cost_usd") + pl.col("sim_summary_cost_usd").fill_null(0)
+
+
+def is_identity(ch: Choice) -> bool:
+    """The choice replays the sessions as recorded: no stage, the recorded TTLs."""
+    return ch.ttl == "recorded" and not ch.spec.stages and ch.spec.target is None
+
+
+def with_estimate(calls: pl.DataFrame, anchor: pl.DataFrame | None) -> pl.DataFrame:
+    """calls + the anchored estimate per call (EST_COLUMNS): recorded + (this simulation − the
+    identity simulation `anchor` of the same call); null for a call without recorded usage (no
+    estimate: `no_usage`) or without both simulations. Without an anchor the calls are taken as
+    the identity run's own (their estimate is the recorded usage)."""
+    from ctxreplay.pipeline.cost.breaks import has_usage
+    from ctxreplay.pipeline.cost.calibrate import recorded_write
+
+    if "sim_summary_cost_usd" not in calls.columns:      # a run made before auto_compact existed
+        calls = calls.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64),
+                                   sim_summary_input_tokens=pl.lit(None, pl.Int64))
+    a = anchor if anchor is not None else calls
+    if "sim_summary_cost_usd" not in a.columns:
+        a = a.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64))
+    a = a.filter(~pl.col("is_pending")).select(
+        "thread_key", "call", _sim_id_cost=_sim_cost(), _sim_id_read=pl.col("sim_cache_read_tokens"),
+        _sim_id_write=_sim_write(), _sim_id_input=pl.col("sim_input_tokens"))
+    c = calls.drop([x for x in (*EST_COLUMNS, *a.columns[2:]) if x in calls.columns]).join(
+        a, on=["thread_key", "call"], how="left")
+    ok = has_usage() & pl.col("sim_input_tokens").is_not_null() & pl.col("_sim_id_input").is_not_null()
+    return c.with_columns(
+        est_cost_usd=pl.when(ok).then(pl.col("recorded_cost_usd") + _sim_cost() - pl.col("_sim_id_cost")),
+        est_cache_read_tokens=pl.when(ok).then(pl.col("recorded_cache_read_tokens").fill_null(0)
+                                               + pl.col("sim_cache_read_tokens") - pl.col("_sim_id_read")),
+        est_cache_write_tokens=pl.when(ok).then(recorded_write().fill_null(0) + _sim_write() - pl.col("_sim_id_write")),
+        est_input_tokens=pl.when(ok).then(pl.col("recorded_input_tokens").fill_null(0) + pl.col("sim_input_tokens")
+                                          - pl.col("_sim_id_input")),
+    )
+
+
 def _metrics(calls: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    from ctxreplay.pipeline.cost.breaks import has_usage
+
     c = calls.filter(~pl.col("is_pending"))
-    if "sim_summary_cost_usd" not in c.columns:      # a run made before auto_compact existed
-        c = c.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64), sim_summary_input_tokens=pl.lit(None, pl.Int64))
-    write = pl.col("sim_cache_write_5m_tokens").fill_null(0) + pl.col("sim_cache_write_1h_tokens").fill_null(0)
+    est = pl.col("est_cost_usd").is_not_null()
     aggs = {
         "calls": pl.len(),
         "prompt_tokens": pl.col("calibrated_prompt_tokens").sum(),
-        "cache_read_tokens": pl.col("sim_cache_read_tokens").sum(),
-        "cache_write_tokens": write.sum(),
-        "input_tokens": pl.col("sim_input_tokens").sum(),
+        "cache_read_tokens": pl.col("est_cache_read_tokens").sum(),
+        "cache_write_tokens": pl.col("est_cache_write_tokens").sum(),
+        "input_tokens": pl.col("est_input_tokens").sum(),
         "output_tokens": pl.col("recorded_output_tokens").sum(),
-        # a simulated compaction's summarisation request is part of what the pipeline costs
-        "cost_usd": (pl.col("sim_cost_usd") + pl.col("sim_summary_cost_usd").fill_null(0)).sum(),
+        "cost_usd": pl.col("est_cost_usd").sum(),
+        "sim_cache_read_tokens": pl.col("sim_cache_read_tokens").sum(),
+        "sim_cache_write_tokens": _sim_write().sum(),
+        "sim_input_tokens": pl.col("sim_input_tokens").sum(),
+        "sim_cost_usd": _sim_cost().sum(),
         "breaks": pl.col("sim_break_cause").is_not_null().sum(),
         "summary_requests": pl.col("sim_summary_input_tokens").is_not_null().sum(),
         "summary_cost_usd": pl.col("sim_summary_cost_usd").sum(),
         "unpriced_calls": (pl.col("sim_cost_usd").is_null() & pl.col("sim_input_tokens").is_not_null()).sum(),
+        "no_usage_calls": (pl.col("sim_input_tokens").is_not_null() & ~has_usage()).sum(),
+        # the simulated change the estimate adds to the recorded cost (the interval's width scales with it)
+        "_delta": pl.when(est).then(_sim_cost() - pl.col("_sim_id_cost")).sum(),
     }
     g = c.group_by(by).agg(**aggs) if by else c.select(**aggs)
+    est_prompt = pl.col("cache_read_tokens") + pl.col("cache_write_tokens") + pl.col("input_tokens")
+    sim_prompt = pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_tokens") + pl.col("sim_input_tokens")
     return g.with_columns(
-        cache_hit_rate=pl.when(pl.col("prompt_tokens") > 0).then(pl.col("cache_read_tokens") / pl.col("prompt_tokens")),
+        cache_hit_rate=pl.when(est_prompt > 0).then(pl.col("cache_read_tokens") / est_prompt),
+        sim_cache_hit_rate=pl.when(sim_prompt > 0).then(pl.col("sim_cache_read_tokens") / sim_prompt),
         calls=pl.col("calls").cast(pl.Int64), breaks=pl.col("breaks").cast(pl.Int64),
-        summary_requests=pl.col("summary_requests").cast(pl.Int64), unpriced_calls=pl.col("unpriced_calls").cast(pl.Int64))
+        summary_requests=pl.col("summary_requests").cast(pl.Int64), unpriced_calls=pl.col("unpriced_calls").cast(pl.Int64),
+        no_usage_calls=pl.col("no_usage_calls").cast(pl.Int64))
 
 
 def _with_diffs(df: pl.DataFrame, by: list[str]) -> pl.DataFrame:
@@ -146,7 +264,9 @@ def _with_diffs(df: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     first = df.filter(pl.col("_i") == 0).select(*by, *[pl.col(m).alias(f"_f_{m}") for m in METRICS])
     j = df.join(first, on=by, how="left") if by else df.join(first, how="cross")
     j = j.with_columns(**{f"d_{m}": pl.col(m) - pl.col(f"_f_{m}") for m in METRICS if m != "calls"}).with_columns(
-        cost_change=pl.when(pl.col("_f_cost_usd") != 0).then(pl.col("cost_usd") / pl.col("_f_cost_usd") - 1.0))
+        cost_change=pl.when(pl.col("_f_cost_usd") != 0).then(pl.col("cost_usd") / pl.col("_f_cost_usd") - 1.0),
+        sim_cost_change=pl.when(pl.col("_f_sim_cost_usd") != 0).then(pl.col("sim_cost_usd") / pl.col("_f_sim_cost_usd")
+                                                                   - 1.0))
     return j.drop([c for c in j.columns if c.startswith("_f_")])
 
 
@@ -183,7 +303,19 @@ def compare(paths: list[Path], choices: list[Choice], *, prices_file: Path | Non
                 calls, summary = _resimulate(paths, res, out, ch, book, loaded)
                 prices_src = summary.get("prices") or prices_src
             out_calls.append(calls)
-    return Compared(list(choices), out_calls, prices_src, warnings)
+        anchor = None
+        if not any(is_identity(ch) for ch in choices):
+            # the estimates' anchor: the sessions as recorded, simulated with the same prices
+            from ctxreplay.pipeline.staging.spec import load_spec
+
+            ident = Choice("identity", load_spec(preset="identity"))
+            out = root / f"{len(choices)}-identity-anchor"
+            say("running identity, the anchor of the estimates")
+            res = run(list(paths), ident.spec, RunOptions(out_dir=out))
+            anchor = res.calls
+            if book is not None:
+                anchor, _ = _resimulate(paths, res, out, ident, book, loaded)
+    return Compared(list(choices), out_calls, prices_src, warnings, anchor)
 
 
 def _resimulate(paths: list[Path], res: Any, out: Path, ch: Choice, book: Any,
@@ -208,4 +340,5 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:60] or "pipeline"
 
 
-__all__ = ["Choice", "CompareError", "Compared", "compare", "parse_choice"]
+__all__ = ["EST_COLUMNS", "Choice", "CompareError", "Compared", "compare", "is_identity", "parse_choice",
+           "with_estimate"]
