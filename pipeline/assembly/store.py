@@ -209,8 +209,47 @@ def _refuse_inherited(out_dir: Path, rows: pl.DataFrame, key: str, k: int) -> No
         pending = int(rows.get_column("last_call").max()) - 1  # type: ignore[arg-type]
         sid = rows.get_column("session_id")[0]
         listed = ", ".join(str(c) for c in sorted(calls) if c != pending) or "none"
-        raise StoreError(f"call {k} of thread '{key}' is history it shares with another thread of session {sid}, "
-                         f"which reports that request; this thread's own calls are {listed} and {pending} (pending)")
+        other = reporting_thread(out_dir, key, k, rows)
+        out = out_dir.parent.parent if out_dir.parent.name == ".runs" else out_dir
+        who = (f"thread '{other}', which reports that request (`ctxreplay request {out} {other} --call {k}`)" if other
+               else f"another thread of session {sid}, which reports that request")
+        raise StoreError(f"call {k} of thread '{key}' is history it shares with {who}; this thread's own calls are "
+                         f"{listed} and {pending} (pending)")
+
+
+def reporting_thread(out_dir: Path, key: str, k: int, rows: pl.DataFrame | None = None) -> str | None:
+    """The thread that reports call k of the history `key` shares with it (a branch walks the calls
+    before it parts, but another thread reports them): of the thread's session, the one with a row
+    for call k in calls.parquet whose messages at k are those `key` holds at k (the envelope aside:
+    an inherited call's model is not the branch's to record), else the one sharing the longest
+    prefix of them. None when no other thread of the session reports call k."""
+    out_dir = run_dir(out_dir)
+    if rows is None:
+        rows = read_call_messages(out_dir, key)
+    sid = rows.get_column("session_id")[0]
+    calls = pl.from_arrow(pq.read_table(_need(out_dir, "calls.parquet"), columns=["session_id", "thread_key", "call"],
+                                        filters=[("session_id", "=", sid), ("call", "=", k)]))
+    assert isinstance(calls, pl.DataFrame)
+    others = sorted(set(calls.get_column("thread_key").to_list()) - {key})
+    if not others:
+        return None
+
+    def held(r: pl.DataFrame, kk: str) -> list[str]:
+        return r.filter((pl.col("first_call") <= k) & (pl.col("last_call") > k) & pl.col("slot").is_not_null()) \
+            .sort("slot").get_column("sha256").to_list()
+
+    mine = held(rows, key)
+    best, best_len = None, -1
+    for other in others:
+        theirs = held(read_call_messages(out_dir, other), other)
+        if theirs == mine:
+            return other
+        n = 0
+        while n < min(len(mine), len(theirs)) and mine[n] == theirs[n]:
+            n += 1
+        if n > best_len:
+            best, best_len = other, n
+    return best
 
 
 def _without_store(run: Path, key: str, call: int | None, target: str | None) -> bytes:

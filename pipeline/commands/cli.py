@@ -28,6 +28,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     pipeline_option,
     preset_choice,
     preset_option,
+    stage_option,
     target_option,
 )
 from ctxreplay.pipeline.core.termtext import shown
@@ -267,8 +268,7 @@ def request(out_dir: Path, thread: str, call: int | None, target: str | None, ca
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.argument("thread")
 @click.option("--call", "call", type=int, help="Call index (0-based); default: the pending call.")
-@click.option("--stage", "stage_name", help="Only the blocks this stage changed, and its decisions (`pairing` also "
-              "takes pairing#2).")
+@stage_option("Only the blocks this stage changed, and its decisions (`pairing` also takes pairing#2).")
 @click.option("--changed", "changed_only", is_flag=True, help="Only the blocks a layer changed, dropped, inserted "
               "or moved.")
 @click.option("--diff", is_flag=True, help="Also replay the transcript as recorded (no stage) at the same call: "
@@ -347,7 +347,7 @@ def threads(out_dir: Path, session: str | None, json_: bool) -> None:
 @main.command(context_settings=CONTEXT)
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--ledger", "ledger_path", type=click.Path(path_type=Path), help="Ledger file (default: OUT/ledger.duckdb).")
-@click.option("--stage", "stage_name", help="Only this stage's decisions (`pairing` also takes pairing#2).")
+@stage_option("Only this stage's decisions (`pairing` also takes pairing#2).")
 @click.option("--session", "session_id", help="Only this session's decisions (a unique prefix of its id).")
 @click.option("--thread", "thread", help="Only this thread's decisions (as THREAD of `ctxreplay request`).")
 @click.option("--quarantine", is_flag=True, help="Show the quarantined lines of the run instead.")

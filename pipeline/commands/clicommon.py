@@ -108,10 +108,28 @@ def target_choice() -> RegistryChoice:
     return RegistryChoice(names, "target", normalize=lambda s: s.replace("_", "-"))
 
 
+class StageName(click.ParamType):
+    """A stage name whose metavar lists the registered stages, read when help is shown (importing
+    the CLI loads no plug-in); any value passes: the command checks it against the registered
+    stages and the run's own (a later use of a stage is `name#2`), with a "did you mean"."""
+
+    name = "stage"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        from ctxreplay.pipeline.stageapi.registry import load_stages
+
+        return "[" + "|".join(sorted(load_stages())) + "]"
+
+
 # ---------------------------------------------------------------------------------------------
 # options shared by several commands: each written once
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def stage_option(help_text: str) -> Decorator:
+    """`--stage NAME` (-> `stage_name`) of `why` and `ledger`, the registered stages listed in its help."""
+    return click.option("--stage", "stage_name", type=StageName(), help=help_text)
 
 
 def pipeline_option() -> Decorator:

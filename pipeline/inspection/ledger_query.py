@@ -94,12 +94,19 @@ def query(out_dir: Path, ledger_path: Path | None, q: LedgerQuery) -> dict[str, 
     in_ledger = ledger_all.filter(keep & stage_expr)
     doc: dict[str, Any] = {
         "ledger": str(path), "runs": runs.height,
+        # what matches the filters (the whole ledger without them), and the whole ledger
         "ledger_decisions": in_ledger.filter(~is_violation).height,
         "ledger_namespaces": in_ledger.filter(~is_violation).get_column("spec_sha256").n_unique(),
         "violations": in_ledger.filter(is_violation).height,
+        "ledger_totals": {"decisions": ledger_all.filter(~is_violation).height,
+                          "namespaces": ledger_all.filter(~is_violation).get_column("spec_sha256").n_unique(),
+                          "violations": ledger_all.filter(is_violation).height},
         "filters": {"stage": q.stage, "session": session, "thread": thread.key if thread else None},
     }
     prefixes = session_prefixes(sessions)
+    doc["filter_text"] = " ".join(f"--{k} {v}" for k, v in (
+        ("stage", q.stage), ("session", prefixes.get(session, session) if session else None),
+        ("thread", f"{prefixes.get(thread.session_id, thread.session_id)}/{thread.thread_id}" if thread else None)) if v)
     short = pl.col("session_id").replace_strict(prefixes, default=pl.col("session_id")) + "/" + pl.col("thread_id")
     if run_dec is not None and view is not None:
         spec = view.summary.get("pipeline_sha256")
@@ -143,33 +150,42 @@ def query(out_dir: Path, ledger_path: Path | None, q: LedgerQuery) -> dict[str, 
 
 
 def render(doc: dict[str, Any]) -> tuple[str, list[str]]:
-    """(stdout text, notes for stderr)."""
+    """(stdout text, notes for stderr). The first line counts the whole ledger (with filters, how
+    many of its decisions match them); the second the run's decisions that match the filters."""
     from ctxreplay.pipeline.core.words import plural
 
     notes: list[str] = []
-    out = [f"{doc['ledger']}: {plural(doc['runs'], 'run')}, {plural(doc['ledger_decisions'], 'frozen decision')}"
-           + (f" in {plural(doc['ledger_namespaces'], 'namespace')}" if doc["ledger_namespaces"] > 1 else "")
-           + f", {plural(doc['violations'], 'violation')} recorded"]
+    f = doc["filters"]
+    filtered = doc.get("filter_text") or " ".join(f"--{k} {v}" for k, v in f.items() if v)
+    tot = doc.get("ledger_totals") or {"decisions": doc["ledger_decisions"], "namespaces": doc["ledger_namespaces"],
+                                       "violations": doc["violations"]}
+    first = (f"{doc['ledger']}: {plural(doc['runs'], 'run')}, {plural(tot['decisions'], 'frozen decision')}"
+             + (f" in {plural(tot['namespaces'], 'namespace')}" if tot["namespaces"] > 1 else "")
+             + f", {plural(tot['violations'], 'violation')} recorded")
+    if filtered:  # the counts above are the whole ledger's; say so, and how much of it the filters keep
+        n = doc["ledger_decisions"]
+        first += f" (whole ledger); {n:,} of its frozen decisions {'matches' if n == 1 else 'match'} {filtered}"
+    out = [first]
     run = doc["run"]
     if run:
-        out.append(f"run {run['run_id']} (pipeline {run['pipeline']}, {str(run['pipeline_sha256'])[:12]}): "
-                   f"{plural(doc['decisions'], 'decision')} applied = {doc['frozen']:,} frozen in the ledger + "
-                   f"{doc['provisional']:,} provisional")
+        out.append(f"run {run['run_id']} (pipeline {run['pipeline']}, {str(run['pipeline_sha256'])[:12]})"
+                   + (f", {filtered}" if filtered else "") + f": {plural(doc['decisions'], 'decision')} applied = "
+                   f"{doc['frozen']:,} frozen in the ledger + {doc['provisional']:,} provisional")
     else:
         out.append("no published run in this directory: the ledger's frozen decisions only (a run's provisional "
-                   "decisions are in its decisions.parquet)")
+                   "decisions are in its decisions.parquet)" + (f"; {filtered}" if filtered else ""))
     if doc["by_reason"]:
-        w = max(len(r["stage"]) for r in doc["by_reason"])
-        wa = max(len(r["action"]) for r in doc["by_reason"])
-        wr = max(len(r["reason"]) for r in doc["by_reason"])
-        head = f"  {'stage':<{w}}  {'action':<{wa}}  {'reason':<{wr}}  {'frozen':>7}  {'provisional':>11}  {'total':>7}"
+        rows = doc["by_reason"]
+        cols = ["stage", "action", "reason"]
+        w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+        head = "  " + "  ".join(f"{c:<{w[c]}}" for c in cols) + f"  {'frozen':>7}  {'provisional':>11}  {'total':>7}"
         if not run:
             head = "  namespace     " + head[2:]
         out.append(head)
-        for r in doc["by_reason"]:
+        for r in rows:
             ns = f"  {r['spec_sha256'][:12]}" if not run else ""
             prov = "-" if doc["provisional"] is None else f"{r['provisional']:,}"
-            out.append(f"{ns}  {r['stage']:<{w}}  {r['action']:<{wa}}  {r['reason']:<{wr}}  {r['frozen']:>7,}  "
+            out.append(f"{ns}  " + "  ".join(f"{r[c]:<{w[c]}}" for c in cols) + f"  {r['frozen']:>7,}  "
                        f"{prov:>11}  {r['count']:>7,}")
     for r in doc["rows"]:
         seq = f"#{r['seq']}" if r.get("seq") is not None else ("provisional" if r.get("is_provisional") else "#?")
@@ -182,9 +198,7 @@ def render(doc: dict[str, Any]) -> tuple[str, list[str]]:
     if run and doc["provisional"]:
         out.append("provisional: decided for a thread's pending call and applied to its request, not frozen in the "
                    "ledger (the transcript may still grow before that request is sent)")
-    f = doc["filters"]
-    if doc["decisions"] == 0 and any(f.values()):
-        what = " ".join(f"--{k} {v}" for k, v in f.items() if v)
+    if doc["decisions"] == 0 and filtered:
         where = f"run {run['run_id']}" if run else "the ledger"
-        notes.append(f"no decision matches {what} in {where}")
+        notes.append(f"no decision matches {filtered} in {where}")
     return "\n".join(out), notes

@@ -44,6 +44,7 @@ from ctxreplay.pipeline.inspection.threads import stage_rank as _stage_rank
 
 KEY = ("entry_id", "block_pos", "part_pos")
 HEAD_LINES, TAIL_LINES, LINE_CHARS = 4, 2, 240
+MAX_CHANGED_LINES = 6  # lines a layer changed, kept in a folded text (result_budget's marker: 1-3)
 
 
 @dataclass
@@ -58,29 +59,71 @@ class WhyOptions:
 # ---------------------------------------------------------------------------------------- folding
 
 
-def fold(text: str | None, full: bool) -> dict[str, Any]:
+def fold(text: str | None, full: bool, recorded: str | None = None) -> dict[str, Any]:
     """A text for display: whole with `full`, else its first and last lines (long lines cut), with
-    how much was left out."""
+    how much was left out. With `recorded` (the transcript's text of a block a layer changed),
+    the lines where the two differ are kept too, each cut around the change: a marker a layer
+    wrote (result_budget's `…N chars truncated…`) is never folded away."""
     text = text or ""
     lines = text.split("\n")
     out: dict[str, Any] = {"chars": len(text), "lines": len(lines)}
     if full:
         out.update(text=text, folded=False, elided_lines=0, elided_chars=0)
         return out
-    keep = lines
-    elided = 0
-    if len(lines) > HEAD_LINES + TAIL_LINES + 1:
-        elided = len(lines) - HEAD_LINES - TAIL_LINES
-        keep = lines[:HEAD_LINES] + [f"… {plural(elided, 'line')} not shown (--full shows them) …"] + lines[-TAIL_LINES:]
-    cut = 0
-    shown = []
-    for ln in keep:
+    changed = _changed_span(text, recorded) if recorded is not None and recorded != text else None
+    keep = set(range(min(HEAD_LINES, len(lines)))) | set(range(max(len(lines) - TAIL_LINES, 0), len(lines)))
+    cols: dict[int, int] = {}  # a kept changed line: where in it the change starts
+    if changed is not None:
+        (l0, c0), (l1, _) = changed
+        for i in range(l0, min(l1, l0 + MAX_CHANGED_LINES - 1) + 1):
+            keep.add(i)
+            cols[i] = c0 if i == l0 else 0
+    if len(lines) <= HEAD_LINES + TAIL_LINES + 1:
+        keep = set(range(len(lines)))
+    shown: list[str] = []
+    elided = cut = 0
+    prev = -1
+    for i in sorted(keep):
+        if i > prev + 1:
+            gap = i - prev - 1
+            elided += gap
+            shown.append(f"… {plural(gap, 'line')} not shown (--full shows them) …")
+        ln = lines[i]
         if len(ln) > LINE_CHARS:
-            cut += len(ln) - LINE_CHARS
-            ln = ln[:LINE_CHARS] + f" … (+{len(ln) - LINE_CHARS:,} chars)"
+            start = max(0, min(cols.get(i, 0) - LINE_CHARS // 3, len(ln) - LINE_CHARS))
+            part = ln[start:start + LINE_CHARS]
+            cut += len(ln) - len(part)
+            ln = (f"(+{start:,} chars) … " if start else "") + part + \
+                (f" … (+{len(ln) - start - len(part):,} chars)" if start + len(part) < len(ln) else "")
         shown.append(ln)
+        prev = i
+    if prev < len(lines) - 1:  # (keep always holds the last line; kept for safety)
+        elided += len(lines) - 1 - prev
+        shown.append(f"… {plural(len(lines) - 1 - prev, 'line')} not shown (--full shows them) …")
     out.update(text="\n".join(shown), folded=bool(elided or cut), elided_lines=elided, elided_chars=cut)
     return out
+
+
+def _changed_span(text: str, recorded: str) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(line, column) of the first and of the last character of `text` that is not in the prefix
+    or suffix it shares with `recorded` (the text a layer wrote there); None when it only lost
+    characters (then the place they left: the line where they were)."""
+    n = min(len(text), len(recorded))
+    p = 0
+    while p < n and text[p] == recorded[p]:
+        p += 1
+    q = 0
+    while q < n - p and text[-1 - q] == recorded[-1 - q]:
+        q += 1
+    end = max(len(text) - q - 1, p)
+    end = min(end, max(len(text) - 1, 0))
+    p = min(p, max(len(text) - 1, 0))
+
+    def at(pos: int) -> tuple[int, int]:
+        line = text.count("\n", 0, pos)
+        return line, pos - (text.rfind("\n", 0, pos) + 1)
+
+    return at(p), at(end)
 
 
 # ---------------------------------------------------------------------------------------- the recorded view
@@ -169,17 +212,19 @@ def _payload_bytes(r: dict[str, Any]) -> int:
     return 0
 
 
-def _content(r: dict[str, Any], full: bool) -> dict[str, Any]:
+def _content(r: dict[str, Any], full: bool, old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The block's content for display; `old`: the transcript's version of a block a layer changed
+    (the lines it changed are kept when the text is folded)."""
     t = r["block_type"]
     if t == "image" or r.get("part_type") == "image":
         return {"image": {"media_type": r.get("image_media_type"), "width": r.get("image_width"),
                           "height": r.get("image_height"), "bytes": r.get("image_bytes")}}
     if t in ("tool_use", "server_tool_use") and r.get("text") is None:
-        return {"tool_input": fold(r.get("tool_input"), full)}
+        return {"tool_input": fold(r.get("tool_input"), full, (old or {}).get("tool_input") if old else None)}
     if r.get("text") is not None:
-        return {"text": fold(r.get("text"), full)}
+        return {"text": fold(r.get("text"), full, (old or {}).get("text") if old else None)}
     if r.get("extra_json"):
-        return {"extra": fold(r.get("extra_json"), full)}
+        return {"extra": fold(r.get("extra_json"), full, (old or {}).get("extra_json") if old else None)}
     return {}
 
 
@@ -220,7 +265,7 @@ class _Call:
              "block_type": r["block_type"], "part_type": r["part_type"], "tool_use_id": r["tool_use_id"],
              "tool_name": r["tool_name"], "is_error": r["is_error"], "status": status,
              "origin": r["origin"], "first_call": r["first_call"], "last_call": r["last_call"],
-             "bytes": _payload_bytes(r), **_content(r, opts.full),
+             "bytes": _payload_bytes(r), **_content(r, opts.full, self.rec_by.get(_key(r)) if status == "changed" else None),
              "decisions": [d for d in self.effective.get(_key(r), []) if self.match_stage(d["stage"])]}
         if opts.diff and status in ("changed", "moved"):
             old = self.rec_by[_key(r)]
@@ -375,10 +420,27 @@ def _recorded_side(rec: Any, ref: ThreadRef, k: int, target: Any, request: dict[
 
 
 def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
-    """The request at opts.call (None: the pending call) with every effective decision, as data."""
+    """The request at opts.call (None: the pending call) with every effective decision, as data.
+    A call of the history the thread shares with another (a branch's calls before it parts) is
+    shown as the thread that reports it sees it, named in `shared`."""
+    from ctxreplay.pipeline.assembly.store import reporting_thread
     from ctxreplay.pipeline.assembly.store import request as assemble_call
     from ctxreplay.pipeline.targets import get_target
 
+    if opts.call is not None:
+        mine = view.calls.filter(pl.col("thread_key") == ref.key)
+        own = set(mine.get_column("call").to_list())
+        pending = mine.filter(pl.col("is_pending")).get_column("call")
+        if own and pending.len() and 0 <= opts.call < int(pending[0]) and opts.call not in own:
+            other = reporting_thread(view.run_dir, ref.key, opts.call)
+            if other is not None:
+                by = next(t for t in view.threads if t.key == other)
+                doc = build(view, by, opts)
+                doc["shared"] = {"thread_key": ref.key, "thread": ref.short, "reported_by": other,
+                                 "reported_by_thread": by.short,
+                                 "own_calls": sorted(c for c in own if c != int(pending[0])),
+                                 "pending_call": int(pending[0])}
+                return doc
     target = get_target(view.target)
     request = assemble_call(view.run_dir, ref.key, opts.call, view.target)  # checks the call too
     mine_calls = view.calls.filter(pl.col("thread_key") == ref.key)
@@ -524,6 +586,14 @@ def render(doc: dict[str, Any], *, color: bool) -> str:
 
     k, n = doc["call"], doc["pending_call"]
     which = "the pending call" if doc["is_pending"] else f"call {k}"
+    sh = doc.get("shared")
+    if sh:
+        own = sh["own_calls"]
+        span = (f"{own[0]}..{own[-1]}" if len(own) > 1 else str(own[0])) if own else "none"
+        note = (f"call {k} of {sh['thread']} is history it shares with {sh['reported_by_thread']}, which reports it: "
+                f"showing {sh['reported_by_thread']}'s view of call {k}. {sh['thread']}'s own calls are {span} and "
+                f"{sh['pending_call']} (pending); its decisions on this history apply in them")
+        line((note, "dim"))
     line((f"{doc['thread_key']}", "bold"), f"  {doc['kind']} · {which} (calls 0..{n}, {n} pending) · "
          f"target {doc['target']} · pipeline {doc['pipeline']} ({(doc['pipeline_sha256'] or '')[:12]})")
     ok = "= calls.parquet" if doc["request_sha256_matches"] else "DIFFERS from calls.parquet"
@@ -580,7 +650,16 @@ def render(doc: dict[str, Any], *, color: bool) -> str:
     line((f"wire request ({doc['target']}): {plural(len(w['messages']), 'message')}", "bold"), f" · {env}")
     if not w["mapped"]:
         line(("  (the blocks could not be matched to wire messages: showing the wire as it is)", "dim"))
-    for item in w["messages"]:
+    items = w["messages"]
+    if (doc.get("stage_filter") or doc.get("changed_only")) and w["mapped"]:
+        # a filter shows what it selects: the wire messages that hold the blocks shown above
+        held = {j for m in doc["messages"] for j in m["wire"] if isinstance(j, int)}
+        items = [x for x in items if x["index"] in held]
+        which = ("none of them: no block above" if not items else
+                 f"the {plural(len(items), 'wire message')} that {'holds' if len(items) == 1 else 'hold'} the "
+                 f"blocks above")
+        line((f"  (showing {which}; the filter leaves out {len(w['messages']) - len(items):,})", "dim"))
+    for item in items:
         ch = item["changed_messages"]
         line(f"  {item['index']:>3} {item['role']!s:<9} ", ", ".join(item["parts"]) or "(empty)",
              (f"  ← changed blocks in #{', #'.join(map(str, ch))}" if ch else "", "yellow"))
