@@ -7,6 +7,12 @@ and `simulate` (the walk over every call in time order, break attribution and pr
 calls/s for each.
 
     python bench/bench_cachesim.py [--size 190MB] [--keep DIR] [--repeat 3]
+
+With `--accuracy [SHARED]` it measures instead how well the simulator reproduces the recorded
+usage of every real session of SHARED/corpus and SHARED/corpus-extra (default ../shared), in-sample,
+leave-one-session-out and across corpora, and the error bars' coverage (bench/cachesim_accuracy.py):
+
+    python bench/bench_cachesim.py --accuracy
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", type=Path, default=DEFAULT_SRC, help="tree to copy")
     ap.add_argument("--keep", type=Path, help="keep the tree and the run's outputs here (reused when present)")
     ap.add_argument("--repeat", type=int, default=3, help="timed simulate runs (best is printed)")
+    ap.add_argument("--accuracy", nargs="?", type=Path, const=ROOT.parent / "shared", metavar="SHARED",
+                    help="print the accuracy table on the real corpora under SHARED (default ../shared) instead")
     args = ap.parse_args(argv)
+    if args.accuracy is not None:
+        from bench.cachesim_accuracy import main as accuracy
+
+        return accuracy(args.accuracy, args.keep)
     if not args.src.is_dir():
         print(f"no source tree at {args.src}", file=sys.stderr)
         return 2

@@ -36,6 +36,16 @@ What the recorded usage also says about the preamble's structure (for the cache 
   and later keep the thinking by default; an agent may also re-warm the stripped prefix with a
   side request), null without such a turn (the policy decides).
 
+Fitting on some sessions and applying to others (`fit(..., prior=...)`): what is pooled over
+sessions — the tokenizer ratio of each family (used by threads whose own ratio is not well
+determined) and the median gap between the shared prefix and the system prompt's end (used by
+threads without a recorded fall-back read) — is taken from `prior`, a calibration fitted on other
+sessions, instead of from the calls being fitted; what a thread's own recorded usage determines
+(its ratio where well determined, its preambles, shared prefix, tail, cache use, thinking strip)
+still comes from its own usage, as a user's run has it. Without `prior` (the default) everything
+is fitted on the calls given. `bench/bench_cachesim.py` uses it for its leave-one-session-out and
+across-corpora figures.
+
 Causality: the calibration is a property of the recorded session. It is fitted on the recorded
 session's own requests (the loaded blocks before any stage, `recorded_facts`) and the
 recorded usage, never on a pipeline's requests, so every pipeline run over the same transcripts
@@ -155,6 +165,9 @@ class Calibration:
     segments: pl.DataFrame
     families: pl.DataFrame
     mode: str = "thread"
+    system_gap: float | None = None
+    """The pooled median gap (tokens) between a shared prefix and the end of the system prompt
+    (`_system_tokens`), None without evidence."""
 
     def summary(self) -> dict[str, object]:
         fam = {r["family"]: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items() if k != "family"}
@@ -220,10 +233,12 @@ def recorded_write() -> pl.Expr:
     return pl.when(known).then(w.fill_null(0)).otherwise(w)
 
 
-def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Calibration:
+def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread", prior: Calibration | None = None) -> Calibration:
     """Fit the calibration of every thread of `calls` (calls.parquet's columns) from its recorded
     usage and `rec` (recorded_facts). Threads without recorded usage get the family's
-    default ratio and a zero preamble."""
+    default ratio and a zero preamble. `prior`: a calibration fitted on other sessions whose
+    pooled quantities (family ratios, the system gap) are used instead of those of `calls` (a
+    family the prior does not know keeps the one fitted here)."""
     if mode not in ("thread", "family"):
         raise SimError(f"calibration mode {mode!r} is neither 'thread' (each thread's own tokenizer ratio where its "
                        f"calls determine it, the default) nor 'family' (the model family's ratio for every thread): "
@@ -265,6 +280,10 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
     lo, hi = RATIO_BOUNDS
     fam = fam.with_columns(ratio_family=pl.when(pl.col("ratio_family").is_between(lo, hi)).then(pl.col("ratio_family"))
                            .otherwise(default)).drop("sxy", "sxx")
+    if prior is not None and prior.families.height and "ratio_family" in prior.families.columns:
+        pf = prior.families.select("family", _prior_ratio="ratio_family")
+        fam = fam.join(pf, on="family", how="left").with_columns(
+            ratio_family=pl.coalesce("_prior_ratio", "ratio_family")).drop("_prior_ratio")
 
     # one family per thread (the one most of its calls are in) and its ratio
     threads = c.group_by(*THREAD, "thread_key").agg(
@@ -311,7 +330,8 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
 
     structure = _structure(c, segments)
     threads = threads.join(resid, on="thread_key", how="left").join(structure, on="thread_key", how="left")
-    threads = _system_tokens(threads, c, segments)
+    threads, gap = _system_tokens(threads, c, segments, prior.system_gap if prior is not None else None,
+                                  prior is not None)
     # a thread that sends its owner's system prompt (a compaction agent, a branch) starts from the
     # owner's shared preamble too: their requests are one chain
     owner_shared = threads.select(owner_key="thread_key", _os="shared_tokens", _osys="system_tokens")
@@ -324,7 +344,7 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread") -> Cali
     fam_out = fam.join(u.group_by("family").agg(fit_mape=pl.col("rel").median(),
                                                fit_p90_ape=pl.col("rel").quantile(0.9, "nearest")),
                        on="family", how="left").sort("family")
-    return Calibration(threads.sort("thread_key"), segments, fam_out, mode)
+    return Calibration(threads.sort("thread_key"), segments, fam_out, mode, gap)
 
 
 def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
@@ -369,7 +389,8 @@ def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
         strip_misses=pl.col("strip_misses").fill_null(0))
 
 
-def _system_tokens(threads: pl.DataFrame, c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
+def _system_tokens(threads: pl.DataFrame, c: pl.DataFrame, segments: pl.DataFrame, prior_gap: float | None = None,
+                   use_prior: bool = False) -> tuple[pl.DataFrame, float | None]:
     """system_tokens per thread: the most frequent read of a request (not the thread's first) that
     fell back inside the preamble, over the threads of one owner; else shared + the median gap of
     the owners with evidence; else the thread's smallest preamble. Clamped to shared <= system <= preamble."""
@@ -386,6 +407,8 @@ def _system_tokens(threads: pl.DataFrame, c: pl.DataFrame, segments: pl.DataFram
         owner_shared=pl.col("shared_tokens").min())
     gaps = by_owner.join(shared_of_owner, on="owner_key").with_columns(gap=pl.col("evidence") - pl.col("owner_shared"))
     gap = gaps.get_column("gap").median() if gaps.height else None
+    if use_prior:      # the pooled gap of the sessions the prior was fitted on
+        gap = prior_gap
     pmin = segments.group_by("thread_key").agg(pmin=pl.col("preamble_tokens").min())
     t = threads.join(by_owner, on="owner_key", how="left").join(pmin, on="thread_key", how="left")
     fallback = (pl.col("shared_tokens") + pl.lit(int(gap))) if gap is not None and gap > 0 else pl.col("pmin")
@@ -397,7 +420,8 @@ def _system_tokens(threads: pl.DataFrame, c: pl.DataFrame, segments: pl.DataFram
                        .when(pl.col("shared_tokens") > 0).then(pl.lit("shared_plus_median_gap"))
                        .otherwise(pl.lit("preamble")))
     t = t.with_columns(shared_tokens=pl.min_horizontal("shared_tokens", "system_tokens"))
-    return t.drop("evidence", "pmin").with_columns(n_evidence=pl.col("n_evidence").fill_null(0))
+    out = t.drop("evidence", "pmin").with_columns(n_evidence=pl.col("n_evidence").fill_null(0))
+    return out, (float(gap) if gap is not None else None)  # type: ignore[arg-type]
 
 
 def apply(calls: pl.DataFrame, calibration: Calibration, rec: pl.DataFrame) -> pl.DataFrame:
