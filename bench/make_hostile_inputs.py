@@ -19,6 +19,14 @@ DIR gets (all invented or derived from tests/fixtures/loaders, plus corpus lines
 - images/                  a PNG claiming 100,000 x 100,000 pixels (a decompression bomb), text bytes
                            labelled image/png, an animated GIF
 - deep/                    10,000 nested lists inside an entry, 250 levels, a deep tool input
+- numbers/                 numbers beyond a double (`1e400`, 400 digits) as timestamps and inside
+                           entries (the columnar and the reference loader must read them alike)
+
+Not written into DIR (a copy of DIR must stay a plain tree): `special_inputs` makes what a command
+must list but never read (issue 23, item 9: symbolic links out of the directory given, to
+/proc/self/environ, /dev/zero, a file and a directory outside; a FIFO named *.jsonl; a dangling
+link), and `vanish` what happens to a file after a run listed it (item 4: deleted, renamed as
+OpenClaw does on a reset, replaced by a FIFO or a directory).
 
 Not written into DIR (they are not transcripts): `foreign_out_dir` and `not_ledgers` make the
 hostile `--out` directories and `--ledger` files of issue 23 (a directory of someone else's files,
@@ -440,6 +448,26 @@ def weird_timestamp(lines: list[Line], rng: random.Random) -> None:
     _set(lines, i, dump(o), None)
 
 
+# numbers JSON allows that a double cannot hold: Python's json and DuckDB's reader take them (as inf, an
+# int, 0.0), orjson refuses them (issue 23, item 7: `"timestamp": 1e400` stopped the columnar loader)
+BEYOND_DOUBLE = ["1e400", "-1e400", "1e-400", "1" + "0" * 400, "2e308", "-0.0e999", "123456789012345678901e300"]
+_NUMBER_HERE = "\u0001ctxreplay-number\u0001"
+
+
+def number_beyond_double(lines: list[Line], rng: random.Random) -> None:
+    """A number beyond a double (`1e400`, 400 digits): in the timestamp, most often, else anywhere."""
+    i = fresh(lines, rng, lambda ln: bool(paths_in(obj(ln))))
+    if i is None:
+        return
+    o = obj(lines[i])
+    spots = paths_in(o)
+    stamps = [(c, k) for c, k in spots if k == "timestamp"]
+    c, k = rng.choice(stamps if stamps and rng.random() < 0.7 else spots)
+    c[k] = _NUMBER_HERE
+    data = dump(o).replace(dump(_NUMBER_HERE), rng.choice(BEYOND_DOUBLE).encode(), 1)
+    _set(lines, i, data, None)
+
+
 def tool_input_not_object(lines: list[Line], rng: random.Random) -> None:
     """Tool inputs that are not objects (Claude Code input, pi arguments, Codex arguments text)."""
     def targets(o: Any) -> list[tuple[Any, Any]]:
@@ -527,6 +555,7 @@ MUTATIONS: dict[str, Callable[[list[Line], random.Random], None]] = {
     "crlf": crlf,
     "bom": bom,
     "hostile_ids": hostile_ids,
+    "number_beyond_double": number_beyond_double,
 }
 
 # the quarantine code each targeted mutation class produces (one code per class)
@@ -737,7 +766,75 @@ def write_hostile_inputs(out: Path, *, huge_mb: float = 100, seed: int = 0, corp
         + cc_session(sid, "fine")
         + dump(cc_entry(sid, "deep-a9", f"{sid[:8]}-a1", "assistant", [
             {"type": "tool_use", "id": "toolu_deep", "name": "x", "input": json.loads(_nested(150))}])) + b"\n")
+
+    # numbers beyond a double: every one as a timestamp of a message entry, and inside entries
+    sid = "d7000000-0000-4000-8000-000000000001"
+    lines, parent = [], None
+    for k, num in enumerate(BEYOND_DOUBLE):
+        role = "user" if k % 2 == 0 else "assistant"
+        e = cc_entry(sid, f"num-{k}", parent, role, "n" if role == "user" else [{"type": "text", "text": "n"}],
+                     timestamp=_NUMBER_HERE)
+        if k == 3:
+            e["message"]["content"] = [{"type": "tool_use", "id": "toolu_n", "name": "x", "input": {"n": _NUMBER_HERE}}]
+        lines.append(dump(e).replace(dump(_NUMBER_HERE), num.encode()))
+        parent = f"num-{k}"
+    put("numbers", f"{sid}.jsonl", b"\n".join(lines) + b"\n")
     return counts
+
+
+# ------------------------------------------------------------ files that are not regular files, links out
+
+
+SECRET = b"aws_secret_access_key = not-for-ctxreplay\n"
+
+
+def special_inputs(d: Path, outside: Path) -> dict[str, str]:
+    """Write into `d` what a command must list and never read (issue 23, item 9), with `outside` a
+    directory beside it holding a secret file and a session; returns name -> the words its
+    `skipped_files` reason holds. Also `d/inside.jsonl`, a link to a session inside `d`: read."""
+    outside.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
+    (outside / "credentials").write_bytes(SECRET)
+    sid = "d9100000-0000-4000-8000-000000000001"
+    (outside / f"{sid}.jsonl").write_bytes(cc_session(sid, "a session outside"))
+    (d / "real").mkdir(exist_ok=True)
+    sid = "d9100000-0000-4000-8000-000000000002"
+    (d / "real" / f"{sid}.jsonl").write_bytes(cc_session(sid, "a session inside"))
+    out = {}
+    for name, target, what in (("secret.jsonl", outside / "credentials", "outside"),
+                               ("environ.jsonl", Path("/proc/self/environ"), "outside"),
+                               ("zero.jsonl", Path("/dev/zero"), "outside"),
+                               ("elsewhere", outside, "outside"),
+                               ("dangling.jsonl", d / "no-such-file.jsonl", "does not exist"),
+                               ("inside.jsonl", Path("real") / f"{sid}.jsonl", "")):
+        if target.is_absolute() and not target.exists() and what == "outside":
+            continue  # no /proc here
+        os.symlink(target, d / name)
+        if what:
+            out[name] = what
+    os.mkfifo(d / "fifo.jsonl")
+    out["fifo.jsonl"] = "a FIFO"
+    (d / "loop").symlink_to(".")  # a link back up the tree: walked once, with --follow-links too
+    return out
+
+
+VANISH = ("deleted", "renamed", "fifo", "directory")
+
+
+def vanish(path: Path, how: str) -> None:
+    """What happens to a listed file before it is read (issue 23, item 4): deleted, renamed to
+    `*.jsonl.deleted.<time>` (what OpenClaw does on every session reset), replaced by a FIFO or by a
+    directory."""
+    if how == "renamed":
+        path.rename(path.with_name(path.name + ".deleted.2026-04-01T10-00-00.000Z"))
+        return
+    path.unlink()
+    if how == "fifo":
+        os.mkfifo(path)
+    elif how == "directory":
+        path.mkdir()
+    elif how != "deleted":
+        raise ValueError(f"vanish: {how!r}, one of {VANISH}")
 
 
 # ------------------------------------------------------------ hostile --out directories and --ledger files

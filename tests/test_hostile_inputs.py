@@ -608,3 +608,122 @@ def test_a_reader_that_goes_away_ends_the_command_with_141(tmp_path: Path, args:
     p.stderr.close()
     assert p.wait(timeout=120) == 141, err
     assert first and not err
+
+
+# ---------------------------------------------------------------- files that vanish, links and FIFOs (issue 23, items 4, 9)
+
+
+def _within(seconds: float, fn: Any, fifo: Path) -> Any:
+    """fn() in a thread, failing the test when it has not returned after `seconds` (it opened the
+    FIFO `fifo` and waits for a writer: the test gives it one, so that nothing stays blocked)."""
+    import stat
+    import threading
+
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(result=fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        if fifo.exists() and stat.S_ISFIFO(fifo.stat().st_mode):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the reader's open returns, then reads EOF
+        t.join(30)
+        pytest.fail(f"still running after {seconds} s: it opened the FIFO {fifo} and waited")
+    return box["result"]
+
+
+@pytest.mark.parametrize("how", ["deleted", "renamed", "fifo", "directory"])
+@pytest.mark.parametrize("victim", ["openclaw", "claude-code"])
+def test_a_file_that_vanishes_after_listing_is_skipped_and_the_run_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, victim: str) -> None:
+    """Between the listing of the inputs and their reading, one file is deleted, renamed as OpenClaw
+    does on a session reset, or replaced by a FIFO or a directory: it is listed in skipped_files
+    with the reason and every other file is replayed (exit 0); a FIFO is never opened."""
+    from bench.make_hostile_inputs import vanish
+    from ctxreplay.pipeline.batch import batches
+
+    inp = tmp_path / "in"
+    shutil.copytree(FIX, inp)
+    gone = next((inp / victim).glob("*.jsonl"))
+    listed = batches.discover
+
+    def discover_then_vanish(paths: Any, **kw: Any) -> Any:
+        got = listed(paths, **kw)
+        vanish(gone, how)
+        return got
+
+    monkeypatch.setattr(batches, "discover", discover_then_vanish)
+    r = _within(120, lambda: _cli("run", inp, "--out", tmp_path / "o", "--json", "--fast-tokens", "-q", "--jobs", "1"),
+                gone)
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    _accounted(s)
+    (skip,) = [x for x in s["skipped_files"] if x["file"] == str(gone)]
+    assert {"deleted": "gone since", "renamed": "gone since", "fifo": "a FIFO, not a regular file",
+            "directory": "a directory, not a regular file"}[how] in skip["reason"]
+    monkeypatch.undo()
+    (inp / victim).mkdir(exist_ok=True)
+    shutil.rmtree(inp / victim)
+    alone = json.loads(_cli("run", inp, "--out", tmp_path / "o2", "--json", "--fast-tokens", "-q").stdout)
+    assert (s["sessions"], s["calls"], s["lines"]) == (alone["sessions"], alone["calls"], alone["lines"])
+
+
+def test_open_input_never_blocks_on_a_fifo_nor_reads_a_device(tmp_path: Path) -> None:
+    from ctxreplay.pipeline.loaders.inputs import NotARegularFile, open_input
+
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    for p in (tmp_path / "fifo.jsonl", Path("/dev/zero"), tmp_path):
+        with pytest.raises(NotARegularFile):
+            open_input(p)
+    res = load_paths([tmp_path / "fifo.jsonl", tmp_path / "gone.jsonl"], listed=True)  # a batch of a run
+    assert [x["reason"].split(",")[0] for x in res.skipped] == ["a FIFO", "gone since the run listed it (deleted"]
+
+
+def _run_subprocess(*args: Any, timeout: int = 120) -> Any:
+    """The CLI in its own process with a time limit: a FIFO read by mistake blocks, not the test run."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ctxreplay.pipeline.commands.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_links_out_of_the_tree_fifos_and_devices_are_skipped_and_reported(tmp_path: Path) -> None:
+    from bench.make_hostile_inputs import SECRET, special_inputs
+
+    d = tmp_path / "in"
+    expect = special_inputs(d, tmp_path / "outside")
+    r = _run_subprocess("run", d, "--out", tmp_path / "o", "--json", "--fast-tokens", "-q")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    reasons = {Path(x["file"]).name: x["reason"] for x in s["skipped_files"]}
+    assert set(reasons) == set(expect), reasons
+    for name, words in expect.items():
+        assert words in reasons[name], (name, reasons[name])
+    assert s["sessions"] == 1 and s["files"] == 1  # the session inside, read once (inside.jsonl is a link to it)
+    q = pl.read_parquet(tmp_path / "o" / "quarantine.parquet")
+    assert q.height == 0  # neither the secret nor the environment was read
+    # report lists the same files and reads none of them
+    rep = _run_subprocess("report", d, "--json")
+    assert rep.returncode == 0, rep.stderr
+    doc = json.loads(rep.stdout)
+    assert {Path(b["file"]).name for b in doc["bad_lines"]} == set(expect) and doc["files"] == 1
+    # with --follow-links the links out are read (the secret then lands in quarantine.parquet, as
+    # any file of no known format); a FIFO or a device still never is
+    r = _run_subprocess("run", d, "--out", tmp_path / "f", "--json", "--fast-tokens", "-q", "--follow-links")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["sessions"] == 2  # the session outside, through the link to its directory
+    reasons = {Path(x["file"]).name: x["reason"] for x in s["skipped_files"]}
+    assert "fifo.jsonl" in reasons and "zero.jsonl" in reasons and "secret.jsonl" not in reasons
+    raw = pl.read_parquet(tmp_path / "f" / "quarantine.parquet")["raw"].to_list()
+    assert SECRET.decode().strip() in raw
+
+
+def test_paths_given_by_name_are_read_even_through_a_link_but_never_a_fifo(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    shutil.copy(CC_FILE, tmp_path / "x" / CC_FILE.name)
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "x" / CC_FILE.name)
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    res = load_paths([tmp_path / "link.jsonl", tmp_path / "fifo.jsonl"])
+    assert [ld.path for ld in res.loads] == [str(tmp_path / "link.jsonl")]
+    assert res.skipped == [{"file": str(tmp_path / "fifo.jsonl"), "reason": "a FIFO, not a regular file: never read"}]

@@ -23,6 +23,7 @@ from typing import Any
 
 from ctxreplay.pipeline.loaders import discover
 from ctxreplay.pipeline.loaders.base import decode_line, parse_json_line, path_str, session_id_from_name
+from ctxreplay.pipeline.loaders.inputs import open_input
 
 # a batch's load, stages and replay take about 20x its input bytes at their peak (measured on the 190 MB
 # tree: 64 MiB batches peaked at 1.3-1.5 GB, 16 MiB ones at 0.6-0.65 GB for some 8 % more CPU)
@@ -61,7 +62,7 @@ def first_values(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
     an unreadable file gives none (the loader reports it)."""
     objs: list[Any] = []
     try:
-        with open(path, "rb") as fh:
+        with open_input(path) as fh:  # never a FIFO or a device
             for n, raw in enumerate(fh):
                 if not raw.strip():
                     continue
@@ -147,9 +148,11 @@ def pack(groups: list[Group], batch_bytes: int) -> list[Batch]:
     return batches
 
 
-def plan(paths: list[Path], batch_bytes: int = DEFAULT_BATCH_BYTES) -> tuple[list[Batch], list[dict[str, str]]]:
-    """The batches of a run over these paths, and the files skipped while walking directories."""
-    files, skipped = discover(paths)
+def plan(paths: list[Path], batch_bytes: int = DEFAULT_BATCH_BYTES, *,
+         follow_links: bool | None = None) -> tuple[list[Batch], list[dict[str, str]]]:
+    """The batches of a run over these paths, and the files skipped while walking directories
+    (`follow_links`: as for `loaders.discover`)."""
+    files, skipped = discover(paths, follow_links=follow_links)
     return pack(session_groups(files), batch_bytes), skipped
 
 

@@ -142,7 +142,8 @@ def load_batch(groups: list[Group], say: Progress) -> tuple[LoadResult, list[Loa
         with gc_paused():
             # one load for the batch: each load has a fixed cost (the columnar reader's SQL), which
             # per group made the corpus load 5x slower
-            loaded = load_paths([f for g in groups for f in g.files])
+            # listed: a file gone or replaced since the run listed it is skipped, not an error
+            loaded = load_paths([f for g in groups for f in g.files], listed=True)
     except OSError as exc:
         raise InputError(f"cannot read the input: {exc}. Check the path and its permissions") from exc
     for ld in loaded.loads:

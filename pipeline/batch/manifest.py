@@ -28,6 +28,7 @@ import orjson
 
 from ctxreplay.pipeline.batch.batches import Group
 from ctxreplay.pipeline.loaders.base import FileLoad, QuarantineRow, path_str
+from ctxreplay.pipeline.loaders.inputs import open_input
 
 MANIFEST_FILE = "manifest.json"
 FACTS_FILE = "call_facts.parquet"
@@ -39,9 +40,9 @@ EDGE = 64 * 1024
 def fingerprint(path: Path) -> dict[str, Any]:
     """size, mtime_ns and a content fingerprint (see the module docstring); {} when unreadable."""
     try:
-        st = path.stat()
         h = hashlib.sha256()
-        with open(path, "rb") as fh:
+        with open_input(path) as fh:  # never a FIFO or a device
+            st = os.fstat(fh.fileno())
             if path.name.endswith(".json") or st.st_size <= 2 * EDGE:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)

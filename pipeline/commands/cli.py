@@ -23,6 +23,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
     RegistryChoice,
     echo,
+    follow_links_option,
     json_option,
     paths_or_roots,
     pipeline_option,
@@ -108,6 +109,7 @@ def main() -> None:
               "Ray with --jobs CPUs, or the cluster of --address); the outputs are the same.")
 @click.option("--address", metavar="HOST:PORT", help="With --engine ray: join this Ray cluster (HOST:PORT of its "
               "head node); inputs and --out must then be on a shared path.")
+@follow_links_option()
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
         quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool, engine: str,

@@ -17,6 +17,7 @@ import click
 from ctxreplay.pipeline.commands.clicommon import (
     CONTEXT,
     echo,
+    follow_links_option,
     json_option,
     paths_or_roots,
     pipeline_option,
@@ -50,6 +51,7 @@ def _size(n: int) -> str:
 @json_option("what was written")
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
               "the JSON document is still printed.")
+@follow_links_option()
 def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
              golden_dir: Path, fast_tokens: bool, json_: bool, quiet: bool) -> None:
     """Write golden files of every thread's requests, to compare later runs with (`ctxreplay diff`).
@@ -105,6 +107,7 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
               help="TOML file of prices that override or add models (see README, Prices).")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no progress, timing or notes); the "
               "report, the result, still goes to stdout.")
+@follow_links_option()
 def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
          golden_dir: Path, fmt: str, json_: bool, update: bool, out_dir: Path | None, prices_file: Path | None,
          quiet: bool) -> None:

@@ -149,6 +149,22 @@ def target_option(default: str = "the spec's [pipeline] target, else gemini when
     return click.option("--target", type=target_choice(), help=f"Wire shape of {of} (default: {default}).")
 
 
+def follow_links_option() -> Decorator:
+    """`--follow-links` of the commands that read transcripts (no parameter: it sets
+    `ctxreplay.pipeline.loaders.inputs.FOLLOW_LINKS` for the command, which every listing of PATHS
+    reads). Without it a symbolic link out of a directory given is skipped and listed."""
+    def follow(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        from ctxreplay.pipeline.loaders.inputs import FOLLOW_LINKS
+
+        FOLLOW_LINKS.set(bool(value))
+        return value
+
+    return click.option("--follow-links", is_flag=True, expose_value=False, callback=follow,
+                        help="Read symbolic links that lead out of the directories given too (by default they are "
+                             "skipped and listed, so that a link among someone else's files cannot make this read "
+                             "~/.aws/credentials). FIFOs and devices are never read.")
+
+
 def json_option(what: str = "", *, note: str = "") -> Decorator:
     """`--json` (-> `json_`): print `what` (the command's result when empty) as one JSON document
     on stdout; `note` is added in parentheses (e.g. what else gives the same)."""

@@ -12,7 +12,6 @@ import base64
 import hashlib
 import json
 import math
-import os
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import orjson
 import pyarrow as pa
 
 from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
+from ctxreplay.pipeline.loaders.inputs import path_str, read_file, unreadable  # noqa: F401 (the loaders' names)
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
 
 ORDER_STRIDE = 1024  # order_key = position * ORDER_STRIDE leaves room for inserted rows
@@ -206,21 +206,6 @@ def _reject_constant(name: str) -> Any:
 
 _decoder = json.JSONDecoder(parse_constant=_reject_constant)
 _SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def path_str(path: Path | str) -> str:
-    """A path as text that can always be written (Arrow, JSON): a name holding bytes that are not
-    UTF-8 shows them as `\\xNN` escapes instead of lone surrogates."""
-    s = str(path)
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return os.fsencode(s).decode("utf-8", "backslashreplace")
-    return s
-
-
-def read_file(path: Path) -> bytes:
-    return path.read_bytes()
 
 
 def nonblank_lines(data: bytes) -> Iterator[tuple[int, bytes]]:

@@ -79,7 +79,9 @@ from ctxreplay.pipeline.loaders.base import (
     parse_json_line,
     parse_ts,
     path_str,
+    read_file,
     read_line,
+    unreadable,
 )
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS, TS
 from ctxreplay.schemas.check import empty_table
@@ -805,10 +807,10 @@ def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] |
         for fi, p in enumerate(cc._main_first(g.files, g.session_id)):
             spath = path_str(p)
             try:
-                data = p.read_bytes()
+                data = read_file(p)
             except OSError as exc:
                 if skipped is not None:
-                    skipped.append({"file": spath, "reason": f"cannot be read: {exc.strerror or exc}"})
+                    skipped.append(unreadable(p, exc))
                 b.files.append(_File(gi, fi, p, spath, None))
                 continue
             load = FileLoad(spath, FORMAT)

@@ -41,7 +41,9 @@ from ctxreplay.pipeline.loaders.base import (
     one_of,
     parse_ts,
     path_str,
+    read_file,
     session_id_from_name,
+    unreadable,
 )
 
 FORMAT = "claude_code"
@@ -349,10 +351,10 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
         file_nodes: list[Node] = []
         per_file.append(file_nodes)
         try:
-            data = path.read_bytes()
+            data = read_file(path)
         except OSError as exc:
             if skipped is not None:
-                skipped.append({"file": load.path, "reason": f"cannot be read: {exc.strerror or exc}"})
+                skipped.append(unreadable(path, exc))
             continue
         loads.append(load)
         for line_no, raw, objs in iter_json_lines(path, load, data):

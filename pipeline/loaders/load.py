@@ -28,6 +28,7 @@ from ctxreplay.pipeline.loaders.base import (
     path_str,
     threads_to_blocks,
 )
+from ctxreplay.pipeline.loaders.inputs import list_files, open_input, read_file, unreadable
 from ctxreplay.schemas.blocks import BLOCKS
 from ctxreplay.schemas.check import empty_table
 
@@ -58,26 +59,23 @@ def is_transcript_name(p: Path) -> bool:
     return n.endswith((".jsonl", ".json")) or ".jsonl.deleted." in n or ".jsonl.reset." in n
 
 
-def discover(paths: list[Path]) -> tuple[list[Path], list[dict[str, str]]]:
-    """Files to load (sorted, unique) and the files skipped in directories with the reason."""
-    out: list[Path] = []
-    skipped: list[dict[str, str]] = []
-    for p in paths:
-        if p.is_dir():
-            for f in sorted(p.rglob("*")):
-                if not f.is_file():
-                    continue
-                if is_transcript_name(f):
-                    out.append(f)
-                else:
-                    skipped.append({"file": path_str(f), "reason": "not a transcript file name (*.jsonl, "
-                                    "*.jsonl.deleted.*, *.jsonl.reset.*, *.json)"})
-        elif p.is_file():
-            out.append(p)
-        else:
-            msg = (f"{path_str(p)}: no such file or directory. Pass transcript files or directories "
-                   f"(e.g. ~/.claude/projects, ~/.openclaw/agents)")
-            raise InputError(msg)
+NOT_A_TRANSCRIPT = "not a transcript file name (*.jsonl, *.jsonl.deleted.*, *.jsonl.reset.*, *.json)"
+
+
+def _missing(p: Path) -> InputError:
+    return InputError(f"{path_str(p)}: no such file or directory. Pass transcript files or directories "
+                      f"(e.g. ~/.claude/projects, ~/.openclaw/agents)")
+
+
+def discover(paths: list[Path], *, follow_links: bool | None = None,
+             listed: bool = False) -> tuple[list[Path], list[dict[str, str]]]:
+    """Files to load (sorted, unique) and the files skipped with the reason: in directories, names
+    that are not transcripts, symbolic links out of the directory given (unless `follow_links`; None:
+    `inputs.FOLLOW_LINKS`, the commands' --follow-links), FIFOs and devices (loaders/inputs.py).
+    `listed`: the paths are files a discover listed before (a batch of a run): one gone since, or no
+    longer a regular file, is skipped with the reason instead of stopping the run."""
+    out, skipped = list_files([Path(p) for p in paths], lambda name: is_transcript_name(Path(name)),
+                              follow_links=follow_links, listed=listed, unwanted=NOT_A_TRANSCRIPT, missing=_missing)
     seen: set[Path] = set()
     uniq = []
     for f in out:
@@ -96,7 +94,7 @@ def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
     Raises OSError when the file cannot be read."""
     objs: list[Any] = []
     parsed_n = 0
-    with open(path, "rb") as fh:
+    with open_input(path) as fh:
         for n, raw in enumerate(fh):
             if not raw.strip():
                 continue
@@ -114,11 +112,6 @@ def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
     return objs
 
 
-def _unreadable(f: Path, exc: OSError) -> dict[str, str]:
-    return {"file": path_str(f), "reason": f"cannot be read: {exc.strerror or exc}. Check the file and its "
-                                           "permissions; the other files were loaded"}
-
-
 # how Claude Code sessions are loaded: "columnar" (pipeline/loaders/cc_columnar.py, the default) or
 # "reference" (claude_code.load_session + threads_to_blocks, row by row in Python). Both give the same
 # blocks table and accounting; the reference is kept as the specification of the columnar path (the
@@ -126,8 +119,8 @@ def _unreadable(f: Path, exc: OSError) -> dict[str, str]:
 ENGINES = ("columnar", "reference")
 
 
-def load_paths(paths: list[Path | str], *, engine: str = "columnar",
-               timings: dict[str, float] | None = None) -> LoadResult:
+def load_paths(paths: list[Path | str], *, engine: str = "columnar", timings: dict[str, float] | None = None,
+               listed: bool = False, follow_links: bool | None = None) -> LoadResult:
     """Load every transcript under `paths` (files or directories) into one blocks table.
 
     `engine`: "columnar" (default) or "reference" (see ENGINES). The columnar engine hands the whole
@@ -135,19 +128,23 @@ def load_paths(paths: list[Path | str], *, engine: str = "columnar",
     column (the reference loader then coerces it, with a note), so both always agree, and when the
     call's Claude Code files are under `cc_columnar.SMALL_BATCH_BYTES` (there it is the faster one).
     `timings`: when given, seconds per phase of the columnar engine are added to it (benchmarks).
+    `listed`, `follow_links`: as for `discover` (a run's batches are `listed`: a file gone or replaced
+    since the run listed it is skipped with the reason, and the run goes on).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    how = {"listed": listed, "follow_links": follow_links}
     if engine == "columnar":
         try:
-            return _load_paths(paths, columnar=True, timings=timings)
+            return _load_paths(paths, columnar=True, timings=timings, **how)
         except cc_columnar.NeedsReference:
             pass
-    return _load_paths(paths, columnar=False)
+    return _load_paths(paths, columnar=False, **how)
 
 
-def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, float] | None = None) -> LoadResult:
-    files, skipped = discover([Path(p) for p in paths])
+def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, float] | None = None,
+                listed: bool = False, follow_links: bool | None = None) -> LoadResult:
+    files, skipped = discover([Path(p) for p in paths], follow_links=follow_links, listed=listed)
     loads: list[FileLoad] = []
     per_file: list[tuple[FileLoad, list[Thread]]] = []  # files loaded one by one (not Claude Code)
     cc_threads: list[Any] = []  # Thread (reference) or cc_columnar.ThreadPlan
@@ -157,7 +154,7 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     for f in files:
         try:
             if f.name.endswith(".json"):
-                data = f.read_bytes()
+                data = read_file(f)
                 doc, _, bad_bytes = parse_document(data)
                 if f.name.endswith(".meta.json") and isinstance(doc, dict) and "agentType" in doc:
                     load = request.counted_load(f, "claude_code_meta", data)
@@ -199,9 +196,9 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
                 cc_files.append(f)
                 cc_first[f] = first
                 continue
-            loads.append(_unknown_format(f, f.read_bytes(), first))
+            loads.append(_unknown_format(f, read_file(f), first))
         except OSError as exc:
-            skipped.append(_unreadable(f, exc))
+            skipped.append(unreadable(f, exc))
     groups = claude_code.group_sessions(cc_files, cc_first)
     columnar_load = None
     by_file: defaultdict[str, Counter[str]] = defaultdict(Counter)

@@ -46,6 +46,7 @@ from ctxreplay.pipeline.loaders.base import (
     one_of,
     parse_document,
     path_str,
+    read_file,
     session_id_from_name,
 )
 from ctxreplay.pipeline.loaders.claude_code import anthropic_content_blocks
@@ -288,7 +289,7 @@ def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]
     """Load one request file; `data`: its bytes when the caller has read them already."""
     path = Path(path)
     if data is None:
-        data = path.read_bytes()
+        data = read_file(path)
     load = counted_load(path, FORMAT, data)
     spath = load.path
     doc, text, bad_bytes = parse_document(data)

@@ -81,6 +81,7 @@ class Inputs:
 def collect_inputs(paths: Sequence[Path]) -> Inputs:
     """The files `ctxreplay run` would read under `paths`, with their sha256."""
     from ctxreplay.pipeline.loaders import discover
+    from ctxreplay.pipeline.loaders.inputs import NotARegularFile, read_file
 
     files, _ = discover([Path(p) for p in paths])
     bases = [os.path.abspath(p) if Path(p).is_dir() else os.path.dirname(os.path.abspath(p)) for p in paths]
@@ -91,7 +92,9 @@ def collect_inputs(paths: Sequence[Path]) -> Inputs:
         absolute = os.path.abspath(f)
         key = Path(os.path.relpath(absolute, root)).as_posix()
         try:
-            data = Path(absolute).read_bytes()
+            data = read_file(absolute)  # never a FIFO or a device
+        except (FileNotFoundError, NotARegularFile):
+            continue  # gone or replaced since it was listed: the run skips it too, and says so
         except OSError as exc:
             raise InputError(f"{f}: cannot be read: {exc.strerror}. Check the path and its permissions") from exc
         out[key] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

@@ -38,6 +38,7 @@ import orjson
 
 from ctxreplay.errors import InputError
 from ctxreplay.pipeline.cost.prices import Modifiers, PriceBook, modifiers, price_with, request_usd
+from ctxreplay.pipeline.loaders.inputs import list_files, open_input
 from ctxreplay.pipeline.reporting import gemini_usage
 
 By = Literal["session", "day", "month", "model", "project"]
@@ -113,18 +114,16 @@ def is_transcript_name(name: str) -> bool:
         or gemini_usage.is_session_name(name)
 
 
-def discover(paths: Iterable[Path]) -> list[str]:
-    """Transcript files under `paths` (recursive), sorted, each once."""
-    out: list[str] = []
-    for p in paths:
-        if p.is_dir():
-            for dirpath, _dirs, names in os.walk(p):
-                out.extend(os.path.join(dirpath, n) for n in names if is_transcript_name(n))
-        elif p.is_file():
-            out.append(str(p))
-        else:
-            raise InputError(f"{p}: no such file or directory. Pass transcript files or directories "
-                             f"(e.g. ~/.claude/projects, ~/.openclaw/agents)")
+def discover(paths: Iterable[Path], skipped: list[dict[str, str]] | None = None) -> list[str]:
+    """Transcript files under `paths` (recursive), sorted, each once. Symbolic links out of a directory
+    given (unless --follow-links), FIFOs and devices are not read (loaders/inputs.py, as for `run`):
+    they go to `skipped` with the reason."""
+    found, skips = list_files(paths, is_transcript_name, missing=lambda p: InputError(
+        f"{p}: no such file or directory. Pass transcript files or directories (e.g. ~/.claude/projects, "
+        f"~/.openclaw/agents)"))
+    if skipped is not None:
+        skipped.extend(skips)
+    out = [str(f) for f in found]
     seen: set[tuple[int, int]] = set()
     uniq = []
     for f in sorted(out):
@@ -481,7 +480,7 @@ def _scan_codex(path: str, data: Any) -> FileScan:
 def scan_file(path: str, compat: bool = False) -> FileScan:
     """Read one transcript file and return its usage records (one per request key)."""
     try:
-        with open(path, "rb") as fh:
+        with open_input(path) as fh:  # never a FIFO or a device
             size = os.fstat(fh.fileno()).st_size
             # a map, not a copy: only the lines that hold usage are ever copied out
             data: Any = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -753,7 +752,8 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
     if opts.by not in BY_CHOICES:
         raise InputError(f"--by {opts.by!r}: choose one of {', '.join(BY_CHOICES)}")
     compat = opts.compat == "ccusage"
-    files = discover(paths)
+    skipped: list[dict[str, str]] = []
+    files = discover(paths, skipped)
     scans = scan_files(files, compat=compat, workers=opts.workers, pricer=Pricer(book, tz=opts.tz, compat=compat))
     # ccusage's session report ignores agent_progress copies; its daily report counts them
     if compat and opts.by == "session":
@@ -808,7 +808,8 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
     return Report(
         by=by, rows=rows, totals=totals.row(None), progress_only=progress, files=len(files),
         usage_lines=sum(s.usage_lines for s in scans), requests=len(kept),
-        bad_lines=[b for s in scans for b in s.bad_lines], warnings=list(book.warnings),
+        bad_lines=[{"file": x["file"], "line": 0, "reason": x["reason"], "raw": ""} for x in skipped]
+        + [b for s in scans for b in s.bad_lines], warnings=list(book.warnings),
         genai_prices_version=book.genai_prices_version, prices=book.source,
         tz=opts.tz or "local", since=since.isoformat() if since else None,
         until=until.isoformat() if until else None, compat=opts.compat, records=kept)
