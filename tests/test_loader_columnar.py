@@ -173,6 +173,18 @@ EDGE_LINES: dict[str, list[bytes | str]] = {
     "big integers": [json.dumps(_a("x1", "a1", [{"type": "tool_use", "id": "t1", "name": "B",
                                                   "input": {"n": 2**70, "m": -(2**64)}}]))
                      .replace('"output_tokens": 7', '"output_tokens": 18446744073709551616')],
+    # numbers the SQL reader takes and orjson does not (beyond a double): read as the reference reads them
+    # (issue 23, item 7: a batch of 8 MiB, the columnar path, stopped on `"timestamp": 1e400`)
+    "numbers beyond a double as timestamps": [
+        json.dumps((_u if i % 2 else _a)(f"x{i}", "a1" if i == 0 else f"x{i - 1}", "t" if i % 2 else [
+            {"type": "text", "text": "t"}], timestamp=0)).replace('"timestamp": 0', f'"timestamp": {v}')
+        for i, v in enumerate(["1e400", "-1e400", "1e-400", "1" + "0" * 400, "2e308", "1" + "0" * 30 + "e300",
+                               "1e400", "-0.0e999", "1.5e-320"])],
+    "a number beyond a double in a message field": [
+        json.dumps(_u("x1", "a1", "n")).replace('"isSidechain": false', '"isSidechain": false, "n": 1e400'),
+        json.dumps(_a("x2", "x1", [{"type": "text", "text": "n", "n": 1e400}])).replace("Infinity", "1e400"),
+        json.dumps(_a("x3", "x2", [{"type": "tool_use", "id": "t", "name": "B", "input": {}}])).replace(
+            '"input": {}', '"input": {"a": 1e400, "b": -1e400}')],
     "floats in usage": [json.dumps(_a("x1", "a1", [{"type": "text", "text": "b"}])).replace(
         '"output_tokens": 7', '"output_tokens": 7.9')],
     "duplicate top-level key": [(b'{"type":"user","uuid":"x1","uuid":"x2","parentUuid":"a1","message":'
@@ -495,3 +507,38 @@ def test_engine_names() -> None:
     with pytest.raises(ValueError, match="engine"):
         load_paths([SAMPLES], engine="fast")
     assert isinstance(load_paths([SAMPLES], engine="reference").blocks, pa.Table)
+
+
+# ---------------------------------------------------------------- the same inputs at both batch sizes (issue 23, item 7)
+
+
+def _run_outputs(inp: Path, out: Path) -> tuple[dict[str, Any], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    import polars as pl
+    from click.testing import CliRunner
+
+    from ctxreplay.pipeline.commands.cli import main
+
+    r = CliRunner().invoke(main, ["run", str(inp), "--out", str(out), "--json", "--fast-tokens", "-q", "--jobs", "1"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    calls = pl.read_parquet(out / "calls.parquet").select(
+        "session_id", "thread_id", "call", "request_sha256", "prompt_tokens", "timestamp").sort(
+        "session_id", "thread_id", "call").rows()
+    q = pl.read_parquet(out / "quarantine.parquet").select("file", "line", "code").sort("file", "line").rows()
+    return {k: s[k] for k in ("files", "lines", "message_lines", "other_lines", "quarantined_lines", "sessions",
+                              "threads", "calls", "skipped_files", "loader_stats")}, calls, q
+
+
+def test_a_run_of_the_hostile_set_is_the_same_in_small_and_big_batches(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big batches (cc_columnar.SMALL_BATCH_BYTES, 8 MiB, and more of Claude Code files) take the columnar
+    loader, smaller ones the reference one: a run of the hostile set, numbers beyond a double included
+    (`"timestamp": 1e400` stopped the columnar path with an internal error), gives the same outputs."""
+    write_hostile_inputs(tmp_path / "h", huge_mb=0)
+    big = _run_outputs(tmp_path / "h", tmp_path / "big")  # SMALL_BATCH_BYTES = 0 (the fixture): columnar
+    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 1 << 60)  # every batch small: the reference loader
+    small = _run_outputs(tmp_path / "h", tmp_path / "small")
+    assert big[0] == small[0]
+    assert big[1] == small[1]
+    assert big[2] == small[2]
+    assert any("number_beyond_double" in str(p) for p in (tmp_path / "h").rglob("*"))

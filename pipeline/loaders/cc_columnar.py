@@ -891,6 +891,7 @@ def _parse(b: _Batch) -> None:
     clock.lap("entries and blocks (SQL)")
     ok = [bool(x) for x in ent.column("ok").to_pylist()]
     ebt = _complete_blocks(ebt, ent, ok)
+    _careful_timestamps(ent, ok)
     clock.lap("canonical JSON of tool inputs and extra keys")
     ent = ent.filter(pa.array(ok, pa.bool_()))
     typ = ent.column("typ")
@@ -1076,6 +1077,22 @@ def _complete_blocks(ebt: pa.Table, ent: pa.Table, ok: list[bool]) -> pa.Table:
             tl[i] = v
         out = out.set_column(out.schema.get_field_index("text"), "text", pa.array(tl, pa.string()))
     return out
+
+
+def _careful_timestamps(ent: pa.Table, ok: list[bool]) -> None:
+    """A timestamp that is not a string is parsed in Python as the reference loader parses it
+    (`_fast_entry_table`); one orjson cannot read, a number beyond a double (`1e400`, which the SQL
+    reader takes), sends its line the careful way (`ok` is updated), where the reference code reads
+    it (issue 23, item 7: it stopped the batch)."""
+    ts_json = ent.column("ts_json")
+    if ts_json.null_count == len(ts_json):
+        return
+    for r, j in enumerate(ts_json.to_pylist()):
+        if j is not None:
+            try:
+                orjson.loads(j)
+            except orjson.JSONDecodeError:
+                ok[r] = False
 
 
 def _rest_json(block_json: str) -> str:
