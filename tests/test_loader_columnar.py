@@ -437,6 +437,18 @@ def _left_in_connection() -> list[str]:
                                       "SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
 
 
+def test_the_connection_writes_nothing_to_the_terminal_or_the_current_directory() -> None:
+    """DuckDB draws a progress bar on stdout for a query of more than 2 s (into `run --json`), and an
+    in-memory database spills to `.tmp` in the current directory: neither, on the loader's connection."""
+    import os
+    import tempfile
+
+    con = cc_columnar._connection()
+    (bar, tmp), = con.execute("SELECT current_setting('enable_progress_bar'), current_setting('temp_directory')").fetchall()
+    assert bar is False
+    assert tmp == os.path.join(tempfile.gettempdir(), f"ctxreplay-duckdb-{os.getpid()}")
+
+
 def test_reused_connection_keeps_nothing_between_loads(tmp_path: Path) -> None:
     # two different inputs in turn on the one connection: each load equals the reference, and no
     # table, view or registered input of a load is left behind for the next one

@@ -66,6 +66,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ctxreplay.pipeline.core.blockops import canonical_json
+from ctxreplay.pipeline.core.duck import connect
 from ctxreplay.pipeline.loaders import claude_code as cc
 from ctxreplay.pipeline.loaders.base import (
     MAX_DEPTH,
@@ -960,7 +961,7 @@ def _connection() -> duckdb.DuckDBPyConnection:
     con = getattr(_LOCAL, "con", None)
     if con is not None and getattr(_LOCAL, "pid", None) == os.getpid():
         return con
-    con = duckdb.connect()
+    con = connect()  # core/duck.py: no extension fetched, no progress bar on stdout, spills to the temp directory
     # give memory back to the system when a load's tables are dropped, as closing the connection did
     con.execute("SET allocator_flush_threshold = '1MiB'; SET allocator_bulk_deallocation_flush_threshold = '1MiB'")
     con.execute(_MACROS)
