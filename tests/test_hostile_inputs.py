@@ -727,3 +727,40 @@ def test_paths_given_by_name_are_read_even_through_a_link_but_never_a_fifo(tmp_p
     res = load_paths([tmp_path / "link.jsonl", tmp_path / "fifo.jsonl"])
     assert [ld.path for ld in res.loads] == [str(tmp_path / "link.jsonl")]
     assert res.skipped == [{"file": str(tmp_path / "fifo.jsonl"), "reason": "a FIFO, not a regular file: never read"}]
+
+
+# ---------------------------------------------------------------- what is written outside --out (issue 23, item 14)
+
+
+def _tree(root: Path, but: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p != but and but not in p.parents)
+
+
+def test_outside_out_only_the_price_cache_is_written_and_no_cache_writes_nothing(tmp_path: Path) -> None:
+    """docs/running.md lists what a command writes outside --out; for a run and a report that is the
+    price cache (~/.cache/ctxreplay, $XDG_CACHE_HOME/ctxreplay, $CTXREPLAY_CACHE_DIR), and with
+    --no-cache nothing at all: not in HOME, not in the temp directory, not in the current directory."""
+    import subprocess
+    import sys
+
+    home, tmp, cwd, out = tmp_path / "home", tmp_path / "tmp", tmp_path / "cwd", tmp_path / "o"
+    for d in (home, tmp, cwd):
+        d.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "CTXREPLAY_CACHE_DIR")}
+    env.update(HOME=str(home), TMPDIR=str(tmp))
+
+    def ctx(*args: Any) -> None:
+        r = subprocess.run([sys.executable, "-m", "ctxreplay.pipeline.commands.cli", *map(str, args)], cwd=cwd,
+                           env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+
+    samples = ROOT / "data" / "samples"
+    ctx("run", samples, "--out", out, "-q", "--fast-tokens")
+    (price_file,) = (home / ".cache" / "ctxreplay").iterdir()
+    assert price_file.name.startswith("genai-prices-")
+    assert _tree(tmp_path, out) == ["cwd", "home", "home/.cache", "home/.cache/ctxreplay",
+                                    f"home/.cache/ctxreplay/{price_file.name}", "tmp"]
+    shutil.rmtree(home / ".cache")
+    ctx("run", samples, "--out", out, "-q", "--fast-tokens", "--no-cache", "--full")
+    ctx("report", samples, "--no-cache", "--json")
+    assert _tree(tmp_path, out) == ["cwd", "home", "tmp"]

@@ -19,6 +19,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     echo,
     follow_links_option,
     json_option,
+    no_cache_option,
     paths_or_roots,
 )
 
@@ -49,6 +50,7 @@ BY = ("session", "day", "month", "model", "project")
               help="Also write a self-contained HTML page of charts (no network needed to view it); "
                    "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
 @follow_links_option()
+@no_cache_option()
 def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
            prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
            sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
@@ -353,6 +355,7 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @click.option("--raw", is_flag=True, help="Show the raw simulation (sim_*) instead of the anchored estimate.")
 @follow_links_option()
+@no_cache_option()
 def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, html_file: Path | None,
             prices_file: Path | None, keep: Path | None, quiet: bool, raw: bool) -> None:
     """What the same sessions cost under several context policies, side by side.

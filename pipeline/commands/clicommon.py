@@ -165,6 +165,22 @@ def follow_links_option() -> Decorator:
                              "~/.aws/credentials). FIFOs and devices are never read.")
 
 
+def no_cache_option() -> Decorator:
+    """`--no-cache` of the commands that price requests (no parameter: it sets
+    `ctxreplay.pipeline.cost.prices.NO_CACHE` for the command): the disk cache of prices in
+    ~/.cache/ctxreplay is neither read nor written (the environment's CTXREPLAY_CACHE_DIR="" does
+    the same for every command)."""
+    def no_cache(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        from ctxreplay.pipeline.cost.prices import NO_CACHE
+
+        NO_CACHE.set(bool(value))
+        return value
+
+    return click.option("--no-cache", is_flag=True, expose_value=False, callback=no_cache,
+                        help="Neither read nor write the disk cache of prices (~/.cache/ctxreplay, or "
+                             "$CTXREPLAY_CACHE_DIR; CTXREPLAY_CACHE_DIR= turns it off for every command).")
+
+
 def json_option(what: str = "", *, note: str = "") -> Decorator:
     """`--json` (-> `json_`): print `what` (the command's result when empty) as one JSON document
     on stdout; `note` is added in parentheses (e.g. what else gives the same)."""

@@ -39,6 +39,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -392,7 +393,16 @@ def genai_prices_version() -> str:
     return version(GENAI_PRICES)
 
 
+# the commands' --no-cache: no disk cache of prices for this command (neither read nor written)
+NO_CACHE: ContextVar[bool] = ContextVar("ctxreplay_no_cache", default=False)
+
+
 def default_cache_dir() -> Path | None:
+    """Where prices are cached on disk: None (no disk cache) under --no-cache (NO_CACHE) or with
+    CTXREPLAY_CACHE_DIR set empty; else $CTXREPLAY_CACHE_DIR, $XDG_CACHE_HOME/ctxreplay,
+    ~/.cache/ctxreplay."""
+    if NO_CACHE.get():
+        return None
     env = os.environ.get("CTXREPLAY_CACHE_DIR")
     if env is not None:
         return Path(env) if env else None
