@@ -256,6 +256,19 @@ def test_session_and_thread_ids_do_not_depend_on_where_the_input_lives(tmp_path:
         os.chdir(cwd)
 
 
+def test_a_gemini_cli_copy_kept_apart_has_the_same_id_wherever_it_lives(tmp_path: Path) -> None:
+    from tests.geminikit import SID, GeminiSession, standard, write_json, write_jsonl
+
+    s = standard()
+    other = GeminiSession(messages=[*s.messages[:3], {**s.messages[3], "id": "elsewhere"}])
+    for where in ("here", "there/deeper"):
+        write_json(tmp_path / where / "a" / "session-x.json", other.document())
+        write_jsonl(tmp_path / where / "b" / "session-x.jsonl", s.records())
+    ids = _ids(load_paths([tmp_path / "here"]))
+    assert len({sid for sid, _ in ids if sid.startswith(f"{SID}~")}) == 1
+    assert _ids(load_paths([tmp_path / "there" / "deeper"])) == ids
+
+
 def test_diff_of_identical_inputs_at_another_path_is_identical(tmp_path: Path) -> None:
     _copies_kept_apart(tmp_path / "one" / "in")
     shutil.copytree(tmp_path / "one" / "in", tmp_path / "two" / "in")

@@ -731,7 +731,8 @@ def merge_copies(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thread]:
     thread id are compared by message id: the file with the most messages is replayed (the `.jsonl`
     on a tie); another whose messages it all holds is a copy (its lines count as `duplicate_entry`,
     its threads are dropped); one with messages of its own is kept apart as session
-    `<id>~<hash of its path>` and reported."""
+    `<id>~<hash>` (of its file name and first message id of its own, never of its directory: the
+    same files elsewhere give the same ids) and reported."""
     import hashlib
 
     groups: dict[tuple[str, str], list[tuple[FileLoad, list[Thread]]]] = {}
@@ -751,7 +752,8 @@ def merge_copies(per_file: list[tuple[FileLoad, list[Thread]]]) -> list[Thread]:
         for ld, ths in members[1:]:
             own = ids(ths) - seen
             if own:
-                new_sid = f"{sid}~{hashlib.sha256(ld.path.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+                mark = f"{Path(ld.path).name}\0{min(own)}"  # not the path: issue 23, item 11
+                new_sid = f"{sid}~{hashlib.sha256(mark.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
                 for t in ths:
                     t.session_id = new_sid
                 ld.stats["session_copies_kept_apart"] += 1
