@@ -277,14 +277,14 @@ def test_unreadable_input_cannot_run(base: Path, tmp_path: Path) -> None:
 def test_goldens_of_another_format_version_cannot_run(base: Path, tmp_path: Path) -> None:
     g = _golden_copy(base, tmp_path)
     m = json.loads((g / "manifest.json").read_text())
-    m["format_version"], m["ctxreplay_version"] = 2, "9.0.0"
+    m["format_version"], m["ctxreplay_version"] = 3, "9.0.0"
     (g / "manifest.json").write_text(json.dumps(m))
     r = _cli("diff", SAMPLES, "--pipeline", base / "policy-2.toml", "--golden", g)
     assert r.exit_code == 2
-    assert r.stderr == (f"ctxreplay: {g} holds ctxreplay goldens of format 2 (written by ctxreplay 9.0.0); this "
-                        f"ctxreplay (0.1.0) reads format 1. Rewrite them with `ctxreplay diff PATH ... --golden {g} "
-                        f"--update` (review the changes it reports first), or run the ctxreplay version that wrote "
-                        f"them\n")
+    assert r.stderr == (f"ctxreplay: {g} holds ctxreplay goldens of format 3 (written by ctxreplay 9.0.0); this "
+                        f"ctxreplay (0.1.0) reads formats 1, 2. Re-snapshot: rewrite them with `ctxreplay diff PATH ... "
+                        f"--golden {g} --update` (review the changes it reports first), or run the ctxreplay version "
+                        f"that wrote them\n")
     # --update is the way out
     assert _cli("diff", SAMPLES, "--pipeline", base / "policy-2.toml", "--golden", g, "--update").exit_code == 0
     assert _cli("diff", SAMPLES, "--pipeline", base / "policy-2.toml", "--golden", g).exit_code == 0

@@ -16,20 +16,21 @@ from click.testing import CliRunner
 
 from ctxreplay.pipeline.assembly.replay import request_bytes
 from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.pipeline.core.blockops import canonical_json
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
 from ctxreplay.pipeline.regress.snapshot import (
     GOLDEN_FORMAT_VERSION,
     Golden,
-    parse_messages_line,
+    decode_texts,
     read_table,
     snapshot,
-    spans_at,
 )
 from ctxreplay.pipeline.staging.spec import load_spec
 from tests.goldenkit import write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
+CODEX = "019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d"
 
 
 
@@ -74,7 +75,7 @@ def test_golden_files_hold_no_machine_path_and_no_run_time(golden: Path) -> None
 def test_manifest_names_format_version_target_pipeline_and_input_hashes(golden: Path) -> None:
     m = json.loads((golden / "manifest.json").read_text())
     spec = load_spec(golden.parent / "policy-2.toml")
-    assert m["format"] == "ctxreplay-golden" and m["format_version"] == GOLDEN_FORMAT_VERSION == 1
+    assert m["format"] == "ctxreplay-golden" and m["format_version"] == GOLDEN_FORMAT_VERSION == 2
     assert m["ctxreplay_version"] == "0.1.0" and m["target"] == "anthropic" and m["token_counter"] == CHARS4_COUNTER
     assert m["pipeline"]["sha256"] == spec.sha256 and m["pipeline"]["source"] == "policy-2.toml"
     assert m["pipeline"]["resolved"] == json.loads(orjson.dumps(spec.resolved()))
@@ -90,39 +91,85 @@ def test_manifest_names_format_version_target_pipeline_and_input_hashes(golden: 
     assert m["totals"]["calls"] == sum(t["calls"] for t in m["threads"].values()) == 36
 
 
-def test_goldens_rebuild_every_call_request_byte_for_byte(golden: Path) -> None:
-    g = Golden(golden)
+def _rebuild_every_call(g: Golden) -> int:
     rebuilt = 0
     for key, info in g.threads.items():
-        spans = g.spans(key)
+        lists = {k: (shas, env) for k, shas, env in g.call_lists(key)}
         calls = read_table(g.thread_dir(key) / "calls.jsonl")
         assert [c["call"] for c in calls] == list(range(info["first_call"], info["pending_call"] + 1))
         for c in calls:
-            shas, env = spans_at(spans, c["call"])
-            assert env is not None and len(shas) == c["n_messages"]
+            shas, env = lists[c["call"]]
+            assert env and len(shas) == c["n_messages"]
             data = request_bytes(g.list_key, [g.message(s, key) for s in shas], g.message(env, key))  # type: ignore[misc]
             assert hashlib.sha256(data).hexdigest() == c["request_sha256"], (key, c["call"])
             rebuilt += 1
-        # the pending request: pretty-printed canonical JSON of the pending call's request
-        pending = g.pending_json(key)
-        assert pending == orjson.dumps(orjson.loads(data), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2) + b"\n"
-    assert rebuilt == 36
+        # the pending request: the pending call's request, its texts put back
+        assert canonical_json(g.pending_request(key)) == data
+    return rebuilt
+
+
+def test_goldens_rebuild_every_call_request_byte_for_byte(golden: Path) -> None:
+    assert _rebuild_every_call(Golden(golden)) == 36
 
 
 def test_messages_file_holds_only_what_no_pending_request_holds(golden: Path) -> None:
     lines = (golden / "messages.jsonl").read_bytes().splitlines()
-    shas = [parse_messages_line(x)[0] for x in lines]
+    g = Golden(golden)
+    shas = [orjson.loads(x)[0] for x in lines]
     assert shas == sorted(shas) and lines
     for line in lines:
-        sha, data = parse_messages_line(line)
-        assert hashlib.sha256(data).hexdigest() == sha
-    g = Golden(golden)
+        sha, enc = orjson.loads(line)
+        assert hashlib.sha256(canonical_json(decode_texts(enc, g.text))).hexdigest() == sha
     in_pending = set()
     from ctxreplay.pipeline.regress.snapshot import pending_messages
 
     for key in g.threads:
-        in_pending |= set(pending_messages(g.pending_json(key), g.list_key))
+        in_pending |= set(pending_messages(g.pending_request(key), g.list_key))
     assert not in_pending & set(shas)
+
+
+def test_long_texts_are_set_apart_and_every_line_is_short(golden: Path) -> None:
+    texts = sorted((golden / "texts").iterdir())
+    assert texts and all(p.name == f"{hashlib.sha256(p.read_bytes()).hexdigest()}.txt" for p in texts)
+    assert (golden / ".gitattributes").read_text().splitlines()[-1] == "* -text"
+    for name, data in _tree(golden).items():
+        if name.startswith("texts/") or name == "manifest.json":
+            continue
+        for line in data.decode().splitlines():  # a block (messages.jsonl: a message) per line, texts apart
+            assert len(line) <= (1000 if name == "messages.jsonl" else 400), (name, line[:80])
+    # pending.json: the request, a block per line
+    pending = (golden / "threads" / "019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d" / "pending.json").read_text()
+    assert '        {"content":{"$text":"' in pending and '"tool_use_id":"call_A1b2C3d4","type":"tool_result"}' in pending
+
+
+def test_a_one_result_tombstone_changes_at_most_10_lines_of_the_goldens(tmp_path: Path) -> None:
+    """Two snapshots of one session whose policies differ in one tombstoned result (keep_recent 2
+    and 1: the codex sample's first result, 7 lines, is cleared at its last call): `git diff` of
+    the goldens touches at most 10 lines, none of them long."""
+    import difflib
+
+    src = SAMPLES / "codex-sample.jsonl"
+    for k in (2, 1):
+        d = tmp_path / f"keep-{k}"
+        d.mkdir()
+        (d / "policy.toml").write_text(write_policy(tmp_path, k).read_text())  # one spec name for both
+        snapshot([src], load_spec(d / "policy.toml"), d / "golden", token_counter=CHARS4_COUNTER)
+    a, b = _tree(tmp_path / "keep-2" / "golden"), _tree(tmp_path / "keep-1" / "golden")
+    touched = 0  # lines changed, added or removed (a changed line counts once), as difflib pairs them
+    shown: list[str] = []
+    for name in sorted(a.keys() | b.keys()):
+        old = a.get(name, b"").decode().splitlines()
+        new = b.get(name, b"").decode().splitlines()
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+            if tag != "equal":
+                touched += max(i2 - i1, j2 - j1)
+                shown += [f"{name}: -{x}" for x in old[i1:i2]] + [f"{name}: +{x}" for x in new[j1:j2]]
+    assert touched <= 10, "\n".join(shown)
+    assert all(len(x) <= 300 for x in shown), "\n".join(shown)
+    # the change itself, on one line of pending.json: the reference to the result's text, cleared
+    cleared = '        {"content":"[Old tool result content cleared]","tool_use_id":"call_A1b2C3d4","type":"tool_result"}'
+    assert f"threads/019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d/pending.json: +{cleared}" in shown
+    print(f"{touched} lines touched:\n" + "\n".join(shown))
 
 
 def test_snapshot_json_and_human_output(tmp_path: Path) -> None:
@@ -178,6 +225,57 @@ def test_snapshot_of_a_missing_path_cannot_run(tmp_path: Path) -> None:
     assert not (tmp_path / "g").exists()
 
 
+def test_goldens_of_format_1_are_still_read_and_update_rewrites_them(tmp_path: Path) -> None:
+    """tests/fixtures/golden-format-1: the codex sample under keep_recent = 2, as ctxreplay wrote
+    goldens before the texts were set apart (spans.jsonl, pending.json as indented JSON)."""
+    g = tmp_path / "g"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "golden-format-1", g)
+    src = SAMPLES / "codex-sample.jsonl"
+    assert Golden(g).version == 1 and (g / "threads" / CODEX / "spans.jsonl").is_file()
+    assert _rebuild_every_call(Golden(g)) == 4
+    same = _cli("diff", src, "--pipeline", write_policy(tmp_path, 2), "--golden", g)
+    assert same.exit_code == 0 and same.stdout.startswith("ctxreplay diff: identical: 1 thread, 4 calls match")
+    other = _cli("diff", src, "--pipeline", write_policy(tmp_path, 1), "--golden", g, "--json")
+    assert other.exit_code == 1
+    (t,) = json.loads(other.stdout)["threads"]
+    assert (t["first_call"], t["where"]["message"], t["where"]["block"], t["where"]["tool_use_id"]) == \
+        (3, 2, 0, "call_A1b2C3d4")
+    assert (t["decision"]["stage"], t["decision"]["from_call"]) == ("tombstone", 3)
+    # --update writes the current format; the next diff reads it
+    assert _cli("diff", src, "--pipeline", tmp_path / "policy-2.toml", "--golden", g, "--update", "-q").exit_code == 0
+    assert Golden(g).version == GOLDEN_FORMAT_VERSION and not (g / "threads" / CODEX / "spans.jsonl").exists()
+    assert (g / "threads" / CODEX / "lists.jsonl").is_file()
+    assert _rebuild_every_call(Golden(g)) == 4
+    assert _cli("diff", src, "--pipeline", tmp_path / "policy-2.toml", "--golden", g).exit_code == 0
+
+
+def test_list_rows_give_back_every_list() -> None:
+    from ctxreplay.pipeline.regress.snapshot import apply_ops, list_ops
+
+    lists = [[], ["a", "b"], ["a", "b", "c", "d"], ["a", "B", "c", "d", "e"], ["B", "c", "d", "e", "f"],
+             ["B", "x", "y", "e", "f", "g"], ["B", "e", "f", "g"], ["z", "B", "e", "f", "g", "h"], []]
+    lst: list[str] = []
+    for k in range(1, len(lists)):
+        rows = list_ops(k, lists[k - 1], lists[k])
+        assert apply_ops(lst, rows) == lists[k], k
+    # a message replaced in the middle is one row, whatever follows; appending at the end has no position
+    assert list_ops(9, ["a", "b", "c"], ["a", "X", "c", "d"]) == [[9, "=", 1, "X"], [9, "+", None, "d"]]
+    assert list_ops(9, ["a", "b", "c"], ["a", "c", "d"]) == [[9, "-", 1, "b"], [9, "+", None, "d"]]
+
+
+def test_texts_set_apart_come_back_exactly() -> None:
+    from ctxreplay.pipeline.regress.snapshot import encode_texts
+
+    value = {"a": "x" * 121, "b": ["short", "1\n2\n3", {"$text": "not a reference"}, {"$dict": {"k": 1}}],
+             "c": {"nested": "y" * 500, "n": 1.5, "t": True, "z": None}, "$odd": "ok"}
+    texts: dict[str, str] = {}
+    enc = encode_texts(value, texts)
+    assert len(texts) == 3 and enc["a"] == {"$text": hashlib.sha256(b"x" * 121).hexdigest()}
+    assert enc["b"][0] == "short" and enc["b"][2] == {"$dict": {"$text": "not a reference"}}
+    back = decode_texts(orjson.loads(orjson.dumps(enc)), texts.__getitem__)
+    assert canonical_json(back) == canonical_json(value)
+
+
 @pytest.mark.corpus
 @pytest.mark.slow
 def test_corpus_goldens_are_byte_identical_and_rebuild(corpus: Path, tmp_path: Path) -> None:
@@ -187,9 +285,4 @@ def test_corpus_goldens_are_byte_identical_and_rebuild(corpus: Path, tmp_path: P
     assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
     assert a.calls == 1590 and a.threads == 45
     print(f"corpus goldens: {a.bytes:,} bytes, {a.messages_stored} messages besides the pending requests")
-    g = Golden(tmp_path / "a")
-    for key in g.threads:
-        for c in read_table(g.thread_dir(key) / "calls.jsonl"):
-            shas, env = spans_at(g.spans(key), c["call"])
-            data = request_bytes(g.list_key, [g.message(s, key) for s in shas], g.message(env, key))  # type: ignore[misc]
-            assert hashlib.sha256(data).hexdigest() == c["request_sha256"], (key, c["call"])
+    assert _rebuild_every_call(Golden(tmp_path / "a")) == 1590

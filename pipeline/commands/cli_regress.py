@@ -85,7 +85,8 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
         return
     echo(f"ctxreplay snapshot: wrote {golden_dir}: {plural(stats.threads, 'thread')}, "
          f"{plural(stats.calls, 'call')}, {plural(stats.files, 'input file')}; {_size(stats.bytes)} "
-         f"({plural(stats.messages_stored, 'message')} besides the pending requests)")
+         f"({plural(stats.messages_stored, 'message')} besides the pending requests, {plural(stats.texts, 'text')} "
+         f"set apart)")
     echo(f"  pipeline '{stats.pipeline}' ({stats.pipeline_sha256[:12]}), target {stats.target}")
     echo(f"  took {stats.seconds:.2f} s")
 

@@ -34,7 +34,7 @@ import orjson
 import polars as pl
 
 from ctxreplay.pipeline.core.words import plural
-from ctxreplay.pipeline.regress.snapshot import SIM_COST, Golden, GoldenError, Replay, spans_at
+from ctxreplay.pipeline.regress.snapshot import SIM_COST, Golden, GoldenError, Replay
 from ctxreplay.version import __version__
 
 MAX_DIFF_LINES = 40  # per block diff, after eliding
@@ -321,7 +321,7 @@ def _locate(td: ThreadDiff, golden: Golden, rp: Replay, first: dict[str, Any]) -
         td.explanation = f"call {k} is only in {side}: the thread has {'more' if side == 'this run' else 'fewer'} calls"
         _explain(td, golden, rp, None)
         return
-    g_msgs, g_env = spans_at(golden.spans(key), k)
+    g_msgs, g_env = golden.call_list(key, k)
     n_msgs, n_env = _new_call_lists(rp, key, k)
     if first["request_sha256"] == first["request_sha256_new"]:
         td.where = {"kind": "tokens_only", "message": None, "block": None}
