@@ -459,8 +459,9 @@ def _compare_tables(doc: dict[str, Any], *, raw: bool = False) -> None:
     if nu:
         echo(f"{nu:,} call(s) recorded no usage: no estimate (no_usage)")
     iv = doc["interval"]
-    echo(f"intervals: the simulator's identity error on the other compared sessions ({iv['sessions_with_own_q']} "
-         f"session(s)), else {iv['default_q']:.0%} (measured leave-one-session-out on the shared corpora)")
+    echo(f"intervals (90%): each simulated change ± q, q the simulator's error on the other compared sessions "
+         f"where 9 or more had usage ({iv['sessions_with_own_q']} session(s)), else {iv['default_q']:.0%} (its error "
+         f"on real sessions, measured leave-one-session-out)")
     for label, causes in doc["breaks_by_cause"].items():
         parts = ", ".join(f"{k} {v}" for k, v in causes.items())
         echo(f"breaks under {label}: {sum(causes.values())}" + (f" ({parts})" if parts else ""))

@@ -7,7 +7,7 @@ truth. The interval half-width `q` is a split-conformal quantile of `|ε|` over 
 with n residuals sorted ascending, `q` is the ⌈(n + 1) × 0.9⌉-th; under exchangeability (the
 session is like the others) `|ε_s| ≤ q` holds with probability ≥ 90 %, whatever the residuals'
 distribution. With fewer than 9 other sessions that index is past n and `DEFAULT_Q` is used: the
-same quantile measured leave-one-session-out on every real session of the two shared corpora
+same quantile measured leave-one-session-out on the 35 real sessions the bench reads
 (`bench/bench_cachesim.py`).
 
 How the intervals read on `compare`'s figures:
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 COVERAGE = 0.9
 DEFAULT_Q = 0.27
 """|ε| quantile used when a comparison has fewer than 9 other sessions with usage: the bench's
-leave-one-session-out conformal quantile over both shared corpora (see docs/cache-simulation.md)."""
+leave-one-session-out conformal quantile over the real sessions it reads (docs/cache-simulation.md)."""
 
 
 def residual(recorded_cost: float | None, sim_cost: float | None) -> float | None:
