@@ -83,3 +83,17 @@ def shout_plugin() -> Iterator[None]:
     finally:
         STAGES.pop("shout", None)
         sys.modules.pop("tests.plugins.misbehaving", None)
+
+
+def cc_entry(session_id: str, uuid: str, parent: str | None, role: str, content: Any, t: int,
+             **msg: Any) -> dict[str, Any]:
+    """One Claude Code transcript entry of session `session_id` at 10:00 + `t` seconds on 2026-06-01; an
+    assistant entry gets `msg_<uuid>` / `req_<uuid>` ids, `end_turn`, and `msg`'s fields (model, usage, ...)."""
+    m: dict[str, Any] = {"role": role, "content": content}
+    e: dict[str, Any] = {"type": role, "uuid": uuid, "parentUuid": parent, "sessionId": session_id,
+                         "isSidechain": False, "timestamp": f"2026-06-01T10:{t // 60:02d}:{t % 60:02d}.000Z",
+                         "message": m}
+    if role == "assistant":
+        e["requestId"] = f"req_{uuid}"
+        m.update(id=f"msg_{uuid}", type="message", stop_reason="end_turn", **msg)
+    return e

@@ -15,18 +15,15 @@ import pytest
 from ctxreplay.pipeline.batch.runner import RunOptions, run
 from ctxreplay.pipeline.cost import breaks
 from ctxreplay.pipeline.staging.spec import load_spec
+from tests.cckit import cc_entry
 
 SID = "d1a90000-0000-4000-8000-000000000001"
 
 
 def _entry(uuid: str, parent: str | None, role: str, content: Any, t: int, **msg: Any) -> dict[str, Any]:
-    m: dict[str, Any] = {"role": role, "content": content}
-    e: dict[str, Any] = {"type": role, "uuid": uuid, "parentUuid": parent, "sessionId": SID, "isSidechain": False,
-                         "timestamp": f"2026-06-01T10:{t // 60:02d}:{t % 60:02d}.000Z", "message": m}
     if role == "assistant":
-        e["requestId"] = f"req_{uuid}"
-        m.update(id=f"msg_{uuid}", type="message", model="claude-opus-4-8", stop_reason="end_turn", **msg)
-    return e
+        msg = {"model": "claude-opus-4-8", **msg}
+    return cc_entry(SID, uuid, parent, role, content, t, **msg)
 
 
 def test_run_writes_the_diagnosis_of_every_call(tmp_path: Path) -> None:

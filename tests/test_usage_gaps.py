@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from ctxreplay.pipeline.commands.cli import main
+from tests.cckit import cc_entry
 
 SID = "0a5a0000-0000-4000-8000-000000000001"
 
@@ -23,13 +24,9 @@ def _price_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 
 def _entry(uuid: str, parent: str | None, role: str, content: Any, t: int, **msg: Any) -> dict[str, Any]:
-    m: dict[str, Any] = {"role": role, "content": content}
-    e: dict[str, Any] = {"type": role, "uuid": uuid, "parentUuid": parent, "sessionId": SID, "isSidechain": False,
-                         "timestamp": f"2026-06-01T10:{t // 60:02d}:{t % 60:02d}.000Z", "message": m}
     if role == "assistant":
-        e["requestId"] = f"req_{uuid}"
-        m.update(id=f"msg_{uuid}", type="message", stop_reason="end_turn", **msg)
-    return e
+        msg = {**msg}
+    return cc_entry(SID, uuid, parent, role, content, t, **msg)
 
 
 def _usage(read: int, write: int) -> dict[str, Any]:

@@ -19,11 +19,12 @@ belongs to its parent's session. The project is the `~/.gemini/tmp/<project>` fo
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 import orjson
+
+from ctxreplay.pipeline.reporting.tokencount import token_count
 
 SOURCE = "gemini-cli"
 PROVIDER = "google"
@@ -55,12 +56,6 @@ def is_document(data: Any) -> bool:
     return False
 
 
-def _int(v: Any) -> int:
-    if type(v) is int:
-        return max(v, 0)
-    if isinstance(v, float) and math.isfinite(v) and v > 0:
-        return int(v)
-    return 0
 
 
 def _ids(path: str, meta: dict[str, Any]) -> tuple[str, str, str]:
@@ -137,9 +132,9 @@ def scan(path: str, data: Any) -> tuple[list[tuple[Any, ...]], list[dict[str, An
     records = []
     for mid, m in answers.items():
         t = m["tokens"]
-        cached = _int(t.get("cached"))
-        inp = max(_int(t.get("input")) - cached, 0) + _int(t.get("tool"))
-        out = _int(t.get("output")) + _int(t.get("thoughts"))
+        cached = token_count(t.get("cached"))
+        inp = max(token_count(t.get("input")) - cached, 0) + token_count(t.get("tool"))
+        out = token_count(t.get("output")) + token_count(t.get("thoughts"))
         total = inp + out + cached
         if total == 0:
             continue

@@ -24,7 +24,6 @@ Nothing heavy is imported: no polars, pyarrow, DuckDB or genai-prices on a warm 
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import re
@@ -40,6 +39,7 @@ from ctxreplay.errors import InputError
 from ctxreplay.pipeline.cost.prices import Modifiers, PriceBook, modifiers, price_with, request_usd
 from ctxreplay.pipeline.loaders.inputs import list_files, open_input
 from ctxreplay.pipeline.reporting import gemini_usage
+from ctxreplay.pipeline.reporting.tokencount import token_count
 
 By = Literal["session", "day", "month", "model", "project"]
 BY_CHOICES = ("session", "day", "month", "model", "project")
@@ -143,12 +143,6 @@ def discover(paths: Iterable[Path], skipped: list[dict[str, str]] | None = None)
 # scanning one file
 
 
-def _int(v: Any) -> int:
-    if type(v) is int:
-        return max(v, 0)
-    if isinstance(v, float) and math.isfinite(v) and v > 0:
-        return int(v)
-    return 0
 
 
 def _first_object(data: Any) -> Any:
@@ -246,19 +240,19 @@ def _claude_record(o: dict[str, Any], session: str, project: str, compat: bool) 
         return None
     # the common case (plain non-negative ints) without a function call per field
     inp = u.get("input_tokens")
-    inp = inp if type(inp) is int and inp >= 0 else _int(inp)
+    inp = inp if type(inp) is int and inp >= 0 else token_count(inp)
     out = u.get("output_tokens")
-    out = out if type(out) is int and out >= 0 else _int(out)
+    out = out if type(out) is int and out >= 0 else token_count(out)
     cc = u.get("cache_creation_input_tokens")
-    cc = cc if type(cc) is int and cc >= 0 else _int(cc)
+    cc = cc if type(cc) is int and cc >= 0 else token_count(cc)
     cr = u.get("cache_read_input_tokens")
-    cr = cr if type(cr) is int and cr >= 0 else _int(cr)
+    cr = cr if type(cr) is int and cr >= 0 else token_count(cr)
     split = u.get("cache_creation")
     if type(split) is dict:
         cw1 = split.get("ephemeral_1h_input_tokens")
-        cw1 = cw1 if type(cw1) is int and cw1 >= 0 else _int(cw1)
+        cw1 = cw1 if type(cw1) is int and cw1 >= 0 else token_count(cw1)
         cw5 = split.get("ephemeral_5m_input_tokens")
-        cw5 = cw5 if type(cw5) is int and cw5 >= 0 else _int(cw5)
+        cw5 = cw5 if type(cw5) is int and cw5 >= 0 else token_count(cw5)
         if cw5 + cw1 < cc:            # an older or partial split: the rest was a default (5-minute) write
             cw5 = cc - cw1
     else:
@@ -267,7 +261,7 @@ def _claude_record(o: dict[str, Any], session: str, project: str, compat: bool) 
     if not compat:                    # ccusage does not price web searches
         stu = u.get("server_tool_use")
         if type(stu) is dict:
-            web = _int(stu.get("web_search_requests"))
+            web = token_count(stu.get("web_search_requests"))
     total = inp + out + cw5 + cw1 + cr
     if total == 0 and web == 0:
         return None
@@ -388,8 +382,8 @@ def _scan_pi(path: str, data: bytes, header: dict[str, Any]) -> FileScan:
             u = msg.get("usage")
             if not isinstance(u, dict):
                 continue
-            inp, out, cr, cw = _int(u.get("input")), _int(u.get("output")), _int(u.get("cacheRead")), \
-                _int(u.get("cacheWrite"))
+            inp, out, cr, cw = token_count(u.get("input")), token_count(u.get("output")), token_count(u.get("cacheRead")), \
+                token_count(u.get("cacheWrite"))
             if inp + out + cr + cw == 0:
                 continue
             model = msg.get("model") if isinstance(msg.get("model"), str) and msg.get("model") else "unknown"
@@ -456,16 +450,16 @@ def _scan_codex(path: str, data: Any) -> FileScan:
                     continue                 # the same totals again: a repeated event, not a request
                 if not isinstance(last, dict):
                     if isinstance(total, dict) and isinstance(last_total, dict):
-                        last = {k: _int(total.get(k)) - _int(last_total.get(k)) for k in total}
+                        last = {k: token_count(total.get(k)) - token_count(last_total.get(k)) for k in total}
                     elif isinstance(total, dict):
                         last = total
                     else:
                         continue
                 last_total = total
-                cached = _int(last.get("cached_input_tokens"))
-                written = _int(last.get("cache_write_tokens"))
-                inp = max(_int(last.get("input_tokens")) - cached - written, 0)
-                out = _int(last.get("output_tokens"))
+                cached = token_count(last.get("cached_input_tokens"))
+                written = token_count(last.get("cache_write_tokens"))
+                inp = max(token_count(last.get("input_tokens")) - cached - written, 0)
+                out = token_count(last.get("output_tokens"))
                 if inp + out + cached + written == 0:
                     continue
                 ts = o.get("timestamp") if isinstance(o.get("timestamp"), str) else ""
