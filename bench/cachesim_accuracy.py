@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GROUPS = [("corpus", "claude-code", "Claude Code"), ("corpus", "claude-projects", "Claude Code"),
           ("corpus", "openclaw", "OpenClaw"), ("corpus", "codex", "Codex"),
           ("corpus-extra", "claude-projects", "Claude Code"), ("corpus-extra", "openclaw", "OpenClaw"),
-          ("corpus-extra", "codex", "Codex")]
+          ("corpus-extra", "codex", "Codex"), ("corpus-extra", "gemini-cli", "Gemini CLI")]
 MIN_CALLS = 10
 
 
