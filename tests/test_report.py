@@ -642,3 +642,42 @@ def test_gen_tree_stops_at_the_size_and_refuses_a_used_folder(tmp_path: Path) ->
     assert parse_size("190MB") == 190_000_000 and parse_size("0.8GB") == 800_000_000
     with pytest.raises(FileExistsError):
         generate(tmp_path / "t", copies=1, src=src)
+
+
+# ---------------------------------------------------------------------------------------------
+# the table fits the terminal (issue 24)
+
+
+def _widths(text: str) -> int:
+    from rich.cells import cell_len
+
+    return max(cell_len(line) for line in text.splitlines())
+
+
+def test_session_table_fits_columns_with_numbers_whole(tmp_path: Path) -> None:
+    lines = [cc_line(SID_A, f"msg_{i}", f"req_{i}", 123_456, f"2026-02-1{i}T10:00:00.000Z", cr=98_765_432,
+                     cw5=1_234_567, cw1=7_654_321, inp=3_456_789,
+                     model="claude-opus-4-5-20251101" if i % 2 else "claude-haiku-4-5-20251001") for i in range(4)]
+    f = write(tmp_path / "-home-me-a-long-project-name" / f"{SID_A}.jsonl", lines)
+    wide = CliRunner().invoke(main, ["report", str(f), "--tz", "UTC", "--wide"], env={"COLUMNS": "100"})
+    assert wide.exit_code == 0 and SID_A in wide.stdout and "claude-opus-4-5-20251101" in wide.stdout
+    assert "Cache write 5m" in wide.stdout and _widths(wide.stdout) > 100
+    for cols in (100, 140):
+        res = CliRunner().invoke(main, ["report", str(f), "--tz", "UTC"], env={"COLUMNS": str(cols)})
+        assert res.exit_code == 0, res.output
+        assert _widths(res.stdout) <= cols, res.stdout
+        assert "…" not in res.stdout
+        assert SID_A[:8] in res.stdout and SID_A not in res.stdout
+        assert "395,061,728" in res.stdout and "493,824" in res.stdout     # cache read and output totals, whole
+        assert "--wide shows every column" in res.stderr
+    res = CliRunner().invoke(main, ["report", str(f), "--tz", "UTC"], env={"COLUMNS": "140"})
+    assert "opus-4-5" in res.stdout and "claude-opus" not in res.stdout      # short model names kept at 140
+    doc = json.loads(CliRunner().invoke(main, ["report", str(f), "--json"], env={"COLUMNS": "60"}).stdout)
+    assert doc["rows"][0]["key"] == SID_A and doc["rows"][0]["cache_write_1h_tokens"] == 4 * 7_654_321
+
+
+def test_corpus_session_table_fits_100_columns(corpus: Path) -> None:
+    res = CliRunner().invoke(main, ["report", str(corpus), "--tz", "UTC"], env={"COLUMNS": "100"})
+    assert res.exit_code == 0
+    assert _widths(res.stdout) <= 100 and "…" not in res.stdout
+    assert "120,500,405" in res.stdout        # the cache-read total, whole

@@ -6,6 +6,7 @@ the standard library only; rich for the table; genai-prices only when its disk c
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ BY = ("session", "day", "month", "model", "project")
 @click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
 @click.option("--tz", help="Time zone of days and months (IANA name, e.g. UTC); default: this machine's.")
 @json_option()
+@click.option("--wide", is_flag=True, help="Every column, full session ids and model names, however wide "
+              "(default: fit the terminal, $COLUMNS, dropping the least needed columns first).")
 @click.option("--prices", "prices_file", type=click.Path(path_type=Path),
               help="TOML file of prices that override or add models (see README, Prices).")
 @click.option("--compat", type=click.Choice(["ccusage"]),
@@ -52,7 +55,7 @@ BY = ("session", "day", "month", "model", "project")
 @follow_links_option()
 @no_cache_option()
 def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
-           prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
+           wide: bool, prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
            sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
@@ -99,7 +102,7 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     if json_:
         click.echo(orjson.dumps(doc).decode())
     else:
-        _table(doc)
+        _table(doc, wide=wide)
     _warnings(doc)
 
 
@@ -150,35 +153,134 @@ def _fmt_int(n: int | None) -> str:
     return "–" if n is None else f"{n:,}"
 
 
-def _table(doc: dict[str, Any]) -> None:
+_DATE_SUFFIX = re.compile(r"-\d{8}$")
+
+
+def _short_model(m: str) -> str:
+    """claude-opus-4-5-20251101 → opus-4-5 (as ccusage shows models)."""
+    return _DATE_SUFFIX.sub("", m.removeprefix("claude-"))
+
+
+# the session table's layouts, widest first: the first whose natural width fits the terminal is printed
+# (--wide: the first). Each narrows one more thing, in this order: short session ids and model names,
+# the two cache-write columns as one, the last activity's day only, then no last activity, no models,
+# no hit rate, no input.
+_LAYOUTS = [
+    {},
+    {"short": True},
+    {"short": True, "writes": True},
+    {"short": True, "writes": True, "day_only": True},
+    {"short": True, "writes": True, "no_last": True},
+    {"short": True, "writes": True, "no_last": True, "no_models": True},
+    {"short": True, "writes": True, "no_last": True, "no_models": True, "no_hit": True},
+    {"short": True, "writes": True, "no_last": True, "no_models": True, "no_hit": True, "no_input": True},
+]
+_FOLD_MIN = 12   # narrowest a folded text column (models, project keys) is made
+
+
+def term_width() -> int:
+    """Columns to fit: $COLUMNS when set, else the terminal's, else 200 (output to a pipe or a file)."""
+    import os
+    import shutil
+
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+
+
+def _columns(doc: dict[str, Any], lay: dict[str, bool]) -> list[tuple[str, str, Any, str]]:
+    """(header, footer, cell of a row, kind) per column; kind: "key", "text" (no wrap), "fold", "num"."""
+    by = doc["by"]
+    t = doc["totals"]
+    short = lay.get("short", False)
+
+    def key(r: dict[str, Any]) -> str:
+        if r.get("_model_of"):
+            return "  └ " + (_short_model(r["_model_of"]) if short else r["_model_of"])
+        k = r["key"]
+        return k[:8] if short and by == "session" and _is_uuid(k) else k
+
+    cols: list[tuple[str, str, Any, str]] = [
+        (by.capitalize(), "Total", key, "fold" if short and by == "project" else "key")]
+    if by == "session" and not lay.get("no_last"):
+        n = 10 if lay.get("day_only") else 16
+        cols.append(("Last activity" if n == 16 else "Last day", "",
+                     lambda r: "" if r.get("_model_of") else (r["last_activity"] or "")[:n].replace("T", " "), "text"))
+    if by != "model" and not lay.get("no_models"):
+        names = (lambda ms: ", ".join(_short_model(m) for m in ms)) if short else (lambda ms: ", ".join(ms))
+        cols.append(("Models", str(len(t["models"])), lambda r: "" if r.get("_model_of") else names(r["models"]),
+                     "fold"))
+    nums = [("Input", "input_tokens")] if not lay.get("no_input") else []
+    nums.append(("Output", "output_tokens"))
+    for label, k in nums:
+        cols.append((label, _fmt_int(t[k]), lambda r, k=k: _fmt_int(r[k]), "num"))
+    if lay.get("writes"):
+        def cw(r: dict[str, Any]) -> str:
+            return _fmt_int(r["cache_write_5m_tokens"] + r["cache_write_1h_tokens"])
+        cols.append(("Cache write", cw(t), cw, "num"))
+    else:
+        for label, k in (("Cache write 5m", "cache_write_5m_tokens"), ("Cache write 1h", "cache_write_1h_tokens")):
+            cols.append((label, _fmt_int(t[k]), lambda r, k=k: _fmt_int(r[k]), "num"))
+    cols.append(("Cache read", _fmt_int(t["cache_read_tokens"]), lambda r: _fmt_int(r["cache_read_tokens"]), "num"))
+    if not lay.get("no_hit"):
+        cols.append(("Hit rate", _rate(t["cache_hit_rate"]), lambda r: _rate(r["cache_hit_rate"]), "num"))
+    cols.append(("Cost (USD)", _cost(t), _cost, "num"))
+    return cols
+
+
+def _is_uuid(k: str) -> bool:
+    return len(k) == 36 and k.count("-") == 4
+
+
+def _display_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows, each followed by its per-model rows when the report has them (--breakdown)."""
+    out = []
+    for r in doc["rows"]:
+        out.append(r)
+        for m in r.get("breakdown") or []:
+            out.append({**m, "_model_of": m["model"]})
+    return out
+
+
+def _natural_width(cols: list[tuple[str, str, Any, str]], rows: list[dict[str, Any]]) -> int:
+    from rich.cells import cell_len
+
+    total = 1
+    for header, footer, cell, kind in cols:
+        w = max([cell_len(header), cell_len(footer), *(cell_len(cell(r)) for r in rows)])
+        total += (min(w, _FOLD_MIN) if kind == "fold" else w) + 3
+    return total
+
+
+def _table(doc: dict[str, Any], *, wide: bool = False, width: int | None = None) -> None:
     from rich.table import Table
 
     by = doc["by"]
     t = doc["totals"]
     echo(f"ctxreplay report: {len(doc['rows'])} {by} row(s), {t['requests']:,} requests from {doc['files']} "
          f"file(s); prices: {doc['prices']}" + (f"; compat {doc['compat']}" if doc["compat"] else ""))
+    width = width or term_width()
+    rows = _display_rows(doc)
+    chosen = 0
+    if not wide:
+        for i, lay in enumerate(_LAYOUTS):
+            chosen = i
+            if _natural_width(_columns(doc, lay), rows) <= width:
+                break
+    cols = _columns(doc, _LAYOUTS[chosen])
+    if wide:
+        width = max(width, _natural_width(cols, rows) + 40)
     table = Table(show_footer=True)
-    table.add_column(by.capitalize(), footer="Total", no_wrap=True)
-    if by == "session":
-        table.add_column("Last activity", no_wrap=True)
-    if by != "model":
-        table.add_column("Models", footer=str(len(t["models"])), overflow="fold", min_width=12)
-    cols = [("Input", "input_tokens"), ("Output", "output_tokens"), ("Cache write 5m", "cache_write_5m_tokens"),
-            ("Cache write 1h", "cache_write_1h_tokens"), ("Cache read", "cache_read_tokens")]
-    for label, k in cols:
-        table.add_column(label, justify="right", footer=_fmt_int(t[k]))
-    table.add_column("Hit rate", justify="right", footer=_rate(t["cache_hit_rate"]))
-    table.add_column("Cost (USD)", justify="right", footer=_cost(t))
-    for r in doc["rows"]:
-        cells = [r["key"]]
-        if by == "session":
-            cells.append((r["last_activity"] or "")[:16].replace("T", " "))
-        if by != "model":
-            cells.append(", ".join(r["models"]))
-        cells += [_fmt_int(r[k]) for _, k in cols]
-        cells += [_rate(r["cache_hit_rate"]), _cost(r)]
-        table.add_row(*cells)
-    _console().print(table)
+    for header, footer, _, kind in cols:
+        table.add_column(header, footer=footer, justify="right" if kind == "num" else "left",
+                         no_wrap=kind != "fold", overflow="fold" if kind == "fold" else "ellipsis",
+                         min_width=_FOLD_MIN if kind == "fold" else None)
+    for r in rows:
+        table.add_row(*[cell(r) for _, _, cell, _ in cols])
+    _console(width).print(table)
+    if chosen:
+        echo(f"ctxreplay report: narrowed to fit {width} columns; --wide shows every column", err=True)
 
 
 def _rate(v: float | None) -> str:
@@ -242,10 +344,11 @@ def _usd(v: float | None) -> str:
     return "–" if v is None else f"{v:,.4f}"
 
 
-def _console() -> Any:
+def _console(width: int | None = None) -> Any:
     import shutil
 
-    width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+    if width is None:
+        width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
     return console(width=width, soft_wrap=False)
 
 
