@@ -681,3 +681,19 @@ def test_corpus_session_table_fits_100_columns(corpus: Path) -> None:
     assert res.exit_code == 0
     assert _widths(res.stdout) <= 100 and "…" not in res.stdout
     assert "120,500,405" in res.stdout        # the cache-read total, whole
+
+
+def test_empty_directory_says_no_transcripts_and_strict_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "empty")])
+    assert res.exit_code == 0
+    assert f"no transcripts found under {tmp_path / 'empty'}" in res.stderr and "┏" not in res.stdout
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "empty"), "--strict"])
+    assert res.exit_code == 1 and "no transcripts found" in res.stderr
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "empty"), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["files"] == 0
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z")])
+    assert CliRunner().invoke(main, ["report", str(f), "--strict"]).exit_code == 0
+    write(f, [cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z")[:-30]])
+    res = CliRunner().invoke(main, ["report", str(f), "--strict"])
+    assert res.exit_code == 1 and "--strict: 1 line(s) holding usage could not be read" in res.stderr

@@ -34,6 +34,8 @@ BY = ("session", "day", "month", "model", "project")
 @click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
 @click.option("--tz", help="Time zone of days and months (IANA name, e.g. UTC); default: this machine's.")
 @json_option()
+@click.option("--strict", is_flag=True, help="Exit 1 when no transcript is found or lines holding usage "
+              "could not be read (bad_lines).")
 @click.option("--wide", is_flag=True, help="Every column, full session ids and model names, however wide "
               "(default: fit the terminal, $COLUMNS, dropping the least needed columns first).")
 @click.option("--prices", "prices_file", type=click.Path(path_type=Path),
@@ -55,7 +57,7 @@ BY = ("session", "day", "month", "model", "project")
 @follow_links_option()
 @no_cache_option()
 def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
-           wide: bool, prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
+           strict: bool, wide: bool, prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
            sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
@@ -101,9 +103,15 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
         _usage_html(rep, doc, book, opts, chosen, html_file)
     if json_:
         click.echo(orjson.dumps(doc).decode())
-    else:
+    elif doc["files"]:
         _table(doc, wide=wide)
+    if not doc["files"]:
+        echo(f"ctxreplay report: no transcripts found under {', '.join(str(p) for p in chosen)}", err=True)
     _warnings(doc)
+    if strict and (not doc["files"] or doc["bad_lines"]):
+        if doc["files"]:
+            echo(f"--strict: {len(doc['bad_lines'])} line(s) holding usage could not be read", err=True)
+        sys.exit(1)
 
 
 def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: list[Path], html_file: Path) -> None:
