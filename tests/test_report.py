@@ -697,3 +697,16 @@ def test_empty_directory_says_no_transcripts_and_strict_exits_1(tmp_path: Path) 
     write(f, [cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z")[:-30]])
     res = CliRunner().invoke(main, ["report", str(f), "--strict"])
     assert res.exit_code == 1 and "--strict: 1 line(s) holding usage could not be read" in res.stderr
+
+
+def test_broken_line_holding_usage_without_output_tokens_is_a_bad_line(tmp_path: Path) -> None:
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [
+        cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z"),
+        '{"type":"assistant","message":{"usage":{"input_tokens":5',
+        '{"type":"user","message":{"content":"what is \\"usage\\"?"}}',
+    ])
+    res = CliRunner().invoke(main, ["report", str(f), "--json"])
+    doc = json.loads(res.stdout)
+    assert doc["totals"]["requests"] == 1
+    assert [(b["file"], b["line"]) for b in doc["bad_lines"]] == [(str(f), 2)]
+    assert "1 line(s) holding usage could not be read" in res.stderr

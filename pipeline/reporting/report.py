@@ -327,6 +327,22 @@ def _scan_claude(path: str, data: bytes, compat: bool) -> FileScan:
             old = best.get(k)
             if old is None or (rec[1], rec[2]) > (old[1], old[2]):
                 best[k] = rec
+    # a line cut short before its output_tokens (`{"type":"assistant","message":{"usage":{"input_tokens":5`)
+    # still held usage: it goes to bad_lines, never dropped silently
+    pos = find(b'"usage"')
+    while pos != -1:
+        s = rfind(b"\n", 0, pos) + 1
+        e = find(b"\n", pos)
+        if e == -1:
+            e = len(data)
+        line = data[s:e]
+        pos = find(b'"usage"', e)
+        if needle in line:
+            continue                      # read above
+        try:
+            _loads_line(line)
+        except ValueError as exc:
+            scan.bad_lines.append(_bad(path, data, s, line, exc))
     if pending:
         sid = sid or Path(path).name.split(".jsonl")[0]
         for o in pending:
