@@ -286,3 +286,52 @@ def test_a_warm_re_run_does_not_import_pandas(tmp_path: Path) -> None:
             "'pyarrow.dataset' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert r.stdout.split() == ["True", "False", "False"], r.stdout + r.stderr
+
+
+def test_an_edit_in_place_that_keeps_size_and_mtime_is_noticed(tmp_path: Path) -> None:
+    """Issue 23, item 10: 6 bytes overwritten in the middle of a 300 kB transcript, its size kept and
+    its mtime restored with os.utime: reuse is decided on content, so its group runs again
+    and its requests change; the other group is still reused."""
+    import os
+
+    sid = "11111111-2222-4333-8444-555555555555"
+    proj = tmp_path / "tree" / "proj"
+    proj.mkdir(parents=True)
+    lines, parent = [], None
+    for i in range(60):
+        u, a = f"u{i}", f"a{i}"
+        lines.append(_cc_line(sid, u, parent, "user", f"question {i:03d} " + "x" * 2500))
+        lines.append(_cc_line(sid, a, u, "assistant", f"answer {i:03d} " + "y" * 2500))
+        parent = a
+    main = proj / f"{sid}.jsonl"
+    main.write_bytes(b"".join(lines))
+    other_sid = "99999999-2222-4333-8444-555555555555"
+    (proj / f"{other_sid}.jsonl").write_bytes(_cc_line(other_sid, "u1", None, "user", "hi")
+                                              + _cc_line(other_sid, "a1", "u1", "assistant", "yo"))
+    assert main.stat().st_size > 256 * 1024
+    out = tmp_path / "o"
+    first = _run([tmp_path / "tree"], out)
+    assert first["groups"]["new"] == 2
+    before = {p.name: p.read_bytes() for p in (out / "requests").iterdir()}
+    st = main.stat()
+    data = main.read_bytes()
+    at = data.index(b"question 030 ") + len(b"question 030 ")
+    with open(main, "r+b") as fh:  # in place: same inode, same size
+        fh.seek(at)
+        fh.write(b"EDITED")
+    os.utime(main, ns=(st.st_atime_ns, st.st_mtime_ns))  # its mtime restored (or a coarse clock)
+    assert main.stat().st_mtime_ns == st.st_mtime_ns
+    assert main.stat().st_size == st.st_size and main.read_bytes() != data
+    again = _run([tmp_path / "tree"], out)
+    g = again["groups"]
+    assert (g["rerun"], g["reused"], g["new"]) == (1, 1, 0)
+    after = {p.name: p.read_bytes() for p in (out / "requests").iterdir()}
+    changed = sorted(n for n in before if before[n] != after.get(n))
+    assert changed and all(sid in n for n in changed)
+    assert any(b"EDITED" in after[n] for n in changed)
+    # the re-run's outputs are a fresh run's
+    _run([tmp_path / "tree"], tmp_path / "fresh")
+    _same_outputs(tmp_path / "fresh", out)
+    # and a third run, nothing changed, reuses both groups again (the hashes the load took are kept)
+    third = _run([tmp_path / "tree"], out)
+    assert third["groups"]["reused"] == third["groups"]["total"] == 2

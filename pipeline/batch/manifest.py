@@ -1,7 +1,8 @@
 """The manifest of a run (OUT/manifest.json) and what a re-run reuses from it (issue 10, point 2).
 
-The manifest records, per input file, its size, mtime and a content fingerprint (`.jsonl` files
-only grow: their length and first and last 64 KiB; any other file: the sha256 of all of it), and
+The manifest records, per input file, its size, mtime and the sha256 of all of its bytes (issue 23,
+item 10: an edit in place that keeps the size, and the mtime, is a changed file; the loader hashes
+the bytes it reads, so a run that loads a file takes its hash from there and reads it once), and
 per session group (pipeline/batch/batches.py) its files, its sessions (which locate its rows in every
 output: blocks, decisions, calls, call_messages; its quarantined lines by file; its requests/ by
 thread key) and the accounting the summary sums (file loads, loader stats, threads, violations,
@@ -9,7 +10,8 @@ decisions per stage). `call_facts.parquet` keeps the per-call facts of the recor
 the prompt-cache simulation needs (it runs over every call of the run, reused or not).
 
 A re-run with the same pipeline sha256, target, token counter, replay options and ledger reuses
-every group whose files are unchanged: their rows are copied from the previous run's outputs (the
+every group whose files are unchanged (the same paths and sizes, then the same content: each file of
+such a group is read and hashed once, nothing more): their rows are copied from the previous run's outputs (the
 whole files, linked, when every group is reused) and nothing of them is loaded, staged or
 replayed; a group with a new, grown or changed file runs again (its frozen decisions come from the
 ledger, as on any re-run); anything else in the configuration changed runs everything again.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,35 +36,66 @@ from ctxreplay.pipeline.loaders.inputs import open_input
 MANIFEST_FILE = "manifest.json"
 FACTS_FILE = "call_facts.parquet"
 # 2: blocks and calls gained columns (the server's cache diagnosis): a run before it is not reused
-MANIFEST_VERSION = 2
-EDGE = 64 * 1024
+# 3: `fp` is the sha256 of the whole file (2: of its size and first and last 64 KiB only)
+MANIFEST_VERSION = 3
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
-    """size, mtime_ns and a content fingerprint (see the module docstring); {} when unreadable."""
+def stat_file(path: Path) -> dict[str, Any]:
+    """size and mtime_ns of a listed file (no byte read); {} when it is not a regular file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}
+    if not stat.S_ISREG(st.st_mode):
+        return {}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def content_sha256(path: Path) -> str | None:
+    """The sha256 of all of a file's bytes (as the loaders' FileLoad.sha256); None when unreadable."""
     try:
         h = hashlib.sha256()
         with open_input(path) as fh:  # never a FIFO or a device
-            st = os.fstat(fh.fileno())
-            if path.name.endswith(".json") or st.st_size <= 2 * EDGE:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-            else:
-                h.update(fh.read(EDGE))
-                fh.seek(st.st_size - EDGE)
-                h.update(fh.read(EDGE))
-        h.update(str(st.st_size).encode())
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
     except OSError:
-        return {}
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "fp": h.hexdigest()}
+        return None
+    return h.hexdigest()
+
+
+def fingerprint(path: Path) -> dict[str, Any]:
+    """size, mtime_ns and fp (the sha256 of the whole file); {} when unreadable."""
+    st = stat_file(path)
+    fp = content_sha256(path) if st else None
+    return {**st, "fp": fp} if fp else {}
 
 
 def group_files(group: Group) -> list[dict[str, Any]]:
-    return [{"path": path_str(f), **fingerprint(f)} for f in group.files]
+    """The group's files with their sizes and mtimes; their content hashes are added when a re-run
+    compares them (Prior.reusable) or when the run loads them (with_content)."""
+    return [{"path": path_str(f), **stat_file(f)} for f in group.files]
+
+
+def with_content(files: list[dict[str, Any]], loads: list[dict[str, Any]], paths: dict[str, Path]) -> list[dict[str, Any]]:
+    """A run's group files with the hash of what the loader read (its FileLoad.sha256: no second
+    read) and that size; a file the loader did not hash (skipped, unreadable) is hashed here or
+    left without one (never reused then)."""
+    by_path = {ld["path"]: ld for ld in loads if ld.get("sha256")}
+    out = []
+    for f in files:
+        ld = by_path.get(f["path"])
+        if ld is not None:
+            out.append({**f, "size": ld["bytes"], "fp": ld["sha256"]})
+        elif f.get("fp") or "size" not in f:  # hashed already; or not a regular file when listed
+            out.append(f)
+        else:
+            fp = content_sha256(paths[f["path"]]) if f["path"] in paths else None
+            out.append({**f, "fp": fp} if fp else {k: v for k, v in f.items() if k != "fp"})
+    return out
 
 
 def same_files(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    """The same files with the same sizes and content fingerprints (an mtime alone does not count)."""
+    """The same files with the same sizes and content hashes (an mtime alone does not count)."""
     key = [(x["path"], x.get("size"), x.get("fp")) for x in a]
     return bool(a) and all(x.get("fp") for x in a) and key == [(x["path"], x.get("size"), x.get("fp")) for x in b]
 
@@ -85,9 +119,26 @@ class Prior:
     row_groups: dict[str, list[int]]  # output file -> the batch of each of its row groups
     cache: dict[str, Any] = field(default_factory=dict)  # what a re-run reads once of it (pipeline/batch/reuse.py)
 
-    def reusable(self, key: str, files: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def reusable(self, key: str, files: list[dict[str, Any]], paths: dict[str, Path]) -> dict[str, Any] | None:
+        """The previous record of this group when its files are unchanged: the same paths and
+        sizes (compared first, nothing read), then the same content (each file hashed once; the
+        hashes are put in `files`). An mtime does not count either way (issue 23, item 10)."""
         rec = self.groups.get(key)
-        return rec if rec is not None and same_files(rec["files"], files) else None
+        if rec is None:
+            return None
+        old = rec["files"]
+        if [(x["path"], x.get("size")) for x in old] != [(x["path"], x.get("size")) for x in files]:
+            return None
+        if not all(x.get("fp") for x in old) or any(x.get("size") is None for x in files):
+            return None
+        for f, o in zip(files, old, strict=True):
+            fp = f.get("fp") or content_sha256(paths[f["path"]])
+            if fp is None:
+                return None
+            f["fp"] = fp
+            if fp != o["fp"]:
+                return None
+        return rec
 
 
 def prior(out_dir: Path, conf: dict[str, Any]) -> tuple[Prior | None, str]:
@@ -139,5 +190,5 @@ def write_manifest(run_dir: Path, conf: dict[str, Any], groups: list[dict[str, A
     os.replace(tmp, run_dir / MANIFEST_FILE)
 
 
-__all__ = ["FACTS_FILE", "MANIFEST_FILE", "Prior", "config", "fingerprint", "group_files", "load_from_dict",
-           "load_to_dict", "prior", "same_files", "write_manifest"]
+__all__ = ["FACTS_FILE", "MANIFEST_FILE", "Prior", "config", "content_sha256", "fingerprint", "group_files",
+           "load_from_dict", "load_to_dict", "prior", "same_files", "stat_file", "with_content", "write_manifest"]

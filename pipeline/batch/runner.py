@@ -42,6 +42,7 @@ from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, Tok
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.loaders import LoadResult
 from ctxreplay.pipeline.loaders.gemini_cli import native_target
+from ctxreplay.pipeline.loaders.inputs import path_str
 from ctxreplay.pipeline.staging.ledger import Ledger
 from ctxreplay.pipeline.staging.ledger import check_file as check_ledger_file
 from ctxreplay.pipeline.staging.spec import DEFAULT_TARGET, PipelineSpec
@@ -274,17 +275,19 @@ class _Plan:
     why: str
     files: dict[str, list[dict[str, Any]]]  # group key -> its files' fingerprints
     reused: dict[str, dict[str, Any]]  # group key -> its record in the previous manifest
+    paths: dict[str, Path]  # path_str of each input file -> its path
 
     @classmethod
     def make(cls, batches: list[Any], prior: manifest.Prior | None, why: str) -> _Plan:
         files = {g.key: manifest.group_files(g) for b in batches for g in b.groups}
+        paths = {path_str(f): f for b in batches for g in b.groups for f in g.files}
         reused = {}
         if prior is not None:
             for key, fs in files.items():
-                rec = prior.reusable(key, fs)
+                rec = prior.reusable(key, fs, paths)
                 if rec is not None:
                     reused[key] = rec
-        return cls(batches, prior, why, files, reused)
+        return cls(batches, prior, why, files, reused, paths)
 
     @property
     def all_reused(self) -> bool:
@@ -304,7 +307,10 @@ class _Plan:
         each with the batch that holds its rows (when every group is reused, the previous one's)."""
         by_key = {**self.reused, **{r["key"]: r for r in fresh}}
         batch_of = {} if self.all_reused else {g.key: b.index for b in self.batches for g in b.groups}
-        return [{**by_key[k], "key": k, "files": self.files[k], "batch": batch_of.get(k, by_key[k].get("batch"))}
+        # a group that ran: its files' content hashes are those of the bytes its load read
+        return [{**by_key[k], "key": k, "batch": batch_of.get(k, by_key[k].get("batch")),
+                 "files": self.files[k] if k in self.reused
+                 else manifest.with_content(self.files[k], by_key[k].get("loads", []), self.paths)}
                 for k in sorted(self.files) if k in by_key]
 
 
