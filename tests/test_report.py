@@ -710,3 +710,37 @@ def test_broken_line_holding_usage_without_output_tokens_is_a_bad_line(tmp_path:
     assert doc["totals"]["requests"] == 1
     assert [(b["file"], b["line"]) for b in doc["bad_lines"]] == [(str(f), 2)]
     assert "1 line(s) holding usage could not be read" in res.stderr
+
+
+def test_by_week_starts_on_sunday_like_ccusage_or_on_the_day_given(tmp_path: Path, book: PriceBook) -> None:
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [
+        cc_line(SID_A, "msg_1", "req_1", 1, "2026-02-07T10:00:00.000Z"),     # a Saturday
+        cc_line(SID_A, "msg_2", "req_2", 2, "2026-02-08T10:00:00.000Z"),     # Sunday
+        cc_line(SID_A, "msg_3", "req_3", 4, "2026-02-09T10:00:00.000Z"),     # Monday
+    ])
+    assert {k: r["output_tokens"] for k, r in rows(report([f], book, by="week")).items()} == \
+        {"2026-02-01": 1, "2026-02-08": 6}
+    assert {k: r["output_tokens"] for k, r in rows(report([f], book, by="week", start_of_week="monday")).items()} == \
+        {"2026-02-02": 3, "2026-02-09": 4}
+    res = CliRunner().invoke(main, ["report", str(f), "--by", "week", "--start-of-week", "monday", "--tz", "UTC"])
+    assert res.exit_code == 0 and "Week" in res.stdout and "2026-02-09" in res.stdout
+
+
+def test_breakdown_gives_per_model_rows_inside_each_row(tmp_path: Path, book: PriceBook) -> None:
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [
+        cc_line(SID_A, "msg_1", "req_1", 1, "2026-02-07T10:00:00.000Z", model="claude-opus-4-6"),
+        cc_line(SID_A, "msg_2", "req_2", 2, "2026-02-07T11:00:00.000Z", model="claude-haiku-4-5-20251001"),
+        cc_line(SID_A, "msg_3", "req_3", 4, "2026-02-07T12:00:00.000Z", model="claude-opus-4-6"),
+    ])
+    doc = report([f], book, breakdown=True)
+    row = doc["rows"][0]
+    subs = {b["model"]: b for b in row["breakdown"]}
+    assert set(subs) == {"claude-opus-4-6", "claude-haiku-4-5-20251001"}
+    assert subs["claude-opus-4-6"]["output_tokens"] == 5 and subs["claude-opus-4-6"]["requests"] == 2
+    assert sum(b["cost_usd"] for b in row["breakdown"]) == pytest.approx(row["cost_usd"])
+    assert [b["model"] for b in row["breakdown"]] == ["claude-opus-4-6", "claude-haiku-4-5-20251001"]   # by cost
+    assert "breakdown" not in report([f], book)["rows"][0]
+    res = CliRunner().invoke(main, ["report", str(f), "--breakdown", "--tz", "UTC"], env={"COLUMNS": "140"})
+    assert res.exit_code == 0 and "└ opus-4-6" in res.stdout and "└ haiku-4-5" in res.stdout
+    res = CliRunner().invoke(main, ["report", str(f), "--breakdown", "--json"])
+    assert len(json.loads(res.stdout)["rows"][0]["breakdown"]) == 2

@@ -24,12 +24,17 @@ from ctxreplay.pipeline.commands.clicommon import (
     paths_or_roots,
 )
 
-BY = ("session", "day", "month", "model", "project")
+BY = ("session", "day", "week", "month", "model", "project")
+WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 
 
 @click.command(context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option("--by", "by", type=click.Choice(BY), default="session", show_default=True, help="Group rows by.")
+@click.option("--breakdown", is_flag=True, help="Under each row, a row per model (in --json: each row's "
+              "`breakdown`).")
+@click.option("--start-of-week", type=click.Choice(WEEKDAYS), default="sunday", show_default=True,
+              help="With --by week: the day a week starts on (a week's key is that day's date).")
 @click.option("--since", help="First day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
 @click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
 @click.option("--tz", help="Time zone of days and months (IANA name, e.g. UTC); default: this machine's.")
@@ -56,7 +61,7 @@ BY = ("session", "day", "month", "model", "project")
                    "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
 @follow_links_option()
 @no_cache_option()
-def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | None, tz: str | None, json_: bool,
+def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str, since: str | None, until: str | None, tz: str | None, json_: bool,
            strict: bool, wide: bool, prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
            sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
@@ -95,7 +100,7 @@ def report(paths: tuple[Path, ...], by: str, since: str | None, until: str | Non
     chosen = paths_or_roots(paths, "ctxreplay report data/samples")
     opts = ReportOptions(by=by, since=parse_day(since, "--since"), until=parse_day(until, "--until"),  # type: ignore[arg-type]
                          tz=tz, compat=compat, count_progress_copies=count_progress_copies,  # type: ignore[arg-type]
-                         workers=workers)
+                         workers=workers, breakdown=breakdown, start_of_week=start_of_week)
     book = PriceBook.load(prices_file)
     rep = build_report(chosen, book, opts)
     doc = rep.to_json()
@@ -203,9 +208,14 @@ def _columns(doc: dict[str, Any], lay: dict[str, bool]) -> list[tuple[str, str, 
     t = doc["totals"]
     short = lay.get("short", False)
 
+    models_col = by != "model" and not lay.get("no_models")
+
+    def sub(r: dict[str, Any]) -> str:
+        return "└ " + (_short_model(r["_model_of"]) if short else r["_model_of"])
+
     def key(r: dict[str, Any]) -> str:
         if r.get("_model_of"):
-            return "  └ " + (_short_model(r["_model_of"]) if short else r["_model_of"])
+            return "" if models_col else "  " + sub(r)
         k = r["key"]
         return k[:8] if short and by == "session" and _is_uuid(k) else k
 
@@ -215,9 +225,9 @@ def _columns(doc: dict[str, Any], lay: dict[str, bool]) -> list[tuple[str, str, 
         n = 10 if lay.get("day_only") else 16
         cols.append(("Last activity" if n == 16 else "Last day", "",
                      lambda r: "" if r.get("_model_of") else (r["last_activity"] or "")[:n].replace("T", " "), "text"))
-    if by != "model" and not lay.get("no_models"):
+    if models_col:
         names = (lambda ms: ", ".join(_short_model(m) for m in ms)) if short else (lambda ms: ", ".join(ms))
-        cols.append(("Models", str(len(t["models"])), lambda r: "" if r.get("_model_of") else names(r["models"]),
+        cols.append(("Models", str(len(t["models"])), lambda r: sub(r) if r.get("_model_of") else names(r["models"]),
                      "fold"))
     nums = [("Input", "input_tokens")] if not lay.get("no_input") else []
     nums.append(("Output", "output_tokens"))

@@ -41,8 +41,9 @@ from ctxreplay.pipeline.loaders.inputs import list_files, open_input
 from ctxreplay.pipeline.reporting import gemini_usage
 from ctxreplay.pipeline.reporting.tokencount import token_count
 
-By = Literal["session", "day", "month", "model", "project"]
-BY_CHOICES = ("session", "day", "month", "model", "project")
+By = Literal["session", "day", "week", "month", "model", "project"]
+BY_CHOICES = ("session", "day", "week", "month", "model", "project")
+WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 PARALLEL_MIN_BYTES = 48_000_000
 _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _CODEX_NEEDLES = (b'"token_count"', b'"turn_context"', b'"session_meta"')
@@ -65,6 +66,10 @@ class ReportOptions:
     count_progress_copies: bool = False
     workers: int | None = None
     """Processes for the scan; None: the CPU count when the input is large (>= 48 MB), else 1."""
+    breakdown: bool = False
+    """Each row also gets `breakdown`: its sums per model (ccusage's --breakdown)."""
+    start_of_week: str = "sunday"
+    """First day of a `week` row (its key is that day's date), as ccusage's weekly report (default sunday)."""
 
 
 @dataclass
@@ -784,14 +789,22 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         kept = [r for r in kept if inside(r)]
         progress_only = [r for r in progress_only if inside(r)]
     by = opts.by
-    field_of = {"session": SESSION, "day": DAY, "model": MODEL, "project": PROJECT, "month": DAY}[by]
+    field_of = {"session": SESSION, "day": DAY, "model": MODEL, "project": PROJECT, "month": DAY, "week": DAY}[by]
+    week_of = _week_fn(opts.start_of_week)
     groups: dict[str, _Acc] = {}
+    per_model: dict[str, dict[str, _Acc]] = {}
     for r in kept:
-        g = r[field_of] if by != "month" else r[DAY][:7]
+        g = r[DAY][:7] if by == "month" else week_of(r[DAY]) if by == "week" else r[field_of]
         acc = groups.get(g)
         if acc is None:
             acc = groups[g] = _Acc(r[PROJECT], r[SOURCE])
         acc.add(r, r[COST])
+        if opts.breakdown:
+            subs_of = per_model.setdefault(g, {})
+            sub = subs_of.get(r[MODEL])
+            if sub is None:
+                sub = subs_of[r[MODEL]] = _Acc()
+            sub.add(r, r[COST])
     totals = _Acc()
     for acc in groups.values():
         totals.merge(acc)
@@ -804,6 +817,9 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         if by == "session":
             row["project"] = acc.project
             row["source"] = acc.source
+        if opts.breakdown:
+            subs = [{"model": m, **sub.row(None)} for m, sub in per_model.get(g, {}).items()]
+            row["breakdown"] = sorted(subs, key=lambda x: (-x["cost_usd"], x["model"]))
         rows.append(row)
     if by == "session":
         rows.sort(key=lambda x: (x["last_activity"] or "", x["key"]))
@@ -826,3 +842,27 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
 
 
 parse_day = _parse_day
+
+
+def _week_fn(start: str) -> Callable[[str], str]:
+    """'YYYY-MM-DD' → the date of the first day of its week (weeks starting on `start`), memoised."""
+    from datetime import timedelta
+
+    if start not in WEEKDAYS:
+        raise InputError(f"--start-of-week {start!r}: choose one of {', '.join(WEEKDAYS)}")
+    first = WEEKDAYS.index(start)
+    memo: dict[str, str] = {}
+
+    def week(day: str) -> str:
+        got = memo.get(day)
+        if got is None:
+            try:
+                d = date.fromisoformat(day)
+            except ValueError:
+                got = "unknown"
+            else:
+                got = (d - timedelta(days=(d.weekday() - first) % 7)).isoformat()
+            memo[day] = got
+        return got
+
+    return week
