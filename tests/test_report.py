@@ -744,3 +744,19 @@ def test_breakdown_gives_per_model_rows_inside_each_row(tmp_path: Path, book: Pr
     assert res.exit_code == 0 and "└ opus-4-6" in res.stdout and "└ haiku-4-5" in res.stdout
     res = CliRunner().invoke(main, ["report", str(f), "--breakdown", "--json"])
     assert len(json.loads(res.stdout)["rows"][0]["breakdown"]) == 2
+
+
+def test_by_block_follows_ccusage_five_hour_blocks(tmp_path: Path, book: PriceBook) -> None:
+    times = ["2026-02-10T10:15:00.000Z", "2026-02-10T12:00:00.000Z", "2026-02-10T15:00:00.000Z",   # 5 h exactly: in
+             "2026-02-10T15:10:00.000Z", "2026-02-10T15:20:00.000Z",                                 # past 5 h: next
+             "2026-02-11T01:00:00.000Z"]                                                             # a gap: next
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [cc_line(SID_A, f"m{i}", f"r{i}", 1, ts) for i, ts in enumerate(times)])
+    g = write(tmp_path / "p" / f"{SID_B}.jsonl", [cc_line(SID_B, "mb", "rb", 1, "2026-02-10T11:00:00.000Z")])
+    doc = report([f, g], book, by="block")
+    assert [(r["key"], r["requests"], r["block_start"], r["block_end"], r["active"]) for r in doc["rows"]] == [
+        ("2026-02-10 10:00", 4, "2026-02-10T10:00:00.000Z", "2026-02-10T15:00:00.000Z", False),
+        ("2026-02-10 15:00", 2, "2026-02-10T15:00:00.000Z", "2026-02-10T20:00:00.000Z", False),
+        ("2026-02-11 01:00", 1, "2026-02-11T01:00:00.000Z", "2026-02-11T06:00:00.000Z", False)]
+    assert report([f, g], book, by="block", tz="Asia/Kolkata")["rows"][0]["key"] == "2026-02-10 15:30"
+    res = CliRunner().invoke(main, ["report", str(f), "--by", "block", "--tz", "UTC"])
+    assert res.exit_code == 0 and "Block" in res.stdout and "2026-02-10 15:00" in res.stdout

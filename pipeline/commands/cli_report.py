@@ -24,7 +24,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     paths_or_roots,
 )
 
-BY = ("session", "day", "week", "month", "model", "project")
+BY = ("session", "day", "week", "month", "block", "model", "project")
 WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 
 

@@ -41,8 +41,9 @@ from ctxreplay.pipeline.loaders.inputs import list_files, open_input
 from ctxreplay.pipeline.reporting import gemini_usage
 from ctxreplay.pipeline.reporting.tokencount import token_count
 
-By = Literal["session", "day", "week", "month", "model", "project"]
-BY_CHOICES = ("session", "day", "week", "month", "model", "project")
+By = Literal["session", "day", "week", "month", "block", "model", "project"]
+BY_CHOICES = ("session", "day", "week", "month", "block", "model", "project")
+BLOCK_HOURS = 5
 WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 PARALLEL_MIN_BYTES = 48_000_000
 _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -789,12 +790,14 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         kept = [r for r in kept if inside(r)]
         progress_only = [r for r in progress_only if inside(r)]
     by = opts.by
-    field_of = {"session": SESSION, "day": DAY, "model": MODEL, "project": PROJECT, "month": DAY, "week": DAY}[by]
+    field_of = {"session": SESSION, "day": DAY, "model": MODEL, "project": PROJECT, "month": DAY, "week": DAY, "block": TS}[by]
     week_of = _week_fn(opts.start_of_week)
+    blocks = _blocks(kept, opts.tz) if by == "block" else {}
     groups: dict[str, _Acc] = {}
     per_model: dict[str, dict[str, _Acc]] = {}
-    for r in kept:
-        g = r[DAY][:7] if by == "month" else week_of(r[DAY]) if by == "week" else r[field_of]
+    for i, r in enumerate(kept):
+        g = r[DAY][:7] if by == "month" else week_of(r[DAY]) if by == "week" else \
+            blocks[i][0] if by == "block" else r[field_of]
         acc = groups.get(g)
         if acc is None:
             acc = groups[g] = _Acc(r[PROJECT], r[SOURCE])
@@ -817,6 +820,8 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         if by == "session":
             row["project"] = acc.project
             row["source"] = acc.source
+        if by == "block":
+            row.update(blocks["info"][g])
         if opts.breakdown:
             subs = [{"model": m, **sub.row(None)} for m, sub in per_model.get(g, {}).items()]
             row["breakdown"] = sorted(subs, key=lambda x: (-x["cost_usd"], x["model"]))
@@ -826,7 +831,7 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
     elif by == "model":
         rows.sort(key=lambda x: (-x["cost_usd"], x["key"]))
     else:
-        rows.sort(key=lambda x: x["key"])
+        rows.sort(key=lambda x: (x.get("block_start") or "", x["key"]))
     book.save()
     progress = po.row(None)
     progress["counted"] = count_copies
@@ -842,6 +847,52 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
 
 
 parse_day = _parse_day
+
+
+def _blocks(records: list[tuple[Any, ...]], tz: str | None) -> dict[Any, Any]:
+    """ccusage's 5-hour billing blocks over all the records, in time order: a block starts at the hour
+    (UTC) of its first request and takes every request until one comes more than 5 hours after the
+    block's start or after the previous request. Returns {index in records: (key,)} and "info":
+    {key: block_start, block_end (ISO, UTC), active (the block's end is still ahead and its last request
+    less than 5 hours ago)}; the key is the start in `tz` ("YYYY-MM-DD HH:MM")."""
+    from datetime import timedelta
+
+    zone = _zone(tz)
+    span = timedelta(hours=BLOCK_HOURS)
+    now = datetime.now(UTC)
+    timed: list[tuple[datetime, int]] = []
+    out: dict[Any, Any] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for i, r in enumerate(records):
+        try:
+            dt = datetime.fromisoformat(r[TS]) if r[TS] else None
+        except ValueError:
+            dt = None
+        if dt is None:
+            out[i] = ("unknown",)
+            info["unknown"] = {"block_start": None, "block_end": None, "active": False}
+            continue
+        timed.append((dt if dt.tzinfo else dt.replace(tzinfo=UTC), i))
+    timed.sort()
+
+    def iso(d: datetime) -> str:
+        return d.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+    start = last = None
+    key = ""
+    for dt, i in timed:
+        if start is None or dt - start > span or dt - last > span:
+            if start is not None:
+                info[key]["active"] = now - last < span and now < start + span
+            start = dt.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+            key = start.astimezone(zone).strftime("%Y-%m-%d %H:%M")
+            info[key] = {"block_start": iso(start), "block_end": iso(start + span), "active": False}
+        last = dt
+        out[i] = (key,)
+    if start is not None and last is not None:
+        info[key]["active"] = now - last < span and now < start + span
+    out["info"] = info
+    return out
 
 
 def _week_fn(start: str) -> Callable[[str], str]:
