@@ -117,3 +117,104 @@ def test_plugin_module_imports_nothing_heavy() -> None:
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ unused goldens (issue 24)
+
+TWO_TESTS = """
+def test_alpha(ctxreplay_golden):
+    ctxreplay_golden.check("sessions/codex-sample.jsonl", preset="identity", fast_tokens=True)
+
+
+def test_beta(ctxreplay_golden):
+    ctxreplay_golden.check("sessions/codex-sample.jsonl", preset="identity", fast_tokens=True)
+    ctxreplay_golden.check("sessions/codex-sample.jsonl", preset="minimal", fast_tokens=True)
+"""
+
+
+@pytest.fixture
+def two(pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """Two tests, three goldens (test_beta checks twice), written."""
+    (pytester.path / "sessions").mkdir()
+    shutil.copy(SAMPLES / "codex-sample.jsonl", pytester.path / "sessions")
+    pytester.makepyfile(test_pair=TWO_TESTS)
+    pytester.makeini("[pytest]\n")
+    monkeypatch.setenv("CTXREPLAY_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "price-cache"))
+    pytester.runpytest_subprocess("-q", "--ctxreplay-update").assert_outcomes(passed=2)
+    assert _goldens(pytester) == ["test_alpha", "test_beta", "test_beta-2"]
+    return pytester
+
+
+def _goldens(p: pytest.Pytester, stem: str = "test_pair") -> list[str]:
+    d = p.path / "__ctxreplay__" / stem
+    return sorted(x.name for x in d.iterdir()) if d.is_dir() else []
+
+
+def test_goldens_of_a_renamed_test_are_reported_then_deleted_with_update(two: pytest.Pytester) -> None:
+    two.makepyfile(test_pair=TWO_TESTS.replace("def test_alpha(", "def test_gamma("))
+    r = two.runpytest_subprocess("-q")
+    r.assert_outcomes(passed=1, failed=1)  # test_gamma has no goldens yet
+    r.stdout.fnmatch_lines([("*ctxreplay: 1 unused golden (no test checks it any more: a test renamed or removed); "
+                             "pytest --ctxreplay-update deletes it:"),
+                            "  __ctxreplay__/test_pair/test_alpha"])
+    assert _goldens(two) == ["test_alpha", "test_beta", "test_beta-2"]  # reported, not deleted
+    r = two.runpytest_subprocess("-q", "--ctxreplay-update")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["*ctxreplay: deleted 1 unused golden (no test checks it any more):",
+                            "  __ctxreplay__/test_pair/test_alpha"])
+    assert _goldens(two) == ["test_beta", "test_beta-2", "test_gamma"]
+    r = two.runpytest_subprocess("-q")
+    r.assert_outcomes(passed=2)
+    assert "unused golden" not in r.stdout.str()
+
+
+def test_a_check_removed_from_a_test_leaves_its_golden_unused(two: pytest.Pytester) -> None:
+    two.makepyfile(test_pair=TWO_TESTS.split("    ctxreplay_golden.check(\"sessions/codex-sample.jsonl\", "
+                                             "preset=\"minimal\"")[0])
+    r = two.runpytest_subprocess("-q", "-p", "no:xdist")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["*ctxreplay: 1 unused golden*", "  __ctxreplay__/test_pair/test_beta-2"])
+
+
+def test_goldens_of_deselected_failed_or_skipped_tests_are_not_reported(two: pytest.Pytester) -> None:
+    r = two.runpytest_subprocess("-q", "-k", "alpha")
+    r.assert_outcomes(passed=1)
+    assert "unused golden" not in r.stdout.str()
+    two.makepyfile(test_pair=TWO_TESTS.replace("def test_beta(ctxreplay_golden):\n",
+                                               "def test_beta(ctxreplay_golden):\n    assert False\n"))
+    r = two.runpytest_subprocess("-q")
+    r.assert_outcomes(passed=1, failed=1)
+    assert "unused golden" not in r.stdout.str()
+    two.makepyfile(test_pair="import pytest\n" + TWO_TESTS.replace("def test_beta(",
+                                                                   "@pytest.mark.skip\ndef test_beta("))
+    r = two.runpytest_subprocess("-q")
+    r.assert_outcomes(passed=1, skipped=1)
+    assert "unused golden" not in r.stdout.str()
+
+
+def test_goldens_of_a_removed_test_file_are_reported_with_xdist_too(two: pytest.Pytester) -> None:
+    two.makepyfile(test_other="def test_other():\n    pass\n")
+    (two.path / "test_pair.py").unlink()
+    r = two.runpytest_subprocess("-q", "-n", "2")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines([("*ctxreplay: 3 unused goldens (no test checks them any more: a test renamed or "
+                             "removed); pytest --ctxreplay-update deletes them:"),
+                            "  __ctxreplay__/test_pair/test_alpha", "  __ctxreplay__/test_pair/test_beta",
+                            "  __ctxreplay__/test_pair/test_beta-2"])
+    r = two.runpytest_subprocess("-q", "-n", "2", "--ctxreplay-update")
+    r.stdout.fnmatch_lines(["*ctxreplay: deleted 3 unused goldens*"])
+    assert not (two.path / "__ctxreplay__").exists()
+
+
+def test_used_goldens_are_not_reported_with_xdist(two: pytest.Pytester) -> None:
+    two.makepyfile(test_pair=TWO_TESTS.replace("def test_alpha(", "def test_gamma("))
+    r = two.runpytest_subprocess("-q", "-n", "2")
+    r.assert_outcomes(passed=1, failed=1)
+    r.stdout.fnmatch_lines(["*ctxreplay: 1 unused golden*", "  __ctxreplay__/test_pair/test_alpha"])
+    assert "test_beta" not in r.stdout.str().split("unused golden")[1]
+    # --ctxreplay-update under xdist deletes that one only (a worker sees its own tests: it never decides)
+    r = two.runpytest_subprocess("-q", "-n", "2", "--ctxreplay-update")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["*ctxreplay: deleted 1 unused golden*", "  __ctxreplay__/test_pair/test_alpha"])
+    assert _goldens(two) == ["test_beta", "test_beta-2", "test_gamma"]
