@@ -197,7 +197,7 @@ def test_an_edited_input_is_an_input_change_not_a_pipeline_change(base: Path, tm
     f.write_text(f.read_text().replace("Also add a test for it.", "Also add two tests for it."))
     code, doc = _diff_json(s, "--pipeline", base / "policy-2.toml", "--golden", g)
     assert code == 1
-    assert doc["inputs"] == {"changed": ["codex-sample.jsonl"], "added": [], "removed": []}
+    assert doc["inputs"] == {"changed": ["codex-sample.jsonl"], "added": [], "removed": [], "renamed": []}
     assert doc["pipeline_changes"] == []
     assert (doc["summary"]["changed_by_pipeline"], doc["summary"]["changed_by_input"]) == (0, 1)
     (t,) = doc["threads"]
@@ -219,7 +219,7 @@ def test_removed_and_added_inputs_give_vanished_and_new_threads(base: Path, tmp_
     shutil.copy(SAMPLES / "anthropic-request.json", s / "second-request.json")
     code, doc = _diff_json(s, "--pipeline", base / "policy-2.toml", "--golden", g)
     assert code == 1
-    assert doc["inputs"] == {"changed": [], "added": ["second-request.json"], "removed": ["pi-legacy-sample.jsonl"]}
+    assert doc["inputs"] == {"changed": [], "added": ["second-request.json"], "removed": ["pi-legacy-sample.jsonl"], "renamed": []}
     by = {t["thread_key"]: t for t in doc["threads"]}
     assert by[PI]["status"] == "vanished" and by[PI]["cause"] == "input"
     assert by["second-request"]["status"] == "new" and by["second-request"]["cause"] == "input"
@@ -669,7 +669,7 @@ def test_corpus_keep_recent_change_names_call_block_and_decision_of_each_thread(
     assert r.exit_code == 1
     doc = orjson.loads(r.stdout)
     assert doc["pipeline_changes"] == ["tombstone (#8) keep_recent: 5 → 2"]
-    assert doc["inputs"] == {"changed": [], "added": [], "removed": []}
+    assert doc["inputs"] == {"changed": [], "added": [], "removed": [], "renamed": []}
     assert doc["threads"] and all(t["status"] == "changed" and t["cause"] == "pipeline" for t in doc["threads"])
     # every thread whose requests differ has a tombstone decision of one run and not the other
     ledger = pl.read_parquet(tmp_path / "o" / "decisions.parquet").filter(pl.col("stage") == "tombstone")

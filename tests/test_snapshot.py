@@ -14,7 +14,6 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from ctxreplay.pipeline.assembly.replay import request_bytes
 from ctxreplay.pipeline.commands.cli import main
 from ctxreplay.pipeline.core.blockops import canonical_json
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
@@ -22,11 +21,10 @@ from ctxreplay.pipeline.regress.snapshot import (
     GOLDEN_FORMAT_VERSION,
     Golden,
     decode_texts,
-    read_table,
     snapshot,
 )
 from ctxreplay.pipeline.staging.spec import load_spec
-from tests.goldenkit import write_policy
+from tests.goldenkit import rebuild_every_call, write_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
@@ -91,25 +89,8 @@ def test_manifest_names_format_version_target_pipeline_and_input_hashes(golden: 
     assert m["totals"]["calls"] == sum(t["calls"] for t in m["threads"].values()) == 36
 
 
-def _rebuild_every_call(g: Golden) -> int:
-    rebuilt = 0
-    for key, info in g.threads.items():
-        lists = {k: (shas, env) for k, shas, env in g.call_lists(key)}
-        calls = read_table(g.thread_dir(key) / "calls.jsonl")
-        assert [c["call"] for c in calls] == list(range(info["first_call"], info["pending_call"] + 1))
-        for c in calls:
-            shas, env = lists[c["call"]]
-            assert env and len(shas) == c["n_messages"]
-            data = request_bytes(g.list_key, [g.message(s, key) for s in shas], g.message(env, key))  # type: ignore[misc]
-            assert hashlib.sha256(data).hexdigest() == c["request_sha256"], (key, c["call"])
-            rebuilt += 1
-        # the pending request: the pending call's request, its texts put back
-        assert canonical_json(g.pending_request(key)) == data
-    return rebuilt
-
-
 def test_goldens_rebuild_every_call_request_byte_for_byte(golden: Path) -> None:
-    assert _rebuild_every_call(Golden(golden)) == 36
+    assert rebuild_every_call(Golden(golden)) == 36
 
 
 def test_messages_file_holds_only_what_no_pending_request_holds(golden: Path) -> None:
@@ -232,7 +213,7 @@ def test_goldens_of_format_1_are_still_read_and_update_rewrites_them(tmp_path: P
     shutil.copytree(ROOT / "tests" / "fixtures" / "golden-format-1", g)
     src = SAMPLES / "codex-sample.jsonl"
     assert Golden(g).version == 1 and (g / "threads" / CODEX / "spans.jsonl").is_file()
-    assert _rebuild_every_call(Golden(g)) == 4
+    assert rebuild_every_call(Golden(g)) == 4
     same = _cli("diff", src, "--pipeline", write_policy(tmp_path, 2), "--golden", g)
     assert same.exit_code == 0 and same.stdout.startswith("ctxreplay diff: identical: 1 thread, 4 calls match")
     other = _cli("diff", src, "--pipeline", write_policy(tmp_path, 1), "--golden", g, "--json")
@@ -245,7 +226,7 @@ def test_goldens_of_format_1_are_still_read_and_update_rewrites_them(tmp_path: P
     assert _cli("diff", src, "--pipeline", tmp_path / "policy-2.toml", "--golden", g, "--update", "-q").exit_code == 0
     assert Golden(g).version == GOLDEN_FORMAT_VERSION and not (g / "threads" / CODEX / "spans.jsonl").exists()
     assert (g / "threads" / CODEX / "lists.jsonl").is_file()
-    assert _rebuild_every_call(Golden(g)) == 4
+    assert rebuild_every_call(Golden(g)) == 4
     assert _cli("diff", src, "--pipeline", tmp_path / "policy-2.toml", "--golden", g).exit_code == 0
 
 
@@ -285,4 +266,4 @@ def test_corpus_goldens_are_byte_identical_and_rebuild(corpus: Path, tmp_path: P
     assert _tree(tmp_path / "a") == _tree(tmp_path / "b")
     assert a.calls == 1590 and a.threads == 45
     print(f"corpus goldens: {a.bytes:,} bytes, {a.messages_stored} messages besides the pending requests")
-    assert _rebuild_every_call(Golden(tmp_path / "a")) == 1590
+    assert rebuild_every_call(Golden(tmp_path / "a")) == 1590

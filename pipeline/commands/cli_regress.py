@@ -102,7 +102,15 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
               help="Report format: text, markdown (a pull-request comment) or json.")
 @json_option("the report", note="the same as --format json")
 @click.option("--update", is_flag=True, help="Rewrite the goldens from this run (after reporting what changed); "
-                                             "exit 0.")
+                                             "exit 0. With --thread: only those threads' goldens.")
+@click.option("--thread", "threads", multiple=True, metavar="PREFIX",
+              help="Only the threads whose key starts with PREFIX (a session id or prefix: its threads; "
+                   "SESSION/THREAD: a prefix of each); repeatable. With --update, the other threads' goldens are "
+                   "kept as they are.")
+@click.option("--stat", "detail", flag_value="stat", help="One line per thread (calls that differ, tokens and "
+              "cost delta), no section per thread.")
+@click.option("--all", "detail", flag_value="all", help="Every differing call of each thread, each with where it "
+              "differs and the decision behind it (a call that differs as the one before it says so).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path),
               help="Keep this run's outputs in DIR (as `ctxreplay run --out` writes them; the ledger is not kept). "
                    "Default: a temporary directory, removed.")
@@ -113,15 +121,18 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
 @follow_links_option()
 @no_cache_option()
 def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
-         golden_dir: Path, fmt: str, json_: bool, update: bool, out_dir: Path | None, prices_file: Path | None,
-         quiet: bool) -> None:
+         golden_dir: Path, fmt: str, json_: bool, update: bool, threads: tuple[str, ...], detail: str | None,
+         out_dir: Path | None, prices_file: Path | None, quiet: bool) -> None:
     """Replay the sessions and compare every request with the goldens; exit 1 when any differs.
 
     The report starts with a one-screen summary (threads changed by the pipeline or by changed
     inputs, new and vanished threads, calls that differ, the prompt-token and cost deltas); then,
     per changed thread, the first call whose request differs, the message and block where it
-    differs, the stage decision that explains it, and a unified diff of that block. Input files
-    whose sha256 changed are reported apart: an input change is not a pipeline regression.
+    differs, the stage decision that explains it, and a unified diff of that block (--all: every
+    differing call; --stat: one line per thread). Input files whose sha256 changed are reported
+    apart: an input change is not a pipeline regression; a file renamed (the same bytes under
+    another name) is matched with its threads by content and said "renamed" (exit 0 when nothing
+    else changed).
 
     \b
     Example:
@@ -133,7 +144,8 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
     fmt = "json" if json_ else fmt
     spec = load_spec(pipeline_file, preset=preset)
     report = run_diff(paths_or_roots(paths, "ctxreplay diff sessions/ --golden golden/"), spec, golden_dir, target=target, update=update, out_dir=out_dir,
-                      prices=prices_file, progress=_progress(quiet or fmt == "json"))
+                      prices=prices_file, progress=_progress(quiet or fmt == "json"), threads=threads,
+                      detail=detail or "first")
     if report is None:  # --update with no goldens to compare with: written afresh
         if not quiet:
             echo(f"ctxreplay diff: no goldens to compare with in {golden_dir}; wrote them from this run", err=True)
@@ -150,6 +162,11 @@ def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None
              f"compare {s.get('compare', 0):.2f} s)", err=True)
         for note in report.notes:
             echo(f"ctxreplay diff: note: {note}", err=True)
-        if report.updated:
+        if report.updated and threads:
+            echo(f"ctxreplay diff: goldens in {golden_dir} rewritten from this run for "
+                 f"{plural(report.selection['threads'] if report.selection else 0, 'thread')} of "
+                 f"{' '.join('--thread ' + x for x in threads)}; "
+                 f"{plural(report.kept_threads, 'other thread')} kept as they were", err=True)
+        elif report.updated:
             echo(f"ctxreplay diff: goldens in {golden_dir} rewritten from this run", err=True)
     sys.exit(report.exit_code)
