@@ -760,3 +760,23 @@ def test_by_block_follows_ccusage_five_hour_blocks(tmp_path: Path, book: PriceBo
     assert report([f, g], book, by="block", tz="Asia/Kolkata")["rows"][0]["key"] == "2026-02-10 15:30"
     res = CliRunner().invoke(main, ["report", str(f), "--by", "block", "--tz", "UTC"])
     assert res.exit_code == 0 and "Block" in res.stdout and "2026-02-10 15:00" in res.stdout
+
+
+def test_since_mode_session_keeps_whole_sessions_by_last_activity(tmp_path: Path, book: PriceBook) -> None:
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [
+        cc_line(SID_A, "m1", "r1", 1, "2026-02-09T10:00:00.000Z"),
+        cc_line(SID_A, "m2", "r2", 2, "2026-02-10T10:00:00.000Z"),
+        cc_line(SID_A, "m3", "r3", 4, "2026-02-11T10:00:00.000Z")])
+    g = write(tmp_path / "p" / f"{SID_B}.jsonl", [cc_line(SID_B, "m4", "r4", 8, "2026-02-08T10:00:00.000Z")])
+    from datetime import date
+
+    def outs(**kw: Any) -> dict[str, int]:
+        return {k: r["output_tokens"] for k, r in rows(report([f, g], book, **kw)).items()}
+
+    assert outs(since=date(2026, 2, 10)) == {SID_A: 6}
+    assert outs(since=date(2026, 2, 10), since_mode="session") == {SID_A: 7}
+    assert outs(until=date(2026, 2, 10)) == {SID_A: 3, SID_B: 8}
+    assert outs(until=date(2026, 2, 10), since_mode="session") == {SID_B: 8}
+    res = CliRunner().invoke(main, ["report", str(f), "--since", "20260210", "--since-mode", "session", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["totals"]["output_tokens"] == 7
+    assert "--since-mode" in CliRunner().invoke(main, ["report", "--help"]).stdout

@@ -35,8 +35,12 @@ WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", 
               "`breakdown`).")
 @click.option("--start-of-week", type=click.Choice(WEEKDAYS), default="sunday", show_default=True,
               help="With --by week: the day a week starts on (a week's key is that day's date).")
-@click.option("--since", help="First day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
-@click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz).")
+@click.option("--since", help="First day to count (YYYYMMDD or YYYY-MM-DD, in --tz): requests of earlier "
+              "days are left out, even of a session that goes on past it (see --since-mode).")
+@click.option("--until", help="Last day to count (YYYYMMDD or YYYY-MM-DD, in --tz); as --since.")
+@click.option("--since-mode", type=click.Choice(["request", "session"]), default="request", show_default=True,
+              help="What --since / --until cut: each request by its day, or whole sessions, kept when their "
+                   "last activity's day is in the range (as ccusage's session report).")
 @click.option("--tz", help="Time zone of days and months (IANA name, e.g. UTC); default: this machine's.")
 @json_option()
 @click.option("--strict", is_flag=True, help="Exit 1 when no transcript is found or lines holding usage "
@@ -61,8 +65,9 @@ WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", 
                    "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
 @follow_links_option()
 @no_cache_option()
-def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str, since: str | None, until: str | None, tz: str | None, json_: bool,
-           strict: bool, wide: bool, prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
+def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str, since: str | None,
+           until: str | None, since_mode: str, tz: str | None, json_: bool, strict: bool, wide: bool,
+           prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
            sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
@@ -100,7 +105,8 @@ def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str
     chosen = paths_or_roots(paths, "ctxreplay report data/samples")
     opts = ReportOptions(by=by, since=parse_day(since, "--since"), until=parse_day(until, "--until"),  # type: ignore[arg-type]
                          tz=tz, compat=compat, count_progress_copies=count_progress_copies,  # type: ignore[arg-type]
-                         workers=workers, breakdown=breakdown, start_of_week=start_of_week)
+                         workers=workers, breakdown=breakdown, start_of_week=start_of_week,
+                         since_mode=since_mode)  # type: ignore[arg-type]
     book = PriceBook.load(prices_file)
     rep = build_report(chosen, book, opts)
     doc = rep.to_json()

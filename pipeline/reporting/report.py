@@ -69,6 +69,9 @@ class ReportOptions:
     """Processes for the scan; None: the CPU count when the input is large (>= 48 MB), else 1."""
     breakdown: bool = False
     """Each row also gets `breakdown`: its sums per model (ccusage's --breakdown)."""
+    since_mode: Literal["request", "session"] = "request"
+    """What --since / --until cut: each request by its own day, or whole sessions by their last
+    activity's day (ccusage's session report)."""
     start_of_week: str = "sunday"
     """First day of a `week` row (its key is that day's date), as ccusage's weekly report (default sunday)."""
 
@@ -787,8 +790,19 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
 
         def inside(r: tuple[Any, ...]) -> bool:
             return r[DAY] != "unknown" and lo <= r[DAY] <= hi
-        kept = [r for r in kept if inside(r)]
-        progress_only = [r for r in progress_only if inside(r)]
+        if opts.since_mode == "session":
+            # ccusage's session report: whole sessions, those whose last activity falls on a day in the range
+            last: dict[str, tuple[Any, ...]] = {}
+            for r in (*kept, *progress_only):
+                old = last.get(r[SESSION])
+                if old is None or r[TS] > old[TS]:
+                    last[r[SESSION]] = r
+            chosen = {sid for sid, r in last.items() if inside(r)}
+            kept = [r for r in kept if r[SESSION] in chosen]
+            progress_only = [r for r in progress_only if r[SESSION] in chosen]
+        else:
+            kept = [r for r in kept if inside(r)]
+            progress_only = [r for r in progress_only if inside(r)]
     by = opts.by
     field_of = {"session": SESSION, "day": DAY, "model": MODEL, "project": PROJECT, "month": DAY, "week": DAY, "block": TS}[by]
     week_of = _week_fn(opts.start_of_week)
