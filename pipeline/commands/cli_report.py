@@ -267,13 +267,14 @@ def _display_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _natural_width(cols: list[tuple[str, str, Any, str]], rows: list[dict[str, Any]]) -> int:
+def _natural_width(cols: list[tuple[str, str, Any, str]], rows: list[dict[str, Any]], *, full: bool = False) -> int:
+    """Columns the table needs; folded text columns counted at their narrowest unless `full`."""
     from rich.cells import cell_len
 
     total = 1
     for header, footer, cell, kind in cols:
         w = max([cell_len(header), cell_len(footer), *(cell_len(cell(r)) for r in rows)])
-        total += (min(w, _FOLD_MIN) if kind == "fold" else w) + 3
+        total += (min(w, _FOLD_MIN) if kind == "fold" and not full else w) + 3
     return total
 
 
@@ -294,7 +295,7 @@ def _table(doc: dict[str, Any], *, wide: bool = False, width: int | None = None)
                 break
     cols = _columns(doc, _LAYOUTS[chosen])
     if wide:
-        width = max(width, _natural_width(cols, rows) + 40)
+        width = max(width, _natural_width(cols, rows, full=True))
     table = Table(show_footer=True)
     for header, footer, _, kind in cols:
         table.add_column(header, footer=footer, justify="right" if kind == "num" else "left",
