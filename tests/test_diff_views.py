@@ -102,6 +102,11 @@ def test_all_lists_every_differing_call_with_its_decision(base: Path, tmp_path: 
     assert why.exit_code == 0 and "tombstone: tombstone (token) · from call 3" in why.stdout
     plain = _cli("diff", SAMPLES, "--pipeline", base / "policy-1.toml", "--golden", base / "golden", "-q")
     assert plain.stdout.splitlines()[-1].endswith("(OUT: keep this run's outputs with --out OUT)")
+    md = _cli("diff", SAMPLES, "--pipeline", base / "policy-1.toml", "--golden", base / "golden", "--all",
+              "--format", "markdown", "-q").stdout
+    section = md.split(f"<details><summary><code>{OPENCLAW}</code>")[1].split("</details>")[0]
+    assert "  calls that differ (4):\n  - call 3 (" in section and "\n  - call 7 (" in section
+    assert "      the same difference as call 6 (tombstone tombstone/token from call 6)" in section
 
 
 # ------------------------------------------------------------------------------ --thread
