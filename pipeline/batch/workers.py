@@ -12,9 +12,14 @@ output are those of `--jobs 1`.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
@@ -50,9 +55,59 @@ class SnapshotCache:
         self.new.update(counts)
 
 
-def _init(state: tuple[Any, ...]) -> None:
-    """A worker starts (spawned: no thread pool of the parent's is inherited): its Env."""
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT held back in this thread while workers are spawned (issue 23, item 8): a spawned
+    process inherits the signal mask, so a Ctrl-C during its start-up (importing, unpickling its
+    state) stays pending there until `_init` ignores it, instead of a KeyboardInterrupt traceback.
+    Here, the Ctrl-C is delivered when the mask is restored: it is deferred, not lost."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker exits when the process that started it dies (killed with SIGKILL, or by the OOM
+    killer: it can clean nothing up). On Linux the kernel kills it (prctl PR_SET_PDEATHSIG; the
+    workers are spawned from the parent's main thread, which lives as long as the parent); elsewhere
+    a thread checks once a second whether its parent changed. Either way a parent already gone by
+    now is noticed at once."""
+    done = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            done = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if os.getppid() != parent:
+        os._exit(1)
+    if not done:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="ctxreplay-parent-watch", daemon=True).start()
+
+
+def _init(state: tuple[Any, ...], parent: int | None = None) -> None:
+    """A worker starts (spawned: no thread pool of the parent's is inherited): its Env. Ctrl-C is
+    the parent's to handle (it reaches the whole process group: a worker that took it would print
+    a KeyboardInterrupt traceback, or die and break the pool); the worker exits with its parent."""
     global _ENV
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also drops one pending since the spawn
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if parent is not None:
+        _die_with_parent(parent)
     spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens = state
 
     def earlier_of(s: list[str]) -> pl.DataFrame:
@@ -98,20 +153,47 @@ def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterat
             yield run_batch(index, groups, env)
         return
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(min(n_jobs, len(jobs)), mp_context=ctx, initializer=_init, initargs=(state,)) as ex:
+    ex = ProcessPoolExecutor(min(n_jobs, len(jobs)), mp_context=ctx, initializer=_init, initargs=(state, os.getpid()))
+    finished = False
+    try:
         pending: list[Future[Any]] = []
         todo = iter(jobs)
         for job in todo:
-            pending.append(ex.submit(_work, job))
+            with _sigint_blocked():  # submit spawns a worker while there are fewer than n_jobs
+                pending.append(ex.submit(_work, job))
             if len(pending) > n_jobs:
                 break
         while pending:
             result, new, counted, hits = pending.pop(0).result()
             nxt = next(todo, None)
             if nxt is not None:
-                pending.append(ex.submit(_work, nxt))
+                with _sigint_blocked():
+                    pending.append(ex.submit(_work, nxt))
             take_counts(env, ledger, new, counted, hits)
             yield result
+        finished = True
+    finally:
+        if finished:
+            ex.shutdown(wait=True)
+        else:
+            _stop(ex)
+
+
+def _stop(ex: ProcessPoolExecutor) -> None:
+    """The pool ended before its batches did (Ctrl-C, SIGTERM, an error, the run's generator closed):
+    its workers killed (their batches are of no use now, and nothing of theirs is shared) rather
+    than waited for, then the pool shut down, which frees its queues and their semaphores (no
+    `leaked semaphore` warning)."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.kill()
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(5)
+    with contextlib.suppress(Exception):
+        ex.shutdown(wait=True)
 
 
 def take_counts(env: Env, ledger: Any, new: dict[str, int], counted: int, hits: int) -> None:

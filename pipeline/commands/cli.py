@@ -56,20 +56,78 @@ class _Main(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with _signals_raise():
+                return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
             raise
         except CtxReplayError as exc:
+            if _SIGNALLED and exc.exit_code != 130:  # an error the interruption caused (see _signals_raise)
+                raise _interrupted(exc) from None
             raise _Shown(exc) from exc
         except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as Unix tools do
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(141)
-        except KeyboardInterrupt:
-            raise _Shown(Interrupted("interrupted; the output directory still holds the last complete run and the "
-                                     "ledger is as it was before this run")) from None
+        except KeyboardInterrupt as exc:
+            raise _interrupted(exc) from None
         except Exception as exc:
+            if _SIGNALLED:  # an error the interruption caused (see _signals_raise)
+                raise _interrupted(exc) from None
             raise _Shown(internal_error(exc)) from exc
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is (as Ctrl-C is), so that it cleans up as on Ctrl-C: worker
+    processes stopped, their queues' semaphores freed (no `leaked semaphore` warning), locks released."""
+
+
+_SIGNALLED: list[int] = []  # the signals (SIGINT, SIGTERM) this command received
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Any:
+    """While a command runs (issue 23, item 8): Ctrl-C raises KeyboardInterrupt as always and
+    SIGTERM raises _Terminated, where nobody set a handler of their own and in the main thread only;
+    each is noted, so that an error it caused on its way up (DuckDB's `Query interrupted`, a
+    BrokenProcessPool, a polars panic) still ends as the interruption it is, not an internal error."""
+    import signal
+    import threading
+
+    _SIGNALLED.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        _SIGNALLED.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        _SIGNALLED.append(signum)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise _Terminated()
+
+    old = {}
+    for sig, handler, default in ((signal.SIGINT, on_sigint, signal.default_int_handler),
+                                  (signal.SIGTERM, on_sigterm, signal.SIG_DFL)):
+        if signal.getsignal(sig) == default:
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _interrupted(exc: BaseException) -> _Shown:
+    import signal
+
+    term = isinstance(exc, _Terminated) or signal.SIGTERM in _SIGNALLED
+    err = Interrupted(f"{'terminated (SIGTERM)' if term else 'interrupted'}; the output directory still holds the "
+                      "last complete run and the ledger is as it was before this run")
+    if term:
+        err.exit_code = 143  # 128 + SIGTERM, as a shell reports a process it ended
+    return _Shown(err)
 
 
 def _progress(quiet: bool, json_: bool) -> Any:

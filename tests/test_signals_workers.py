@@ -1,0 +1,180 @@
+"""Signals with worker processes (issue 23, item 8): `ctxreplay run --jobs 2` on a tree of several
+batches, a signal sent while its workers start or run.
+
+- Ctrl-C (SIGINT to the whole process group, as a terminal sends it): exit 130 with one paragraph,
+  no worker KeyboardInterrupt traceback, no internal error (BrokenProcessPool, DuckDB's "Query
+  interrupted", a polars panic), no process left;
+- SIGTERM to the parent: exit 143 with one paragraph, no `leaked semaphore` warning, no process left;
+- SIGKILL of the parent: its workers exit with it.
+
+Each run is in a session of its own (its process group is the run's); every wait is bounded and
+whatever is left of the group is killed at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _tree(tmp: Path) -> Path:
+    tree = tmp / "tree"
+    shutil.copytree(ROOT / "data" / "samples", tree / "samples")
+    shutil.copytree(ROOT / "tests" / "fixtures" / "loaders", tree / "fixtures")
+    return tree
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of a process group."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(d.name))
+    return out
+
+
+def _workers(pid: int) -> list[int]:
+    """The children of `pid` that are multiprocessing workers (not its resource tracker)."""
+    out = []
+    for c in _group(pid):
+        try:
+            cmd = Path(f"/proc/{c}/cmdline").read_bytes()
+            stat = Path(f"/proc/{c}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        if ppid == pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(c)
+    return out
+
+
+@contextlib.contextmanager
+def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
+    """A run started with SIGINT's default action: one started from a background job of a shell
+    inherits SIGINT ignored (exec keeps an ignored signal ignored) and would never see the Ctrl-C;
+    a handler here is reset to the default in the child."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start(tree: Path, out: Path) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).with_name("ctxreplay")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ctxreplay"]
+    with _ctrl_c_as_in_a_terminal():
+        return subprocess.Popen([*cmd, "run", str(tree), "--out", str(out), "--jobs", "2", "--batch-bytes", "1",
+                             "--fast-tokens", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _wait_for_workers(p: subprocess.Popen[bytes], limit: float = 60.0) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end and p.poll() is None:
+        if _workers(p.pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _finish(p: subprocess.Popen[bytes], limit: float = 60.0) -> tuple[int | None, str, list[int]]:
+    """Exit code, stderr and the processes of its group left 5 s after it exited; then none left."""
+    try:
+        rc: int | None = p.wait(timeout=limit)
+        end = time.monotonic() + 5
+        while _group(p.pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        left = _group(p.pid)
+    except subprocess.TimeoutExpired:
+        rc, left = None, _group(p.pid)
+    finally:
+        if _group(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
+    os.set_blocking(p.stderr.fileno(), False)  # type: ignore[union-attr]
+    err = (p.stderr.read() or b"").decode("utf-8", "replace")  # type: ignore[union-attr]
+    p.stderr.close()  # type: ignore[union-attr]
+    p.wait()
+    return rc, err, left
+
+
+def _one_paragraph(err: str) -> None:
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "internal error" not in err and "leaked" not in err, err
+    assert err.strip().count("\n\n") == 0 and err.startswith("ctxreplay: "), err
+
+
+@pytest.mark.parametrize("after", [0.0, 0.4, 1.5])
+def test_ctrl_c_with_workers_exits_130_in_one_paragraph(tmp_path: Path, after: float) -> None:
+    """Ctrl-C as soon as the first worker is spawned (its start-up: imports, unpickling its state),
+    a little later, and while batches run."""
+    tree = _tree(tmp_path)
+    p = _start(tree, tmp_path / "o")
+    try:
+        assert _wait_for_workers(p), "no worker started"
+        time.sleep(after)
+        os.killpg(p.pid, signal.SIGINT)
+    finally:
+        rc, err, left = _finish(p)
+    if rc == 0:  # the run was over before the signal: nothing to check
+        pytest.skip("the run ended before Ctrl-C")
+    assert rc == 130, err
+    _one_paragraph(err)
+    assert "interrupted" in err
+    assert not left
+
+
+def test_sigterm_with_workers_exits_143_without_leaked_semaphores(tmp_path: Path) -> None:
+    tree = _tree(tmp_path)
+    p = _start(tree, tmp_path / "o")
+    try:
+        assert _wait_for_workers(p), "no worker started"
+        time.sleep(1.0)
+        os.kill(p.pid, signal.SIGTERM)
+    finally:
+        rc, err, left = _finish(p)
+    if rc == 0:
+        pytest.skip("the run ended before SIGTERM")
+    assert rc == 143, err
+    _one_paragraph(err)
+    assert "terminated" in err
+    assert not left
+
+
+@pytest.mark.parametrize("after", [0.0, 1.0])
+def test_workers_exit_when_the_parent_is_killed(tmp_path: Path, after: float) -> None:
+    tree = _tree(tmp_path)
+    p = _start(tree, tmp_path / "o")
+    try:
+        assert _wait_for_workers(p), "no worker started"
+        time.sleep(after)
+        workers = _workers(p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        rc, _err, left = _finish(p, limit=10)
+    assert rc == -signal.SIGKILL
+    assert workers and not [w for w in workers if w in left], left
+    assert not left, left
