@@ -127,7 +127,7 @@ def _one_paragraph(err: str) -> None:
     assert err.strip().count("\n\n") == 0 and err.startswith("ctxreplay: "), err
 
 
-@pytest.mark.parametrize("after", [0.0, 0.4, 1.5])
+@pytest.mark.parametrize("after", [0.0, pytest.param(0.4, marks=pytest.mark.slow), 1.5])
 def test_ctrl_c_with_workers_exits_130_in_one_paragraph(tmp_path: Path, after: float) -> None:
     """Ctrl-C as soon as the first worker is spawned (its start-up: imports, unpickling its state),
     a little later, and while batches run."""
@@ -164,7 +164,7 @@ def test_sigterm_with_workers_exits_143_without_leaked_semaphores(tmp_path: Path
     assert not left
 
 
-@pytest.mark.parametrize("after", [0.0, 1.0])
+@pytest.mark.parametrize("after", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_workers_exit_when_the_parent_is_killed(tmp_path: Path, after: float) -> None:
     tree = _tree(tmp_path)
     p = _start(tree, tmp_path / "o")
