@@ -49,7 +49,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ import polars as pl
 
 from ctxreplay.errors import GoldenError, InputError, OutputError
 from ctxreplay.pipeline.core.blockops import canonical_json
+from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.version import __version__
 
 GOLDEN_FORMAT = "ctxreplay-golden"
@@ -85,8 +86,6 @@ PRETTY_WIDTH = 120  # pending.json: a container wider than this is spread over l
 BLOCK_DEPTH, BLOCK_CHARS = 4, 1000  # but a block (request > list > message > content > block) up to 1000
 DECISION_COLUMNS = ["from_call", "stage", "action", "reason", "cache_epoch", "is_provisional", "entry_id",
                     "block_pos", "part_pos", "tool_use_id", "before_sha256", "after_sha256"]
-
-Progress = Callable[[str], None]
 
 
 # ------------------------------------------------------------------------------------------ inputs
