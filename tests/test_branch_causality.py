@@ -166,7 +166,8 @@ def test_a_branch_reports_only_its_own_calls_and_request_refuses_inherited_ones(
     r = CliRunner().invoke(cli, ["request", str(out), key, "--call", "7"])
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(cli, ["request", str(out), key, "--call", "2"])
-    assert r.exit_code == 2 and "shares with another thread" in r.output
+    assert r.exit_code == 2 and "is history it shares with thread" in r.output and "own calls are 6, 7, 8, 9 and 10" \
+        in r.output
 
 
 def _requests(calls: pl.DataFrame) -> dict[tuple[str, str, int], tuple[str, int, int]]:

@@ -310,3 +310,11 @@ def test_corpus_gemini_sessions_load_with_exact_accounting(corpus_extra: Path) -
         if f.suffix == ".jsonl":  # records written again: each older version accounted
             n_versions = sum(1 for line in f.read_text().splitlines() if line.strip() and '"id"' in line[:12])
             assert ld.other_lines["superseded_version"] == n_versions - len(raw)
+
+
+def test_a_record_whose_type_is_not_a_string_is_no_gemini_message(tmp_path: Path) -> None:
+    # a JSON array as `type` (found by the loaders' fuzz test): format detection must not raise on it
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"type":[1],"id":"b1","content":"x"}\n{"type":{"a":1},"id":"b2","content":"y"}\n')
+    res = load_paths([f])
+    assert res.blocks.num_rows == 0 and len(res.quarantine) == 2

@@ -434,7 +434,8 @@ def test_json_shape_and_table(tmp_path: Path) -> None:
     assert keys <= set(doc["rows"][0]) and keys - {"key"} <= set(doc["totals"])
     assert doc["genai_prices_version"] == PriceBook.load(cache_dir=None).genai_prices_version
     assert doc["by"] == "day" and doc["tz"] == "UTC"
-    table = CliRunner().invoke(main, ["report", str(f), "--tz", "UTC"])
+    # a wide terminal: the table is not narrowed (short session ids come at 100 columns, tested below)
+    table = CliRunner().invoke(main, ["report", str(f), "--tz", "UTC"], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "Total" in table.stdout and SID_A in table.stdout
     assert "genai-prices" in table.stdout
 

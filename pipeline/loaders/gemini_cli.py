@@ -85,8 +85,8 @@ def is_header(o: Any) -> bool:
 
 
 def _is_message_record(o: Any) -> bool:
-    return (isinstance(o, dict) and isinstance(o.get("id"), str) and o.get("type") in MESSAGE_TYPES
-            and "content" in o and "message" not in o and "uuid" not in o)
+    return (isinstance(o, dict) and isinstance(o.get("id"), str) and isinstance(o.get("type"), str)
+            and o["type"] in MESSAGE_TYPES and "content" in o and "message" not in o and "uuid" not in o)
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
