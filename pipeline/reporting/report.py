@@ -27,7 +27,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from pathlib import Path
@@ -288,6 +288,20 @@ def _claude_record(o: dict[str, Any], session: str, project: str, compat: bool) 
             inp, out, cw5, cw1, cr, mods, web, recorded, "claude-code")
 
 
+def lines_holding(data: bytes, needle: bytes) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of every line of `data` that holds `needle`, each once, in order: the scanners
+    read only the lines that can hold usage (a search for the needle, not a split of the file)."""
+    find, rfind = data.find, data.rfind
+    pos = find(needle)
+    while pos != -1:
+        s = rfind(b"\n", 0, pos) + 1
+        e = find(b"\n", pos)
+        if e == -1:
+            e = len(data)
+        yield s, data[s:e]
+        pos = find(needle, e)
+
+
 def _scan_claude(path: str, data: bytes, compat: bool) -> FileScan:
     sid, project = _claude_ids(path)
     scan = FileScan(path, "claude-code", [])
@@ -295,16 +309,9 @@ def _scan_claude(path: str, data: bytes, compat: bool) -> FileScan:
     keyless: list[tuple[Any, ...]] = []
     # every Anthropic usage object has output_tokens: a long needle finds the lines fastest
     needle = b'"output_tokens"'
-    find, rfind, loads = data.find, data.rfind, orjson.loads
+    loads = orjson.loads
     pending: list[dict[str, Any]] = []    # objects read before the session id is known (flat agent files)
-    pos = find(needle)
-    while pos != -1:
-        s = rfind(b"\n", 0, pos) + 1
-        e = find(b"\n", pos)
-        if e == -1:
-            e = len(data)
-        line = data[s:e]
-        pos = find(needle, e)
+    for s, line in lines_holding(data, needle):
         if compat and b'"usage":{' not in line:   # ccusage reads only lines with these exact bytes
             continue
         try:
@@ -338,14 +345,7 @@ def _scan_claude(path: str, data: bytes, compat: bool) -> FileScan:
                 best[k] = rec
     # a line cut short before its output_tokens (`{"type":"assistant","message":{"usage":{"input_tokens":5`)
     # still held usage: it goes to bad_lines, never dropped silently
-    pos = find(b'"usage"')
-    while pos != -1:
-        s = rfind(b"\n", 0, pos) + 1
-        e = find(b"\n", pos)
-        if e == -1:
-            e = len(data)
-        line = data[s:e]
-        pos = find(b'"usage"', e)
+    for s, line in lines_holding(data, b'"usage"'):
         if needle in line:
             continue                      # read above
         try:
@@ -383,15 +383,7 @@ def _scan_pi(path: str, data: bytes, header: dict[str, Any]) -> FileScan:
         project = cwd if isinstance(cwd, str) and cwd else (parts[-2] if len(parts) >= 2 else "")
     best: dict[Any, tuple[Any, ...]] = {}
     keyless: list[tuple[Any, ...]] = []
-    find, rfind = data.find, data.rfind
-    pos = find(b'"usage"')
-    while pos != -1:
-        s = rfind(b"\n", 0, pos) + 1
-        e = find(b"\n", pos)
-        if e == -1:
-            e = len(data)
-        line = data[s:e]
-        pos = find(b'"usage"', e)
+    for s, line in lines_holding(data, b'"usage"'):
         try:
             objs = _loads_line(line)
         except ValueError as exc:
