@@ -21,7 +21,6 @@ SIGKILL (or SIGTERM) of the parent its workers stayed alive holding the run's st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shutil
@@ -29,10 +28,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.crashkit import ctrl_c_as_in_a_terminal
 
 
 def alive(pgid: int) -> list[str]:
@@ -51,23 +53,8 @@ def alive(pgid: int) -> list[str]:
     return out
 
 
-@contextlib.contextmanager
-def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
-    """A run started with SIGINT's default action: one started from a background job of a shell
-    inherits SIGINT ignored (exec keeps an ignored signal ignored) and would never see the Ctrl-C;
-    a handler here is reset to the default in the child."""
-    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def trial(tree: Path, out: Path, sig: int, delay: float, jobs: int, exe: str) -> dict[str, object]:
-    with _ctrl_c_as_in_a_terminal():
+    with ctrl_c_as_in_a_terminal():
         p = subprocess.Popen([exe, "run", str(tree), "--out", str(out), "--jobs", str(jobs), "--fast-tokens", "-q"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     err_path = None

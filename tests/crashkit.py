@@ -3,10 +3,14 @@ snapshots of a ledger and of an output directory that can be compared."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,3 +147,18 @@ def leftovers(out: Path, keep_run: str) -> list[str]:
     found += [p.name for p in out.iterdir() if p.name.startswith((".current.", ".link-", ".calls.parquet.",
                                                                   ".blocks.parquet."))]
     return found
+
+
+@contextlib.contextmanager
+def ctrl_c_as_in_a_terminal() -> Iterator[None]:
+    """A run started with SIGINT's default action: one started from a background job of a shell
+    inherits SIGINT ignored (exec keeps an ignored signal ignored) and would never see the Ctrl-C;
+    a handler here is reset to the default in the child."""
+    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -12,18 +12,17 @@ whatever is left of the group is killed at the end."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.crashkit import ctrl_c_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,25 +67,10 @@ def _workers(pid: int) -> list[int]:
     return out
 
 
-@contextlib.contextmanager
-def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
-    """A run started with SIGINT's default action: one started from a background job of a shell
-    inherits SIGINT ignored (exec keeps an ignored signal ignored) and would never see the Ctrl-C;
-    a handler here is reset to the default in the child."""
-    if signal.getsignal(signal.SIGINT) != signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _start(tree: Path, out: Path) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).with_name("ctxreplay")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ctxreplay"]
-    with _ctrl_c_as_in_a_terminal():
+    with ctrl_c_as_in_a_terminal():
         return subprocess.Popen([*cmd, "run", str(tree), "--out", str(out), "--jobs", "2", "--batch-bytes", "1",
                              "--fast-tokens", "-q"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
