@@ -605,6 +605,7 @@ def _many_sessions(d: Path, n: int) -> None:
 def test_a_reader_that_goes_away_ends_the_command_with_141(tmp_path: Path, args: list[str]) -> None:
     """`ctxreplay report ... | head -1` exits 141 (SIGPIPE), as `threads | head` and Unix tools do,
     not 1 (rich's own broken-pipe handling); nothing on stderr."""
+    import fcntl
     import subprocess
     import sys
 
@@ -615,6 +616,10 @@ def test_a_reader_that_goes_away_ends_the_command_with_141(tmp_path: Path, args:
     cmd = [sys.executable, "-m", "ctxreplay.pipeline.commands.cli", *(a.format(inp=inp, out=out) for a in args)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None and p.stderr is not None
+    # a one-page pipe (Linux), set while the command is still starting: the output is many times larger,
+    # so it cannot all fit in the pipe before the reader goes away (with the default 64 KiB, the ~48 kB
+    # `threads` listing sometimes did, and the command rightly exited 0)
+    fcntl.fcntl(p.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)
     first = p.stdout.readline()
     p.stdout.close()  # what `head -1` does after its line
     err = p.stderr.read()
