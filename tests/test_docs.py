@@ -110,7 +110,7 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 @pytest.mark.parametrize("page", doc_files(), ids=_rel)
 def test_every_link_resolves(page: Path) -> None:
     text = page.read_text()
-    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     for target in LINK.findall(prose):
         if re.match(r"[a-z]+:", target):          # https://, mailto:
             continue
