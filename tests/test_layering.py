@@ -126,3 +126,4 @@ def test_the_stable_api_names_resolve() -> None:
         assert getattr(ctxreplay, name) is not None, name
     with pytest.raises(AttributeError):
         ctxreplay.no_such_name  # noqa: B018
+

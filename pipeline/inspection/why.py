@@ -37,6 +37,7 @@ import polars as pl
 from ctxreplay.errors import CtxReplayError, SourceChanged
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE
+from ctxreplay.pipeline.core.seq import common_ends
 from ctxreplay.pipeline.core.termtext import terminal_text
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.inspection.threads import RunView, ThreadRef, known_stages, thread_kind
@@ -108,13 +109,7 @@ def _changed_span(text: str, recorded: str) -> tuple[tuple[int, int], tuple[int,
     """(line, column) of the first and of the last character of `text` that is not in the prefix
     or suffix it shares with `recorded` (the text a layer wrote there); None when it only lost
     characters (then the place they left: the line where they were)."""
-    n = min(len(text), len(recorded))
-    p = 0
-    while p < n and text[p] == recorded[p]:
-        p += 1
-    q = 0
-    while q < n - p and text[-1 - q] == recorded[-1 - q]:
-        q += 1
+    p, q = common_ends(text, recorded)
     end = max(len(text) - q - 1, p)
     end = min(end, max(len(text) - 1, 0))
     p = min(p, max(len(text) - 1, 0))

@@ -60,6 +60,7 @@ import polars as pl
 from ctxreplay.errors import GoldenError, InputError, OutputError
 from ctxreplay.pipeline.core.blockops import canonical_json
 from ctxreplay.pipeline.core.progress import Progress
+from ctxreplay.pipeline.core.seq import common_ends
 from ctxreplay.version import __version__
 
 GOLDEN_FORMAT = "ctxreplay-golden"
@@ -340,13 +341,7 @@ def list_ops(k: int, before: list[str], after: list[str]) -> list[list[Any]]:
     head and tail are left alone, so a change in the middle of a long thread is a row or two."""
     if before == after:
         return []
-    n = min(len(before), len(after))
-    p = 0
-    while p < n and before[p] == after[p]:
-        p += 1
-    s = 0
-    while s < n - p and before[-1 - s] == after[-1 - s]:
-        s += 1
+    p, s = common_ends(before, after)
     a, b = before[p:len(before) - s], after[p:len(after) - s]
     rows: list[list[Any]] = []
     pos, length = p, len(before)
