@@ -16,9 +16,11 @@ book.price_frame(df)   # the same for a polars frame of calls: adds cost_usd
 
 Where the rates come from, in order: an entry of the overrides file (`--prices FILE`) whose id
 matches the model; genai-prices (its version is `book.genai_prices_version`). Modifiers:
-- long-context tiers as genai-prices states them: the whole request is priced at the tier's rates
-  once the prompt exceeds the threshold (`tier_rule="request"`, the provider's rule);
-  `tier_rule="category"` splits each usage category at the threshold separately, as ccusage does;
+- long-context tiers as genai-prices states them, plus LONG_CONTEXT_ADDED where it lacks one: the
+  whole request is priced at the tier's rates once the prompt (input + cache writes + cache reads;
+  output never counts) exceeds the threshold (`tier_rule="request"`, the provider's rule);
+  `ccusage_long_context` swaps in ccusage 20's tiers and `tier_rule="category"` splits each usage
+  category at the threshold separately, as ccusage does (`report --compat ccusage`);
 - `speed = "fast"`: genai-prices' fast variant where it has one, else the multiplier in
   FAST_MULTIPLIERS (ccusage's overrides and Anthropic's docs: 6× for Opus 4.6 / 4.7), else the
   standard rates with a warning in `book.warnings`;
@@ -48,13 +50,34 @@ from typing import Any, Literal
 from ctxreplay.errors import PriceError
 
 GENAI_PRICES = "genai-prices"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2   # 2: LONG_CONTEXT_ADDED (a format-1 cache holds Sonnet 4 without its tier)
 TOKEN_KINDS = ("input", "output", "cache_write_5m", "cache_write_1h", "cache_read")
 
 # speed = "fast" where genai-prices has no fast variant for the model (its ids). Sources: the
 # facts page (../shared/docs/cost-and-cache.md §2.2): ccusage's overrides and the Opus docs.
 FAST_MULTIPLIERS: dict[str, float] = {"claude-opus-4-6": 6.0, "claude-opus-4-7": 6.0}
 BATCH_MULTIPLIER = 0.5
+
+# Anthropic's long-context tier, by model family (genai-prices' ids). Sources: Anthropic's pricing
+# page as quoted on the facts page (../shared/docs/cost-and-cache.md §1.6, §2.2): with the 1M
+# context window, "if your request exceeds 200K input tokens, all tokens incur premium pricing",
+# 2x input and 1.5x output, cache writes and reads scaled as input; the threshold counts input
+# tokens "including cache reads and writes", output never. Anthropic's support article 8606395
+# (before 2026-03-13) names the 1M models: Opus 4.6, Sonnet 4.5, Sonnet 4; the 1M window went GA
+# at standard rates for Opus 4.6 and Sonnet 4.6 on 2026-03-13 (agentmastered.com/blog/1m-context-ga,
+# claudecodecamp.com). genai-prices 0.2.3 states the tier for claude-sonnet-4-5 (always),
+# claude-opus-4-6 and claude-sonnet-4-6 (until 2026-03-13: its StartDateConstraint), but not for
+# claude-sonnet-4-0 (the 1M beta of 2025-08): ctxreplay adds that one. Opus 4 / 4.1 / 4.5 / 4.7 /
+# 4.8, Haiku 4.5 and Claude 3.x have no long-context tier (a 200k window, or 1M at standard rates).
+LONG_CONTEXT_THRESHOLD = 200_000
+LONG_CONTEXT_MULTIPLIERS = (2.0, 1.5, 2.0, 2.0, 2.0)   # TOKEN_KINDS order
+LONG_CONTEXT_ADDED: frozenset[str] = frozenset({"claude-sonnet-4-0"})
+# ccusage 20.0.24 (run offline on one-request trees, each family at 200,000 / 200,001 / 300,000 of
+# input, of cache reads, of 5m and 1h writes, and 250,000 output tokens, dated 2025-09, 2026-02 and
+# 2026-04): only Sonnet 4 and Sonnet 4.5 have a tier (the same rates, above 200,000 tokens), on any
+# date; every other Claude model, Opus 4.6 and Sonnet 4.6 included, is priced at base rates however
+# large the request. It splits each usage category at the threshold (see `price_with`).
+CCUSAGE_LONG_CONTEXT: frozenset[str] = frozenset({"claude-sonnet-4-0", "claude-sonnet-4-5"})
 US_GEO_MULTIPLIER = 1.1
 # Anthropic models priced before US-only inference existed (no ×1.1); every later one pays it.
 _GEO_EXEMPT = re.compile(r"^claude-(?:2|v1|3|instant|opus-4-[015]$|opus-4-0|sonnet-4-[05]$|haiku-4-5$)")
@@ -142,6 +165,23 @@ class Price:
 
 def _five(r: TokenRates) -> tuple[float, float, float, float, float]:
     return (r.input, r.output, r.cache_write_5m, r.cache_write_1h, r.cache_read)
+
+
+def long_context_tier(base: TokenRates) -> tuple[int, TokenRates]:
+    """Anthropic's long-context tier of a model whose standard rates are `base`: above
+    LONG_CONTEXT_THRESHOLD prompt tokens, 2x input, cache writes and reads, 1.5x output."""
+    return LONG_CONTEXT_THRESHOLD, TokenRates(*(v * m for v, m in zip(_five(base), LONG_CONTEXT_MULTIPLIERS,
+                                                                        strict=True)))
+
+
+def ccusage_long_context(r: Rates) -> Rates:
+    """`r` with ccusage 20's long-context tiers in place of the provider's (CCUSAGE_LONG_CONTEXT):
+    for genai-prices' Claude models only; an overrides entry, or another provider's model, keeps
+    its own tiers. Price the result with `tier_rule="category"` to compute as ccusage does."""
+    if not (r.source.startswith(GENAI_PRICES) and r.model_id.startswith("claude-")):
+        return r
+    tiers = (long_context_tier(r.base),) if r.model_id in CCUSAGE_LONG_CONTEXT else ()
+    return r if tiers == r.tiers else replace(r, tiers=tiers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,6 +711,8 @@ class PriceBook:
         if r is None:
             self._warn(f"{model}: genai-prices lists '{info.id}' without token prices; reported as unpriced")
             return None
+        if not r.tiers and info.id in LONG_CONTEXT_ADDED:     # before the modifiers: they scale tiers too
+            r = replace(r, tiers=(long_context_tier(r.base),), notes=r.notes + ("long-context tier (ctxreplay table)",))
         applied = set()
         if context and direct:
             for v in info.price_variants or ():
@@ -850,5 +892,6 @@ def _split(n: int, kind: int, r: Rates) -> float:
     return usd
 
 
-__all__ = ["FAST_MULTIPLIERS", "Modifiers", "Price", "PriceBook", "PriceError", "Rates", "TokenRates",
-           "load_overrides", "modifiers", "modifiers_key", "price_with", "request_usd", "tier_of", "usage_modifiers"]
+__all__ = ["CCUSAGE_LONG_CONTEXT", "FAST_MULTIPLIERS", "LONG_CONTEXT_ADDED", "Modifiers", "Price", "PriceBook",
+           "PriceError", "Rates", "TokenRates", "ccusage_long_context", "load_overrides", "long_context_tier",
+           "modifiers", "modifiers_key", "price_with", "request_usd", "tier_of", "usage_modifiers"]

@@ -36,7 +36,14 @@ from typing import Any, Literal
 import orjson
 
 from ctxreplay.errors import InputError
-from ctxreplay.pipeline.cost.prices import Modifiers, PriceBook, modifiers, price_with, request_usd
+from ctxreplay.pipeline.cost.prices import (
+    Modifiers,
+    PriceBook,
+    ccusage_long_context,
+    modifiers,
+    price_with,
+    request_usd,
+)
 from ctxreplay.pipeline.loaders.inputs import list_files, open_input
 from ctxreplay.pipeline.reporting import gemini_usage
 from ctxreplay.pipeline.reporting.tokencount import token_count
@@ -727,7 +734,10 @@ class Pricer:
     def __init__(self, book: PriceBook, *, tz: str | None = None, compat: bool = False):
         self.book = book
         self.day_of = local_day_fn(tz)
+        # compat: ccusage's long-context tiers (Sonnet 4 / 4.5 only), each usage category split at
+        # the threshold; else the provider's tiers and rule (the whole request at the tier)
         self.tier_rule: Any = "category" if compat else "request"
+        self.compat = compat
         self._rates: dict[tuple[str, Any, str, Modifiers], Any] = {}
 
     def rates_of(self, r: tuple[Any, ...]) -> Any:
@@ -736,6 +746,8 @@ class Pricer:
         rates = self._rates.get(k, False)
         if rates is False:
             rates = self.book.rates(r[MODEL], ts or "1970-01-01", r[MODS], r[PROVIDER])
+            if rates is not None and self.compat:
+                rates = ccusage_long_context(rates)
             if not self.book.time_of_day(r[MODEL], r[PROVIDER]):   # DeepSeek's off-peak prices: per minute
                 self._rates[k] = rates
         return rates
