@@ -471,7 +471,9 @@ class Engine:
                 with open(f.path, "ab") as fh:
                     fh.write(b"".join(ln + b"\n" for ln in f.lines[f.written:]))
                 f.written = len(f.lines)
-        loaded = load_paths([s.dir]) if s.files else LoadResult(empty_table(BLOCKS), [])
+        # open_sidechains: an inline sidechain's first request can be assembled as soon as its first
+        # user line is in, before its answer makes it a thread of the batch replay
+        loaded = load_paths([s.dir], open_sidechains=True) if s.files else LoadResult(empty_table(BLOCKS), [])
         blocks = pl.from_arrow(loaded.blocks)
         assert isinstance(blocks, pl.DataFrame)
         check_frame(blocks, BLOCKS, where="on load")

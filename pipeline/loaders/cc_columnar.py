@@ -551,6 +551,7 @@ class _Batch:
         self.slow_msgs: list[Any] = []  # message entries read by the careful path (base.Message)
         self.fast_lid: list[int] = []  # fast entry row -> line id (its raw line is text[line id])
         self.nodes = _Nodes()
+        self.open_sidechains = False  # keep inline sidechains awaiting their first answer (load_sessions)
 
     # ------------------------------------------------------------ blocks table
 
@@ -798,12 +799,14 @@ def _call_ranges(t: ThreadPlan) -> tuple[list[bool], list[int], list[int | None]
 
 
 def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] | None = None,
-                  timings: dict[str, float] | None = None) -> SessionsLoad:
+                  timings: dict[str, float] | None = None, *, open_sidechains: bool = False) -> SessionsLoad:
     """Load Claude Code session groups (each: the files of one session) as `claude_code.load_session`
     loads each group in turn, with one columnar parse of all their lines. No data survives the call.
 
-    `timings`: when given, wall-clock seconds per phase are added to it (bench/bench_load.py)."""
+    `timings`: when given, wall-clock seconds per phase are added to it (bench/bench_load.py).
+    `open_sidechains`: as for `claude_code.load_session`."""
     b = _Batch(timings)
+    b.open_sidechains = open_sidechains
     for gi, g in enumerate(groups):
         for fi, p in enumerate(cc._main_first(g.files, g.session_id)):
             spath = path_str(p)
@@ -1403,7 +1406,8 @@ def _threads(b: _Batch, session_id: str, files: list[_File], per_file: list[list
             for m in msgs:
                 if m.role == "assistant":
                     m.inherited = m.msg_key in claimed
-            if not own and not first_thread:
+            if not own and not first_thread and not (b.open_sidechains and main_file and side[tip]
+                                                     and cc.opens_sidechain([m.role for m in msgs])):
                 stats["branches_without_calls"] += 1
                 continue
             claimed.update(m.msg_key for m in own if m.msg_key)

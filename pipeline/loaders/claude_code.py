@@ -328,8 +328,8 @@ def _main_first(files: list[Path], session_id: str) -> list[Path]:
                                         -size(p) if _is_main_file(p, session_id) else 0, str(p)))
 
 
-def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = None,
-                 ) -> tuple[list[Thread], list[FileLoad], dict[str, int]]:
+def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = None, *,
+                 open_sidechains: bool = False) -> tuple[list[Thread], list[FileLoad], dict[str, int]]:
     """Load every file of one session; returns threads, per-file accounting and stats.
 
     An entry read twice (the same uuid: a resumed session writes some again; a backup copy of
@@ -338,6 +338,11 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
     session holds byte for byte. A later entry with the same uuid but other content is kept apart
     as `<uuid>~<hash>` (its own message; a branch of its own when it has a call) and noted in
     the file's `recovered`. A file that cannot be read is listed in `skipped`.
+
+    `open_sidechains`: also keep, as a thread of no call, an inline sidechain of the main file
+    whose first request awaits its answer (no assistant message on its path yet), named as it will
+    be once answered (`opens_sidechain`). The live engine assembles that request; a batch run
+    reports recorded calls, so it leaves such a path out (counted in `branches_without_calls`).
     """
     session_id = group.session_id
     files = _main_first(group.files, session_id)
@@ -445,7 +450,8 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                     # the layers' state follow the path), but only its owner reports it
                     m.inherited = m.msg_key in claimed
                     m.is_call = not m.inherited
-            if not own and not first_thread:
+            if not own and not first_thread and not (open_sidechains and main_file and tip.sidechain
+                                                     and opens_sidechain([m.role for m in msgs])):
                 stats["branches_without_calls"] += 1
                 continue
             claimed.update(m.msg_key for m in own if m.msg_key)
@@ -466,6 +472,12 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
     stats["off_thread_message_entries"] += sum(
         1 for fn in per_file for n in fn if n.is_message and n.uuid not in covered)
     return threads, loads, dict(stats)
+
+
+def opens_sidechain(roles: list[str]) -> bool:
+    """An inline sidechain's path whose first request awaits its answer: messages, none of them
+    the assistant's (`load_session`'s `open_sidechains`)."""
+    return bool(roles) and "assistant" not in roles
 
 
 def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]],

@@ -120,7 +120,7 @@ ENGINES = ("columnar", "reference")
 
 
 def load_paths(paths: list[Path | str], *, engine: str = "columnar", timings: dict[str, float] | None = None,
-               listed: bool = False, follow_links: bool | None = None) -> LoadResult:
+               listed: bool = False, follow_links: bool | None = None, open_sidechains: bool = False) -> LoadResult:
     """Load every transcript under `paths` (files or directories) into one blocks table.
 
     `engine`: "columnar" (default) or "reference" (see ENGINES). The columnar engine hands the whole
@@ -130,10 +130,12 @@ def load_paths(paths: list[Path | str], *, engine: str = "columnar", timings: di
     `timings`: when given, seconds per phase of the columnar engine are added to it (benchmarks).
     `listed`, `follow_links`: as for `discover` (a run's batches are `listed`: a file gone or replaced
     since the run listed it is skipped with the reason, and the run goes on).
+    `open_sidechains`: keep a Claude Code inline sidechain that awaits its first answer as a thread
+    of no call (`claude_code.load_session`; the live engine's loads).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
-    how = {"listed": listed, "follow_links": follow_links}
+    how = {"listed": listed, "follow_links": follow_links, "open_sidechains": open_sidechains}
     if engine == "columnar":
         try:
             return _load_paths(paths, columnar=True, timings=timings, **how)
@@ -143,7 +145,7 @@ def load_paths(paths: list[Path | str], *, engine: str = "columnar", timings: di
 
 
 def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, float] | None = None,
-                listed: bool = False, follow_links: bool | None = None) -> LoadResult:
+                listed: bool = False, follow_links: bool | None = None, open_sidechains: bool = False) -> LoadResult:
     files, skipped = discover([Path(p) for p in paths], follow_links=follow_links, listed=listed)
     loads: list[FileLoad] = []
     per_file: list[tuple[FileLoad, list[Thread]]] = []  # files loaded one by one (not Claude Code)
@@ -205,7 +207,7 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     if columnar and groups and _batch_bytes(groups) < cc_columnar.SMALL_BATCH_BYTES:
         columnar = False  # a small batch: the reference loader is faster than the columnar one's fixed cost
     if columnar and groups:
-        columnar_load = cc_columnar.load_sessions(groups, skipped, timings)
+        columnar_load = cc_columnar.load_sessions(groups, skipped, timings, open_sidechains=open_sidechains)
         cc_threads.extend(columnar_load.threads)
         loads.extend(columnar_load.loads)
         for group, st in zip(groups, columnar_load.stats, strict=True):
@@ -213,7 +215,7 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
             by_file[path_str(group.files[0])].update(st)
     else:
         for group in groups:
-            t, lds, st = claude_code.load_session(group, skipped)
+            t, lds, st = claude_code.load_session(group, skipped, open_sidechains=open_sidechains)
             cc_threads.extend(t)
             loads.extend(lds)
             stats.update(st)
