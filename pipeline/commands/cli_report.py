@@ -479,10 +479,13 @@ def _breaks_table(doc: dict[str, Any], out: str) -> None:
 @click.option("--prices", "prices_file", type=click.Path(path_type=Path),
               help="TOML file of prices that override or add models (see README, Prices).")
 @click.option("--keep", type=click.Path(path_type=Path), metavar="DIR",
-              help="Keep each pipeline's run in DIR/<n>-<name> (default: a temporary directory).")
+              help="Keep each pipeline's run in DIR/<n>-<name>[@ttl=<ttl>], n counted from 0, e.g. "
+                   "DIR/1-identity@ttl=1h, with its calls as compared in compare-calls.parquet "
+                   "(default: a temporary directory).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
 @click.option("--raw", is_flag=True, help="Show the raw simulation (sim_*) instead of the anchored estimate.")
 @follow_links_option()
+@max_line_bytes_option()
 @no_cache_option()
 def compare(paths: tuple[Path, ...], pipelines: tuple[str, ...], json_: bool, html_file: Path | None,
             prices_file: Path | None, keep: Path | None, quiet: bool, raw: bool) -> None:

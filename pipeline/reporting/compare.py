@@ -29,6 +29,7 @@ over the compared sessions: pipeline/cost/intervals.py says how.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -292,7 +293,7 @@ def compare(paths: list[Path], choices: list[Choice], *, prices_file: Path | Non
     with tempfile.TemporaryDirectory(prefix="ctxreplay-compare-") as tmp:
         root = keep if keep is not None else Path(tmp)
         for i, ch in enumerate(choices):
-            out = root / f"{i}-{_safe(ch.spec.name)}"
+            out = root / run_dir_name(i, ch)
             say(f"running pipeline {ch.label} ({i + 1}/{len(choices)})")
             res = run(list(paths), ch.spec, RunOptions(out_dir=out))
             calls = res.calls
@@ -302,6 +303,8 @@ def compare(paths: list[Path], choices: list[Choice], *, prices_file: Path | Non
             if ch.ttl != "recorded" or book is not None:
                 calls, summary = _resimulate(paths, res, out, ch, book, loaded)
                 prices_src = summary.get("prices") or prices_src
+            if keep is not None:
+                _write_atomic(calls, out / COMPARE_CALLS)
             out_calls.append(calls)
         anchor = None
         if not any(is_identity(ch) for ch in choices):
@@ -336,9 +339,30 @@ def _resimulate(paths: list[Path], res: Any, out: Path, ch: Choice, book: Any,
                         prices=book if book is not None else "default", policy=policy)
 
 
+# beside each kept run (--keep): its calls as the comparison simulated and priced them (the
+# choice's @ttl and --prices; the run's own calls.parquet keeps the recorded TTLs and default prices)
+COMPARE_CALLS = "compare-calls.parquet"
+
+
+def _write_atomic(df: pl.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    df.write_parquet(tmp)
+    os.replace(tmp, path)
+
+
+def run_dir_name(index: int, ch: Choice) -> str:
+    """The directory of the `index`-th pipeline (0-based) of a comparison, under `--keep DIR`:
+    `<index>-<spec name>`, then `@ttl=<ttl>` when the choice sets a TTL other than `recorded`, so
+    `identity@ttl=5m` and `identity@ttl=1h` given 5th and 6th are `4-identity@ttl=5m` and
+    `5-identity@ttl=1h`. ASCII letters, digits and `-_.@=` only (anything else becomes `_`, the
+    spec name is cut at 60 characters): a name that every file system takes and no shell needs
+    quoted, the same for the same command line."""
+    return f"{index}-{_safe(ch.spec.name)}" + (f"@ttl={ch.ttl}" if ch.ttl != "recorded" else "")
+
+
 def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:60] or "pipeline"
+    return "".join(ch if ch.isascii() and (ch.isalnum() or ch in "-_.") else "_" for ch in name)[:60] or "pipeline"
 
 
-__all__ = ["EST_COLUMNS", "Choice", "CompareError", "Compared", "compare", "is_identity", "parse_choice",
-           "with_estimate"]
+__all__ = ["COMPARE_CALLS", "EST_COLUMNS", "Choice", "CompareError", "Compared", "compare", "is_identity", "parse_choice",
+           "run_dir_name", "with_estimate"]
