@@ -4,9 +4,11 @@ This module is the stable API for plug-in stages and for the engine; everything 
 `ctxreplay.pipeline` may change between releases. A plug-in stage needs:
 
 - `stage`, `StageContext`, `StageResult`, `StageRef`: declare a stage and read its context;
+- `LiveRule`, `Live`, `LiveThread`, `LiveRows`: the stage's optional live rule (`@stage(live=...)`),
+  what it decides at the new calls of a live session without a pass (docs/writing-a-stage.md);
 - `marks` (and its functions re-exported here: `start_marks`, `mark_drop`, `mark_replace`,
   `mark_replace_from`, `finish`, `text_row`, `Insert`, `alive`, `cover_end`,
-  `next_message_first_call`): edit blocks so that every replaced row is recorded in the ledger;
+  `next_message_first_call`, `conflicted`): edit blocks so that every replaced row is recorded in the ledger;
 - the errors (`CtxReplayError` and the others of `ctxreplay.errors`);
 - `ctxreplay.testkit` for its tests (`make_blocks`, `run_stage`, `check_golden`, ...).
 
@@ -33,18 +35,20 @@ if not (_HERE / "pipeline").is_dir() and (_HERE.parent / "pipeline" / "__init__.
 _HOME = {
     **dict.fromkeys(["CtxReplayError", "InputError", "LedgerError", "LockError", "NothingToDo", "OutputError",
                      "SpecError", "StageFailed"], "ctxreplay.errors"),
-    **dict.fromkeys(["Insert", "alive", "cover_end", "finish", "mark_drop", "mark_replace", "mark_replace_from",
+    **dict.fromkeys(["Insert", "alive", "conflicted", "cover_end", "finish", "mark_drop", "mark_replace", "mark_replace_from",
                      "next_message_first_call", "start_marks", "text_row"], "ctxreplay.pipeline.stageapi.marks"),
     **dict.fromkeys(["StageContext", "StageRef", "StageResult", "stage"], "ctxreplay.pipeline.stageapi.registry"),
+    **dict.fromkeys(["Live", "LiveRows", "LiveRule", "LiveThread"], "ctxreplay.pipeline.stageapi.live"),
     "Engine": "ctxreplay.pipeline.engine.engine",
 }
 _MODULES = {"marks": "ctxreplay.pipeline.stageapi.marks", "testkit": "ctxreplay.testkit",
             "errors": "ctxreplay.errors"}
 
 __all__ = [
-    "CtxReplayError", "Engine", "InputError", "Insert", "LedgerError", "LockError", "NothingToDo", "OutputError",
-    "SpecError", "StageContext", "StageFailed", "StageRef", "StageResult", "__version__", "alive", "cover_end",
-    "errors", "finish", "mark_drop", "mark_replace", "mark_replace_from", "marks", "next_message_first_call",
+    "CtxReplayError", "Engine", "InputError", "Insert", "LedgerError", "Live", "LiveRows", "LiveRule", "LiveThread",
+    "LockError", "NothingToDo", "OutputError",
+    "SpecError", "StageContext", "StageFailed", "StageRef", "StageResult", "__version__", "alive", "conflicted",
+    "cover_end", "errors", "finish", "mark_drop", "mark_replace", "mark_replace_from", "marks", "next_message_first_call",
     "stage", "start_marks", "testkit", "text_row",
 ]
 

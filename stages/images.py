@@ -47,6 +47,7 @@ from ctxreplay.pipeline.core.constants import IMAGE_OMITTED_TEXT as OMITTED
 from ctxreplay.pipeline.core.constants import IMAGE_STALE_TEXT as STALE
 from ctxreplay.pipeline.core.constants import NO_IMAGE_INPUT_TEXT as NO_IMAGE_INPUT
 from ctxreplay.pipeline.core.constants import polars_format
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import (
     MSG_NO,
     THREAD_NO,
@@ -426,7 +427,26 @@ def _as_text(text: pl.Expr) -> dict[str, pl.Expr]:
     }
 
 
-@stage("images", version=1, params=Images, encoder_version=ENCODER_VERSION)
+def _image_row(r: dict[str, Any]) -> bool:
+    return r["block_type"] == "image" or r["part_type"] == "image" or r["image_data"] is not None
+
+
+def live_start(thread: LiveThread, params: Images, ctx: StageContext) -> int:
+    """The live rule carries the thread's image rows (as loaded)."""
+    image = (pl.col("block_type") == "image") | (pl.col("part_type") == "image") | pl.col("image_data").is_not_null()
+    return thread.loaded.filter(image.fill_null(False)).height
+
+
+def live_step(carry: int, new: LiveRows, params: Images, ctx: StageContext) -> Live:
+    """Quiet when no new row holds an image and the thread's images are within max_images_per_request."""
+    if any(_image_row(r) for r in new.rows):
+        return Live.full_pass("an image")
+    if carry > params.max_images_per_request:
+        return Live.full_pass("more images in the thread than max_images_per_request")
+    return Live.quiet(carry)
+
+
+@stage("images", version=1, params=Images, encoder_version=ENCODER_VERSION, live=LiveRule(live_start, live_step))
 def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap, re-encode or omit images (user, assistant and tool-result images); replace images of old
     turns when a request holds too many.

@@ -18,6 +18,7 @@ from ctxreplay.pipeline.core.constants import (
     INTER_SESSION_HEADER,
     INTER_SESSION_NO_TEXT_BODY,
 )
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import (
     MSG_NO,
     Insert,
@@ -28,6 +29,7 @@ from ctxreplay.pipeline.stageapi.marks import (
     start_marks,
     text_row,
 )
+from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 HEADER_BASE = INTER_SESSION_HEADER
@@ -114,7 +116,23 @@ def _envelope_facts(w: pl.LazyFrame, params: InterSession) -> pl.LazyFrame:
     return w
 
 
-@stage("inter_session", version=1, params=InterSession)
+def live_start(thread: LiveThread, params: InterSession, ctx: StageContext) -> None:
+    return None
+
+
+def live_step(carry: None, new: LiveRows, params: InterSession, ctx: StageContext) -> Live:
+    """The live rule: quiet unless a new row comes from another session (the header it prepends)."""
+    if any(r["provenance_kind"] == "inter_session" for r in new.rows):
+        return Live.full_pass("a message from another session")
+    return Live.quiet()
+
+
+def quiet_check(params: InterSession, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no user row routed from another session."""
+    return ~((pl.col("role") == "user") & (pl.col("provenance_kind") == "inter_session")).fill_null(False).any()
+
+
+@stage("inter_session", version=1, params=InterSession, live=LiveRule(live_start, live_step))
 def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Prepend the inter-session header (and v2 explanation) to user rows routed from elsewhere.
 
@@ -122,6 +140,8 @@ def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFra
     before its first block (`insert`); an envelope found elsewhere in the row is moved to the top
     (`move_envelope`). A row whose first text block already starts with it is left alone.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
     w = _envelope_facts(start_marks(blocks), params)
     todo = pl.col("_target") & pl.col("_msg_has_text") & ~pl.col("_msg_at_top")
     move = todo & pl.col("_msg_elsewhere")

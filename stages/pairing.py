@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import polars as pl
 
@@ -66,6 +66,7 @@ from ctxreplay.pipeline.core.constants import ANTHROPIC_TOOL_ID_PATTERN
 from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT as MISSING_TEXT
 from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT_OPENAI as MISSING_TEXT_OPENAI
 from ctxreplay.pipeline.stageapi.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread, nonblank
 from ctxreplay.pipeline.stageapi.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 from ctxreplay.pipeline.targets import target_family
@@ -205,7 +206,62 @@ def _count_upto(frames: pl.LazyFrame, counts: pl.LazyFrame, *, at: str, out: str
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("pairing", version=2, params=Pairing, requires=("sanitize",))
+def live_start(thread: LiveThread, params: Pairing, ctx: StageContext) -> frozenset[str]:
+    """The live rule carries the thread's tool-call ids, as loaded and as this position left them."""
+    return frozenset(thread.loaded.get_column("tool_use_id").drop_nulls().to_list()) | \
+        frozenset(thread.blocks.get_column("tool_use_id").drop_nulls().to_list())
+
+
+def live_step(ids: frozenset[str], new: LiveRows, p: Pairing, ctx: StageContext) -> Live:
+    """Quiet when the new messages pair as they stand: each answer's tool calls (new ids that the
+    id mode keeps) answered in order by the next tool message, no tool block elsewhere, no failed
+    turn with calls, every call answered by the end."""
+    target = ctx.target or "anthropic"
+    mode = resolve_id_mode(p.tool_id_mode, target)
+    expecting: list[str] = []
+    seen: set[str] = set()
+    for msg in new.messages:
+        role = msg[0]["role"]
+        calls = [r for r in msg if r["block_type"] == "tool_use"]
+        results = [r for r in msg if r["block_type"] == "tool_result"]
+        if role == "assistant":
+            if expecting:
+                return Live.full_pass("a tool call not answered before the next answer")
+            stop = msg[0]["stop_reason"]
+            if calls and isinstance(stop, str) and stop.lower() in FAILED_STOP_REASONS:
+                return Live.full_pass("a failed turn with tool calls")
+            for r in calls:
+                tid = r["tool_use_id"]
+                if not nonblank(tid) or tid in ids or tid in seen or map_tool_id(tid, 0, mode, target) != tid:
+                    return Live.full_pass("a tool-call id pairing rewrites")
+                seen.add(tid)
+                expecting.append(tid)
+            if results:
+                return Live.full_pass("a tool result in an assistant message")
+        elif role == "tool":
+            blocks: dict[int, list[dict[str, Any]]] = {}
+            for r in results:
+                blocks.setdefault(r["block_pos"], []).append(r)
+            for parts in blocks.values():
+                tid = parts[0]["tool_use_id"]
+                if not expecting or any(r["tool_use_id"] != tid for r in parts) or tid != expecting[0]:
+                    return Live.full_pass("a tool result out of its call's order")
+                expecting.pop(0)
+                for r in parts:
+                    name = r["tool_name"]
+                    if name is not None and not (nonblank(name) and name.strip() == name):
+                        return Live.full_pass("a tool result name pairing rewrites")
+        else:
+            if expecting:
+                return Live.full_pass("a message between a tool call and its result")
+            if calls or results:
+                return Live.full_pass("a tool block in a user message")
+    if expecting:
+        return Live.full_pass("a tool call whose result has not arrived (pairing stands one in)")
+    return Live.quiet(ids | {r["tool_use_id"] for r in new.rows if r["tool_use_id"] is not None})
+
+
+@stage("pairing", version=2, params=Pairing, requires=("sanitize",), live=LiveRule(live_start, live_step))
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
 

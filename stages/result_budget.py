@@ -13,6 +13,7 @@ pair, because polars slices strings by code point.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import polars as pl
 
@@ -20,7 +21,9 @@ from ctxreplay.pipeline.core.blockops import sha256_expr
 from ctxreplay.pipeline.core.constants import BLOCK_KEY, PART_KEY, SPILL_PREFIX, SPILL_URI, THREAD
 from ctxreplay.pipeline.core.constants import TRUNCATION_MARKER_RE as MARKER_RE
 from ctxreplay.pipeline.stageapi.calls import materialize, visible_at
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
+from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 MARKER_FIXED_CHARS = 20  # "\n…" + " chars truncated…\n"; plus the digits of the count
@@ -233,8 +236,44 @@ def _apply(blocks: pl.LazyFrame, todo: pl.LazyFrame, params: ResultBudget) -> St
     return finish(w)
 
 
+def live_start(thread: LiveThread, params: ResultBudget, ctx: StageContext) -> None:
+    return None
+
+
+def live_step(carry: None, new: LiveRows, p: ResultBudget, ctx: StageContext) -> Live:
+    """The live rule: quiet when every new tool result is within the cap and the results of each new
+    turn within aggregate_max_chars (the characters this stage counts)."""
+    cap = max(1, min(p.max_result_chars, int(p.max_window_share * ctx.window_tokens * 4)))
+    groups: dict[Any, int] = {}
+    sizes: dict[tuple[str, int], int] = {}
+    frame = None
+    for r in new.rows:
+        if r["role"] == "assistant":
+            frame = r["msg_key"]
+        if r["block_type"] != "tool_result" or r["text"] is None or (r["part_type"] or "text") == "image":
+            continue
+        key = (r["msg_key"], r["block_pos"])
+        sizes[key] = sizes.get(key, 0) + len(r["text"])
+        if sizes[key] > cap:
+            return Live.full_pass("a tool result over max_result_chars")
+        groups[(frame, r["first_call"])] = groups.get((frame, r["first_call"]), 0) + len(r["text"])
+    if p.aggregate_max_chars > 0 and any(v > p.aggregate_max_chars for v in groups.values()):
+        return Live.full_pass("the results of one turn over aggregate_max_chars")
+    return Live.quiet()
+
+
+def quiet_check(params: ResultBudget, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): in every thread, the text of all tool
+    results together (every part, every version) is within the cap of one result and within
+    aggregate_max_chars, so no result and no turn's results are over."""
+    cap = max(1, min(params.max_result_chars, int(params.max_window_share * ctx.window_tokens * 4)))
+    limit = min(cap, params.aggregate_max_chars) if params.aggregate_max_chars > 0 else cap
+    chars = pl.when((pl.col("block_type") == "tool_result") & _has_text()).then(pl.col("text").str.len_chars())
+    return per_thread(chars.cast(pl.Int64).sum() <= limit)
+
+
 @stage("result_budget", version=1, params=ResultBudget, requires=("pairing",), frozen=("truncate", "spill"),
-       spilled_texts=spilled_texts)
+       spilled_texts=spilled_texts, live=LiveRule(live_start, live_step))
 def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap tool results: head and tail around `…<n> chars truncated…`, or spill to the store.
 
@@ -246,4 +285,6 @@ def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFra
     (reason `max_result_chars` or `aggregate`); the runner re-applies the ledger's decisions first
     (frozen), and a result already cut is never cut again.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
     return plan(blocks, params, ctx)

@@ -31,6 +31,7 @@ Every changed block version gets exactly one decision; a second pass decides not
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -51,6 +52,7 @@ from ctxreplay.pipeline.core.constants import (
     UNAVAILABLE_TOOL_TEXT,
     polars_format,
 )
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread, nonblank
 from ctxreplay.pipeline.stageapi.marks import (
     MSG_NO,
     OPEN,
@@ -182,7 +184,88 @@ def normalized_usage(blocks: pl.LazyFrame) -> pl.LazyFrame:
 # ----------------------------------------------------------------------------- the stage
 
 
-@stage("sanitize", version=2, params=Sanitize)  # the first layer: it needs no other
+# ---------------------------------------------------------------------------------------------
+# the live rule (ctxreplay.pipeline.stageapi.live): no decision at the new calls of a live step
+
+
+@dataclass(frozen=True, slots=True)
+class LiveCarry:
+    """What sanitize carries between live steps."""
+
+    has_thinking: bool  # thinking in the thread (the drop_all_but_* policies decide on later calls)
+    unsettled_tail: bool  # an assistant message without content after the last message with content
+
+
+def unsettled_tail(rows: pl.DataFrame) -> bool:
+    """Sanitize decides a failed (empty) assistant turn from the first call that sees a later
+    message with content: true when such a message could still come for one (an assistant message
+    after the last message with content; content as sanitize counts it, blank texts and
+    placeholders not)."""
+    content = ~pl.col("block_type").str.to_lowercase().is_in(["null", "none", "", "empty"]) & ~(
+        (pl.col("block_type") == "text") & (pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")))
+    msgs = rows.group_by("entry_order").agg(content=content.fill_null(False).any(),
+                                            assistant=(pl.col("role") == "assistant").any())
+    last = msgs.filter("content").get_column("entry_order").max()
+    after = msgs if last is None else msgs.filter(pl.col("entry_order") > last)
+    return bool(after.get_column("assistant").any())
+
+
+def live_start(thread: LiveThread, params: Sanitize, ctx: StageContext) -> LiveCarry:
+    rows = thread.loaded
+    return LiveCarry(bool(rows.get_column("block_type").is_in(["thinking", "redacted_thinking"]).any()),
+                     unsettled_tail(rows))
+
+
+_MAGIC_HEAD = "ANTHROPIC_MAGIC_STRING_TRIGGER"
+_TOOL_NAME = re.compile(TOOL_NAME_PATTERN.removeprefix("^").removesuffix("$"))  # matched whole (fullmatch)
+
+
+def live_step(carry: LiveCarry, new: LiveRows, p: Sanitize, ctx: StageContext) -> Live:
+    """Quiet when every new row is one sanitize keeps as it is: a non-blank text without a magic
+    string, signed thinking it keeps, a well-formed allowed tool call, a plain text tool result;
+    no row its row filter drops; and no empty assistant turn waiting for a later message."""
+    family = target_family(ctx.target or "anthropic")
+    scrub = p.scrub_magic == "always" or (p.scrub_magic == "anthropic" and family == "anthropic")
+    if carry.unsettled_tail:
+        return Live.full_pass("the thread ends with an assistant turn without content (sanitize decides it at the "
+                              "next message)")
+    keeps_thinking = p.thinking_policy == "keep_signed" and family == "anthropic"
+    if p.thinking_policy in ("drop_all_but_latest", "drop_all_but_current_tool_turn") and carry.has_thinking:
+        return Live.full_pass(f"thinking in the thread under thinking_policy {p.thinking_policy}")
+    filters = set(p.drop_rows_where)
+    allowed = {t.strip().lower() for t in p.allowed_tools} if p.allowed_tools is not None else None
+    for r in new.rows:
+        bt, role, text = r["block_type"], r["role"], r["text"]
+        if (r["is_display_only"] and ("display_only" in filters or ("assistant_display_only" in filters
+                                                                    and role == "assistant"))) \
+                or (r["is_meta"] and "meta" in filters) or (r["is_sidechain"] and "sidechain" in filters):
+            return Live.full_pass("a row the row filter drops")
+        if bt == "text":
+            if not nonblank(text):
+                return Live.full_pass("a blank text block")
+            if scrub and role == "user" and _MAGIC_HEAD in text:
+                return Live.full_pass("a magic string")
+        elif bt == "thinking":
+            if not (keeps_thinking and nonblank(r["signature"])):
+                return Live.full_pass("a thinking block the thinking policy drops")
+        elif bt == "tool_use":
+            name = r["tool_name"]
+            if not (nonblank(r["tool_use_id"]) and nonblank(r["tool_input"]) and r["tool_input"].strip() != "null"
+                    and isinstance(name, str) and _TOOL_NAME.fullmatch(name)
+                    and (allowed is None or name.lower() in allowed)):
+                return Live.full_pass("a tool call sanitize drops or renames")
+        elif bt == "tool_result":
+            if r["extra_json"] is not None or r["part_type"] not in ("string", "text"):
+                return Live.full_pass("a tool result with fields or parts sanitize changes")
+            if scrub and isinstance(text, str) and _MAGIC_HEAD in text:
+                return Live.full_pass("a magic string")
+        else:
+            return Live.full_pass(f"a block of type {bt}")
+    has_thinking = carry.has_thinking or any(r["block_type"] == "thinking" for r in new.rows)
+    return Live.quiet(LiveCarry(has_thinking, unsettled_tail(new.frame)))
+
+
+@stage("sanitize", version=2, params=Sanitize, live=LiveRule(live_start, live_step))  # the first layer: it needs no other
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
     thinking policy, invalid tool calls, non-model tool-result fields, magic strings.

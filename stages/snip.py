@@ -51,10 +51,13 @@ from ctxreplay.pipeline.stageapi.calls import (
     text_tokens,
     visible_at,
 )
-from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, start_marks
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
+from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, start_marks
+from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 from ctxreplay.schemas.blocks import BLOCKS as _BLOCKS_ARROW
 from ctxreplay.schemas.check import conform
+from ctxreplay.stages.tombstone import quiet_check as tombstone_quiet_check
 
 SNIP_TEMPLATE = SNIP_MARKER_TEXT
 SNIP_RE = re.compile(SNIP_MARKER_RE)
@@ -466,10 +469,7 @@ def _resnip_conflicts(blocks: pl.LazyFrame, ledger: pl.LazyFrame) -> StageResult
     """A recorded snip whose row changed under it (a `conflict` in the ledger view) is made afresh,
     from the same call, in the same epoch: a snip removes a position in the conversation, whatever
     it holds now."""
-    redo = ledger.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).select(
-        *PART_KEY, "from_call").join(
-        ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call", _rr="reason", _re="cache_epoch"),
-        on=[*PART_KEY, "from_call"]).collect(engine=POLARS_ENGINE)
+    redo = conflicted(ledger, "snip").rename({"reason": "_rr", "cache_epoch": "_re"}).collect(engine=POLARS_ENGINE)
     if not redo.height:
         return None
     targets = blocks.join(redo.lazy(), on=PART_KEY, how="inner").filter(visible_at("from_call")).select(
@@ -481,8 +481,77 @@ def _resnip_conflicts(blocks: pl.LazyFrame, ledger: pl.LazyFrame) -> StageResult
     return finish(w)
 
 
+# ---------------------------------------------------------------------------------------------
+# the live rule (ctxreplay.pipeline.stageapi.live): no snip at the new calls of a live step
+
+
+@dataclass(frozen=True, slots=True)
+class LiveCarry:
+    """What snip carries between live steps: the pending call's request tokens after its dry run of
+    the pipeline's tombstone, and that peer's own live carry over the dry run's output (so that the
+    peer's rule says whether the dry run clears at the new calls)."""
+
+    tokens: int
+    dry: Any = None
+    why: str | None = None  # a full pass at the next step, and why
+
+
+def live_start(thread: LiveThread, params: Snip, ctx: StageContext) -> LiveCarry | None:
+    """While snip has not fired in the thread, the request it measures is its input after its dry
+    run of tombstone: as long as no later position decided anything, this position's output (the
+    dry run clears nothing more than the real stage did); else the dry run's output."""
+    if not params.enabled:
+        return None
+    if thread.own_decisions.height:
+        return LiveCarry(0, why="snip decided in this thread already")
+    ref = ctx.peer("tombstone")
+    blocks = thread.blocks
+    if ref is not None and thread.decisions.filter(pl.col("stage").is_in(thread.later_positions())).height:
+        out = tombstone_dry_run(blocks.lazy(), ctx).collect(engine=POLARS_ENGINE)
+        assert isinstance(out, pl.DataFrame)
+        blocks = out
+    dry = None
+    if ref is not None:
+        if ref.stage.live is None:
+            return LiveCarry(0, why=f"snip's dry run of {ref.stage.name}: that stage has no live rule")
+        dry = ref.stage.live.start(thread.with_blocks(blocks), ref.params, ctx)
+    return LiveCarry(thread.request_tokens(blocks), dry)
+
+
+def live_step(carry: LiveCarry | None, new: LiveRows, p: Snip, ctx: StageContext) -> Live:
+    """Quiet while the request stays at or under the high watermark and the dry run of tombstone
+    clears nothing at the new calls (that stage's own rule says)."""
+    if carry is None:
+        return Live.quiet(None)
+    if carry.why:
+        return Live.full_pass(carry.why)
+    tokens = carry.tokens + new.request_tokens
+    if tokens > p.high_watermark * max(0, ctx.window_tokens - p.reserve_output_tokens):
+        return Live.full_pass("the request passes snip's high watermark")
+    dry = None
+    ref = ctx.peer("tombstone")
+    if ref is not None and ref.stage.live is not None:
+        ans = ref.stage.live.step(carry.dry, new, ref.params, ctx)
+        if not ans.is_quiet:
+            return Live.full_pass(f"snip's dry run of {ref.stage.name}: {ans.reason}")
+        dry = ans.carry
+    return Live.quiet(LiveCarry(tokens, dry))
+
+
+def quiet_check(params: Snip, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no snip marker yet, and every request of
+    every thread (bounded by all its rows) within the high watermark, with the pipeline's tombstone
+    quiet too (its dry run leaves the blocks as they are)."""
+    if not params.enabled:
+        return pl.lit(True)
+    hi = params.high_watermark * max(0, ctx.window_tokens - params.reserve_output_tokens)
+    check = ~(pl.col("origin") == "snip").fill_null(False).any() & per_thread(request_tokens_bound(ctx) <= hi)
+    ref = ctx.peer("tombstone")
+    return check if ref is None else check & tombstone_quiet_check(ref.params, ctx)
+
+
 @stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),
-       rebuild=_ledger_markers)
+       rebuild=_ledger_markers, live=LiveRule(live_start, live_step))
 def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Remove whole old middle turns when the request passes the high watermark.
 
@@ -495,6 +564,8 @@ def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageCon
     ledger's snips and rebuilds the marker first; a row changed under a recorded snip (a `conflict`)
     is still removed from that call; only later calls are decided afresh.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
     if not params.enabled:
         return StageResult(blocks, empty_decisions())
     redo = _resnip_conflicts(blocks, ledger)

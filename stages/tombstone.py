@@ -44,7 +44,9 @@ from ctxreplay.pipeline.stageapi.calls import (
     row_tokens_expr,
     text_tokens,
 )
-from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
+from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
+from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, mark_replace_from, start_marks
+from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 
@@ -554,8 +556,158 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
     return finish(w)
 
 
+# ---------------------------------------------------------------------------------------------
+# the live rule (ctxreplay.pipeline.stageapi.live): no clearing at the new calls of a live step
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """What this stage sees at the pending call, measured on the blocks it left (its input with its
+    clearings applied): the request's tokens, and the tool results it could still clear, counted
+    before and after the latest real user message (the current tool loop is never cleared, so those
+    after it become clearable only when a user message comes). "Could still clear": not cleared,
+    and not before the last result it cleared (its frontier only moves forward; results cleared
+    from their first appearance on are the transcript's own and do not move it). The counts and
+    tokens are upper bounds: every such result long enough (min_result_chars) or holding an image,
+    whatever its tool, pin or age, with all its rows' tokens (a clearing frees at most that)."""
+
+    tokens: int
+    u_order: int | None  # order_key of the latest real user message (None: none yet)
+    before: tuple[int, int]  # (results, tokens) before it
+    after: tuple[int, int]  # (results, tokens) after it
+
+    def grown(self, new: LiveRows, min_chars: int) -> Measure:
+        """The same after the appended rows."""
+        users = [m[0]["order_key"] for m in new.messages if _real_user(m)]
+        cands = _candidates(new, min_chars)
+        tokens = self.tokens + new.request_tokens
+        if not users:  # the current tool loop goes on: every new result is in it
+            return Measure(tokens, self.u_order, self.before, _count(self.after, cands))
+        u = users[-1]  # a new tool loop: what came before its user message is outside it
+        before = _count((self.before[0] + self.after[0], self.before[1] + self.after[1]),
+                        [c for c in cands if c[0] < u])
+        return Measure(tokens, u, before, _count((0, 0), [c for c in cands if c[0] > u]))
+
+
+def _count(acc: tuple[int, int], cands: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """(results, tokens) plus the candidates (order_key, tokens, size)."""
+    return acc[0] + len(cands), acc[1] + sum(c[1] for c in cands)
+
+
+def _real_user(msg: list[dict[str, Any]]) -> bool:
+    return msg[0]["role"] == "user" and not any(r["block_type"] == "tool_result" for r in msg)
+
+
+def _candidates(new: LiveRows, min_chars: int) -> list[tuple[int, int, int]]:
+    """(order_key, tokens, size) of each new tool result this stage might clear."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for r, tok in zip(new.rows, new.tokens, strict=True):
+        if r["block_type"] != "tool_result":
+            continue
+        c = out.setdefault((r["entry_id"], r["block_pos"]), [r["order_key"], 0, 0])
+        c[1] += tok
+        c[2] += len(r["text"]) if isinstance(r["text"], str) else 0
+    return [(o, t, n) for o, t, n in out.values() if n >= min_chars]
+
+
+def measure(thread: LiveThread, min_chars: int) -> Measure:
+    """The Measure of the thread's pending call over `thread.blocks`: tokens as
+    ctxreplay.pipeline.stageapi.calls.request_tokens counts them, the latest real user message as
+    ctxreplay.pipeline.stageapi.calls.messages finds it, what was cleared as the walk reads it
+    (part 0 of a result replaced by the placeholder)."""
+    t = thread.blocks.with_columns(_tok=thread.row_tokens())
+    call = thread.call
+    msgs = t.group_by("msg_key").agg(
+        order=pl.col("order_key").min(), first=pl.col("first_call").min(),
+        real=(pl.col("role").first() == "user") & ~(pl.col("block_type") == "tool_result").any()
+        & (pl.col("origin").first() != "snip"))
+    u = msgs.filter(pl.col("real") & (pl.col("first") <= call)).get_column("order").max()
+    res = t.filter(pl.col("block_type") == "tool_result")
+    cleared = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)
+    res = res.group_by("entry_id", "block_pos").agg(
+        order=pl.col("order_key").min(), a=pl.col("first_call").min(), tok=pl.col("_tok").sum(),
+        size=pl.col("text").str.len_chars().fill_null(0).sum(), img=is_image_expr().fill_null(False).any(),
+        done_call=pl.col("first_call").filter(cleared).min(),
+        done_epoch=pl.col("cache_epoch").filter(cleared).sort_by(pl.col("first_call").filter(cleared)).first(),
+    ).with_columns(done=pl.col("done_call").is_not_null())
+    own = res.filter(pl.col("done") & ~((pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0)))
+    frontier = own.get_column("order").max()
+    res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img")))
+    if frontier is not None:
+        res = res.filter(pl.col("order") >= frontier)
+    u_order = None if u is None else int(u)  # type: ignore[arg-type]
+    first = res.filter(pl.col("order") < u_order) if u_order is not None else res.clear()
+    second = res.filter(pl.col("order") >= u_order) if u_order is not None else res
+    return Measure(thread.request_tokens(), u_order,
+                   (first.height, int(first.get_column("tok").sum() or 0)),
+                   (second.height, int(second.get_column("tok").sum() or 0)))
+
+
+def _idle(p: Tombstone, new: LiveRows) -> str | None:
+    """The idle trigger at the new calls: the last message of a call's new rows against the answer
+    that starts the call (ms; quiet only below the threshold, whatever the rounding)."""
+    if p.trigger_idle_seconds <= 0:
+        return None
+    limit_ms = max(p.trigger_idle_seconds, 1) * 1000
+    by_call: dict[int, list[dict[str, Any]]] = {}
+    for msg in new.messages:
+        by_call.setdefault(msg[0]["first_call"], []).append(msg[0])
+    for heads in by_call.values():
+        asst = [m for m in heads if m["role"] == "assistant"]
+        t_req, t_asst = heads[-1]["timestamp"], asst[-1]["timestamp"] if asst else None
+        if t_req is None or t_asst is None:
+            return "a message without timestamp (tombstone's idle trigger)"
+        if (t_req - t_asst).total_seconds() * 1000 >= limit_ms:
+            return "a request an idle period after the last answer (tombstone's idle trigger)"
+    return None
+
+
+def live_start(thread: LiveThread, params: Tombstone, ctx: StageContext) -> Measure:
+    """The live rule carries the Measure of the pending call over the blocks this position left."""
+    return measure(thread, params.min_result_chars)
+
+
+def live_step(m: Measure, new: LiveRows, p: Tombstone, ctx: StageContext) -> Live:
+    """Quiet while no result is clearable outside the current tool loop; else unless the idle
+    trigger fires, or the token trigger with enough to clear (clear_at_least_tokens)."""
+    after = m.grown(new, p.min_result_chars)
+    if after.before[0] == 0:
+        return Live.quiet(after)  # no result outside the current tool loop: nothing to clear, no trigger fires
+    idle = _idle(p, new)
+    if idle:
+        return Live.full_pass(idle)
+    if p.trigger_tokens > 0 and after.tokens > p.trigger_tokens and (
+            p.clear_tool_inputs or after.before[1] >= p.clear_at_least_tokens):
+        return Live.full_pass("the request passes tombstone's trigger_tokens with enough to clear")
+    return Live.quiet(after)
+
+
+def forced(params: Tombstone) -> Tombstone:
+    """A forced compaction (`Engine.compact(force=True)`): the triggers at their minimum, so that every
+    eligible old tool result is cleared now."""
+    return dataclasses.replace(params, trigger_tokens=1, clear_at_least_tokens=0)
+
+
+def quiet_check(params: Tombstone, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no result cleared already, and in every
+    thread either no result could be eligible (all results' text together under min_result_chars,
+    no image) or no trigger can fire: every request within trigger_tokens (bounded by all the
+    thread's rows) and no two of its rows trigger_idle_seconds apart. A firing needs both."""
+    result = (pl.col("block_type") == "tool_result").fill_null(False)
+    done = (result & (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).fill_null(False).any()
+    size = pl.when(result).then(pl.col("text").str.len_chars()).cast(pl.Int64).sum()
+    few = (size < params.min_result_chars) & ~(result & is_image_expr().fill_null(False)).any()
+    calm = pl.lit(True)
+    if params.trigger_tokens > 0:
+        calm = calm & (request_tokens_bound(ctx) <= params.trigger_tokens)
+    if params.trigger_idle_seconds > 0:
+        span = (pl.col("timestamp").max() - pl.col("timestamp").min()).dt.total_seconds()
+        calm = calm & (span < max(params.trigger_idle_seconds, 1)).fill_null(True)
+    return ~done & per_thread(few | calm)
+
+
 @stage("tombstone", version=1, params=Tombstone, requires=("pairing",),
-       frozen=("tombstone", "clear_input", "replace", "drop"))
+       frozen=("tombstone", "clear_input", "replace", "drop"), live=LiveRule(live_start, live_step), compact=forced)
 def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clear the content of old tool results; ids, names, positions and is_error stay.
 
@@ -570,10 +722,9 @@ def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx
     matches its content (a `conflict` in the ledger view) is cleared afresh from the same call and
     in the same epoch (the position in time is what was decided); only later calls are decided.
     """
-    redo = ledger.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch")).join(
-        ledger.filter(pl.col("action") == "tombstone").select(*PART_KEY, "from_call", _r="reason",
-                                                             _e="cache_epoch"),
-        on=[*PART_KEY, "from_call"]).filter(pl.col("part_pos") == 0).select(
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
+    redo = conflicted(ledger, "tombstone").filter(pl.col("part_pos") == 0).select(
         *THREAD, "entry_id", "block_pos", kind=pl.lit("result"), clear_call="from_call",
-        epoch=pl.col("_e").cast(pl.Int32), reason="_r")
+        epoch=pl.col("cache_epoch").cast(pl.Int32), reason="reason")
     return plan(blocks, params, ctx, forced=redo)

@@ -136,7 +136,7 @@ def _measure(entries: list[dict[str, Any]], sp: PipelineSpec, call: int, work: P
                 if r.call == call:
                     facts = eng._sessions[SID].facts
                     assert facts is not None and r.incremental
-                    return facts.measures
+                    return facts.carried
             eng.ingest(SID, [e])
     raise AssertionError(f"no call {call}")
 
@@ -297,15 +297,15 @@ def test_a_plugin_stage_means_a_full_pass_every_call(tmp_path: Path) -> None:
                         'mode = "ok"\n', source="test")
         got = feed(build(4).entries, sp, tmp_path)
     assert not any(r.incremental for r in got)
-    assert any("shout has no live check" in (r.full_pass_reason or "") for r in got)
+    assert any("shout has no live rule" in (r.full_pass_reason or "") for r in got)
 
 
-def test_a_builtin_stage_without_a_live_check_means_a_full_pass(tmp_path: Path) -> None:
+def test_a_builtin_stage_without_a_live_rule_means_a_full_pass(tmp_path: Path) -> None:
     sp = parse_spec('[pipeline]\nname = "p"\n[[stage]]\nuse = "sanitize"\n[[stage]]\nuse = "pairing"\n'
                     '[[stage]]\nuse = "auto_compact"\n', source="test")
     got = check(build(5).entries, sp, tmp_path)
     assert not any(r.incremental for r in got)
-    assert "auto_compact has no live check" in (got[-1].full_pass_reason or "")
+    assert "auto_compact has no live rule" in (got[-1].full_pass_reason or "")
 
 
 def test_the_assembled_calls_decisions_are_frozen_by_the_next_live_step_as_a_full_pass_would(

@@ -219,3 +219,25 @@ def test_compat_keeps_the_tiers_of_an_overrides_file(tmp_path: Path) -> None:
     doc = build_report([root], b, ReportOptions(tz="UTC", compat="ccusage")).to_json()
     # the user's own tier, split per category as ccusage does: 200k at 5, 100k at 10
     assert doc["totals"]["cost_usd"] == pytest.approx((200_000 * 5 + 100_000 * 10) / 1e6)
+
+
+def test_a_price_cache_written_before_the_added_tier_is_not_reused(tmp_path: Path) -> None:
+    import orjson
+
+    from ctxreplay.pipeline.cost import prices
+
+    b1 = PriceBook.load(cache_dir=tmp_path)
+    assert b1.rates("claude-sonnet-4-20250514", "2026-02-20").tiers                  # type: ignore[union-attr]
+    b1.save()
+    f = next(tmp_path.glob("genai-prices-*.json"))
+    doc = orjson.loads(f.read_bytes())
+    # what ctxreplay before the tier cached: Sonnet 4 without it, in cache format 1
+    for k, v in doc["rates"].items():
+        if k.startswith("|claude-sonnet-4-20250514|") and v is not None:
+            v["tiers"] = []
+    doc["format"] = prices.CACHE_FORMAT - 1
+    f.write_bytes(orjson.dumps(doc))
+    assert PriceBook.load(cache_dir=tmp_path).rates("claude-sonnet-4-20250514", "2026-02-20").tiers  # type: ignore[union-attr]
+    doc["format"] = prices.CACHE_FORMAT            # the same file in the current format is believed
+    f.write_bytes(orjson.dumps(doc))
+    assert not PriceBook.load(cache_dir=tmp_path).rates("claude-sonnet-4-20250514", "2026-02-20").tiers  # type: ignore[union-attr]

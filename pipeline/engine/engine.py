@@ -23,7 +23,8 @@ How it stays identical to `ctxreplay run` (docs/engine.md has the details):
   versions that call sees, so its canonical bytes and sha256 are those of the batch replay.
 
 Work per call: when the new entries only extend the main thread of a Claude Code session and no
-stage decides anything about them (a check per built-in stage: pipeline/engine/live.py), the live path
+stage decides anything about them (each stage's own live rule says: `@stage(live=...)`,
+pipeline/engine/live.py), the live path
 makes their rows and appends them to the kept replay state, with no pass; otherwise the stages run
 over the whole session (columnar, with the ledger's frozen decisions: correct, not incremental).
 The replay shapes only the pending call, never the calls before it (their requests are frozen).
@@ -61,14 +62,14 @@ from ctxreplay.pipeline.assembly.replay import (
     call_skeleton,
     thread_key,
 )
-from ctxreplay.pipeline.core.constants import POLARS_ENGINE
 from ctxreplay.pipeline.core.outdir import RunLock, ledger_lock_path
 from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER, TokenCounter
 from ctxreplay.pipeline.engine import live as livepath
 from ctxreplay.pipeline.engine.engine_replay import LiveThread
 from ctxreplay.pipeline.loaders import LoadResult, load_paths
 from ctxreplay.pipeline.loaders.base import path_str
-from ctxreplay.pipeline.stageapi.registry import StageContext
+from ctxreplay.pipeline.stageapi.live import LiveRows
+from ctxreplay.pipeline.stageapi.registry import StageContext, load_stages
 from ctxreplay.pipeline.staging.ledger import Ledger
 from ctxreplay.pipeline.staging.spec import DEFAULT_TARGET, PipelineSpec, load_spec, preset_names
 from ctxreplay.pipeline.staging.stagerun import (
@@ -164,8 +165,8 @@ class AssembleResult:
 @dataclass(frozen=True)
 class CompactResult:
     """What `compact` did: the decisions it made (frozen in the ledger), whether it was forced (a
-    simulated compaction: the pipeline's tombstone run with its triggers at their minimum, not an
-    LLM summary), and the request after it."""
+    simulated compaction: the pipeline's stages that can compact, run with their triggers at their
+    minimum, not an LLM summary), and the request after it."""
 
     session_id: str
     thread_id: str
@@ -247,7 +248,7 @@ class _Session:
     assembled: dict[str, AssembleResult] = field(default_factory=dict)  # thread -> last result
     scan: livepath.TailScan | None = None  # the live path's reading of the session's one file
     facts: livepath.ThreadFacts | None = None  # the main thread after the last step
-    unshaped: list[livepath.NewRows] = field(default_factory=list)  # live steps the main thread's state lacks
+    unshaped: list[LiveRows] = field(default_factory=list)  # live steps the main thread's state lacks
 
 
 def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
@@ -326,12 +327,9 @@ class Engine:
                                  count_tokens=self.counter.series_counter(), token_counter_version=self.counter.name,
                                  supports_images=bool(getattr(t, "supports_images", True)))
         names = position_names(spec.stages)
-        self._live_spec = livepath.Spec(tuple((n, rs.stage.name, rs.params) for n, rs in zip(names, spec.stages,
-                                                                                               strict=True)))
-        self._builtin = {n: bool(rs.stage.is_builtin) for n, rs in zip(names, spec.stages, strict=True)}
+        self._positions = tuple(livepath.Position(n, rs.stage, rs.params, stage_context(self._ctx, rs, spec))
+                                for n, rs in zip(names, spec.stages, strict=True))
         self.live_path = True  # False: every step is a full pass (tests compare both)
-        tomb = self._live_spec.params_of("tombstone")
-        self._min_result_chars = tomb.min_result_chars if tomb is not None else 0  # what tombstone may clear
 
     # ------------------------------------------------------------------ life cycle
 
@@ -493,20 +491,12 @@ class Engine:
         main_sid = self._main_session(s, sessions)
         if main_sid is not None and (main_sid, livepath.MAIN) not in counts:
             main_sid = None  # a sub-agent's file alone: no main thread to follow
-        measures: dict[str, livepath.Measure] = {}
-        min_chars = self._min_result_chars
+        outs: dict[str, pl.DataFrame] = {}  # what each position left (its live rule starts from it)
 
-        snip_out: dict[str, pl.DataFrame] = {}
+        def observe(name: str, out: pl.DataFrame) -> None:
+            outs[name] = out
 
-        def measure(name: str, out: pl.DataFrame) -> None:
-            # what the token-triggered stages saw at the pending call (the live path's figures)
-            if main_sid is not None and name.split("#")[0] in livepath.MEASURED:
-                measures[name] = livepath.measure(out, main_sid, counts[(main_sid, livepath.MAIN)],
-                                                  self.counter, min_chars)
-                if name == "snip":
-                    snip_out[name] = out
-
-        staged = run_stages(blocks, run_spec, view, ctx, observe=measure if spec is None else None)
+        staged = run_stages(blocks, run_spec, view, ctx, observe=observe if spec is None and main_sid else None)
         t2 = time.perf_counter()
         new = 0
         written = []
@@ -536,24 +526,15 @@ class Engine:
             n_main = counts[(main_sid, livepath.MAIN)]
             keyed = calls.keys.filter((pl.col("session_id") == main_sid)
                                       & (pl.col("thread_id") == livepath.MAIN)).height == n_main
-            s.facts = livepath.thread_facts(loaded_blocks, final, p.applied_decisions(), main_sid, n_main, measures,
-                                            keyed)
-            if s.facts is not None and (s.scan is None or s.scan.thread != livepath.thread_entries(loaded_blocks,
-                                                                                                  main_sid)):
-                s.facts = None  # the live path's reading of the file is not the loader's: no live step
-            names = [n for n, _, _ in self._live_spec.positions]
-            later = names[names.index("snip") + 1:] if "snip" in names else []
-            if s.facts is not None and "snip" in snip_out and any(s.facts.decided.get(n) for n in later):
-                # a stage after snip has acted (tombstone): snip's dry run of tombstone may clear
-                # too, and its input is not tombstone's; measure that run's output
-                s.facts.measures["snip"] = livepath.measure(
-                    self._snip_dry_run(snip_out["snip"]), main_sid, counts[(main_sid, livepath.MAIN)], self.counter,
-                    min_chars)
+            if s.scan is not None and s.scan.thread == livepath.thread_entries(loaded_blocks, main_sid):
+                s.facts = livepath.thread_facts(loaded_blocks, final, p.applied_decisions(), main_sid, n_main, keyed,
+                                                self._positions, outs, self._ctx.count_tokens)
+            # else the live path's reading of the file is not the loader's: no live step
         s.unshaped.clear()
         s.last, s.dirty = p, False
         return p
 
-    def _commit_pending(self, p: _Pass, facts: livepath.ThreadFacts, new: livepath.NewRows) -> int:
+    def _commit_pending(self, p: _Pass, facts: livepath.ThreadFacts, new: LiveRows) -> int:
         """Freeze the decisions the last pass made for the call it left pending, as the next pass
         would: that call is answered now (the new rows start with its answer), so no row it sees can
         change any more. Written as that pass writes them: stage by stage, in key order, with the
@@ -570,15 +551,6 @@ class Engine:
         if n:
             self.ledger.commit_run(None, self.spec.resolved(), spec_sha256=self.spec.sha256)
         return n
-
-    def _snip_dry_run(self, blocks: pl.DataFrame) -> pl.DataFrame:
-        """snip's dry run of the pipeline's tombstone over `blocks` (ctxreplay.stages.snip's own function)."""
-        from ctxreplay.stages.snip import tombstone_dry_run
-
-        rs = next(r for r in self.spec.stages if r.stage.name == "snip")
-        out = tombstone_dry_run(blocks.lazy(), stage_context(self._ctx, rs, self.spec)).collect(engine=POLARS_ENGINE)
-        assert isinstance(out, pl.DataFrame)
-        return out
 
     def _main_session(self, s: _Session, sessions: list[str]) -> str | None:
         """The session whose main thread the live path follows: a session of one transcript file."""
@@ -611,7 +583,7 @@ class Engine:
         if isinstance(new, str):
             return new
         t1 = time.perf_counter()
-        why = livepath.quiet(self._live_spec, self._ctx, facts, new, self._builtin)
+        why, carried = livepath.step_rules(self._positions, facts, new)
         if why is not None:
             return why
         t2 = time.perf_counter()
@@ -625,7 +597,7 @@ class Engine:
         p.counts[key] = new.calls
         p.new_decisions, p.full_pass_reason = committed, None
         p.written = pl.DataFrame()
-        facts.grow(new, self._min_result_chars)
+        facts.grow(new, carried)
         s.unshaped.append(new)
         p.seconds = {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2}
         s.dirty = False
@@ -790,39 +762,41 @@ class Engine:
     def compact(self, session_id: str, force: bool = False, thread: str = "main") -> CompactResult:
         """Run the time- and budget-based layers now and freeze what they decide.
 
-        Without `force`: the pipeline as specified (tombstone's idle and token triggers, snip's
-        watermark, result_budget), on what was ingested, with the pending call's decisions frozen in
+        Without `force`: the pipeline as specified (its stages' triggers: idle time, tokens,
+        watermarks, budgets), on what was ingested, with the pending call's decisions frozen in
         the ledger at once (a compaction is a decision the agent acts on). With `force`: a simulated
-        compaction, marked `simulated`: the spec's tombstone runs with its triggers at their
-        minimum (every eligible old tool result is cleared now). A compaction recorded in the
+        compaction, marked `simulated`: the spec's stages that can compact (a `compact` hook in
+        `@stage`) run with their triggers at their minimum (every eligible old tool result is
+        cleared now). A compaction recorded in the
         transcript (a summary entry) needs nothing here: it is replayed from the entries. An LLM
         summary is out of scope."""
         self._check_open()
         s = self._known(session_id)
-        spec = self._forced_spec() if force else None
+        spec, forced = self._forced_spec() if force else (None, frozenset[str]())
         self._refresh(s)
         s.dirty = True
-        made = self._refresh(s, spec=spec, freeze_pending=True,
-                             forced=frozenset({"tombstone"}) if force else frozenset()).written
+        made = self._refresh(s, spec=spec, freeze_pending=True, forced=forced).written
         s.dirty = True  # the request comes from a pass of the spec as written, the new decisions re-applied
         res = self._assemble(s, self._refresh(s), thread, None)
         return CompactResult(s.session_id, thread, force, force, made, res)
 
-    def _forced_spec(self) -> PipelineSpec:
+    def _forced_spec(self) -> tuple[PipelineSpec, frozenset[str]]:
+        """The spec of a forced compaction: each stage with a `compact` hook at the params it gives,
+        and the names of those positions."""
         import dataclasses
 
-        stages = []
-        found = False
-        for rs in self.spec.stages:
-            if rs.stage.name == "tombstone":
-                found = True
-                params = dataclasses.replace(rs.params, trigger_tokens=1, clear_at_least_tokens=0)
-                rs = dataclasses.replace(rs, params=params)
+        stages, forced = [], set()
+        for name, rs in zip(position_names(self.spec.stages), self.spec.stages, strict=True):
+            if rs.stage.compact is not None:
+                forced.add(name)
+                rs = dataclasses.replace(rs, params=rs.stage.compact(rs.params))
             stages.append(rs)
-        if not found:
-            raise SpecError(f"compact(force=True) clears old tool results with the pipeline's tombstone stage, and "
-                            f"{self.spec.source} has none: add a [[stage]] use = \"tombstone\"")
-        return dataclasses.replace(self.spec, stages=tuple(stages))
+        if not forced:
+            able = sorted(st.name for st in load_stages().values() if st.compact is not None)
+            raise SpecError(f"compact(force=True) runs the pipeline's stages that can compact now (those with a "
+                            f"compact hook: {', '.join(able) or 'none is registered'}), and {self.spec.source} has "
+                            f"none: add one, e.g. [[stage]] use = \"{able[0] if able else '<stage>'}\"")
+        return dataclasses.replace(self.spec, stages=tuple(stages)), frozenset(forced)
 
     @_guarded
     def after_turn(self, session_id: str, usage: Mapping[str, Any], thread: str = "main") -> TurnUsage:
@@ -886,7 +860,7 @@ class Engine:
     def stage_timings(self, session_id: str) -> dict[str, float]:
         """Seconds each stage position took in the last full pass over the session (its frozen
         decisions re-applied, the stage run, its decisions reconciled with the ledger), by the
-        stage's name in the run (`pairing#2` for a second use); together about `timings()["stages"]`."""
+        stage's name in the run (`<stage>#2` for a second use); together about `timings()["stages"]`."""
         s = self._known(session_id)
         return {o.name: o.stats.seconds for o in s.last.staged.outcomes} if s.last else {}
 

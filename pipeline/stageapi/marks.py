@@ -51,7 +51,7 @@ from ctxreplay.pipeline.core.blockops import (
     null_columns,
     sort_blocks,
 )
-from ctxreplay.pipeline.core.constants import OPEN, POLARS_ENGINE
+from ctxreplay.pipeline.core.constants import OPEN, PART_KEY, POLARS_ENGINE
 from ctxreplay.pipeline.stageapi.registry import StageResult
 from ctxreplay.schemas.blocks import CONTENT_COLUMNS
 from ctxreplay.schemas.decisions import DECISION_KEY
@@ -168,6 +168,18 @@ def mark_replace_from(w: pl.LazyFrame, mask: pl.Expr, new_values: dict[str, pl.E
     return w.with_columns(
         **values, **{c: pl.when("_ml").then(e).otherwise(pl.col(c)) for c, e in marks.items()},
     ).drop("_ml")
+
+
+def conflicted(ledger: pl.LazyFrame, action: str) -> pl.LazyFrame:
+    """The stage's recorded `action` decisions whose row changed under them: the ones the ledger
+    view holds a `conflict` (reason `hash_mismatch`) for, at the same part and call. A stage that
+    decides a position in time (snip, tombstone) decides them afresh from the same call and in the
+    same epoch, whatever the row holds now. Returns one row per such conflict: PART_KEY,
+    `from_call`, and the recorded `reason` and `cache_epoch`."""
+    redo = ledger.filter((pl.col("action") == "conflict") & (pl.col("reason") == "hash_mismatch"))
+    return redo.select(*PART_KEY, "from_call").join(
+        ledger.filter(pl.col("action") == action).select(*PART_KEY, "from_call", "reason", "cache_epoch"),
+        on=[*PART_KEY, "from_call"])
 
 
 def next_message_first_call(cond: str) -> pl.Expr:

@@ -8,7 +8,9 @@ The contract in one place:
 - `StageResult`: what a stage returns.
 - `@stage(...)`: the registration, with the stage's dependencies (`requires`, `reads`) and the
   hooks the runner calls for it (`frozen` actions it re-applies from the ledger, `rebuild` of
-  inserted rows, `spilled_texts`, `encoder_version`).
+  inserted rows, `spilled_texts`, `encoder_version`), its `live` rule (what it decides at the new
+  calls of a live session: ctxreplay.pipeline.stageapi.live) and its `compact` params (the live
+  engine's forced compaction).
 
 Built-in stage names belong to ctxreplay: a plug-in that registers one of them (or a name another
 plug-in holds) is refused with a message naming both packages.
@@ -28,6 +30,7 @@ import polars as pl
 
 from ctxreplay.errors import StageNameTaken, StageRegistrationError, UnknownStage
 from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
+from ctxreplay.pipeline.stageapi.live import LiveRule
 
 ENTRY_POINT_GROUP = "ctxreplay.stages"
 CORE_PACKAGE = "ctxreplay"
@@ -151,6 +154,12 @@ class RegisteredStage:
     """Texts the runner writes to OUT/spill/<sha256> for the stage's `spill` decisions."""
     encoder_version: str | None = None
     """Version of an encoder the output depends on (e.g. Pillow): part of the config digest."""
+    live: LiveRule | None = None
+    """What the stage decides at the new calls of a live session, without a pass (None: the live
+    engine runs a full pass at every step of a pipeline that holds it)."""
+    compact: Callable[[Any], Any] | None = None
+    """params -> the params of a forced compaction (`Engine.compact(force=True)`: the stage run
+    now with its triggers at their minimum); None: the stage takes no part in one."""
 
     @property
     def is_builtin(self) -> bool:
@@ -219,7 +228,8 @@ def _describe_owner(module: str) -> str:
 
 def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = (), reads: tuple[str, ...] = (),
           frozen: tuple[str, ...] = (), rebuild: Rebuild | None = None, spilled_texts: SpilledTexts | None = None,
-          encoder_version: str | None = None) -> Callable[[Stage], Stage]:
+          encoder_version: str | None = None, live: LiveRule | None = None,
+          compact: Callable[[Any], Any] | None = None) -> Callable[[Stage], Stage]:
     """Register a stage function under `name` (see `RegisteredStage` for the keywords).
 
     Refuses a params class that is not a dataclass, and a name that another package registered
@@ -227,6 +237,9 @@ def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = 
     replaces it."""
     if not dataclasses.is_dataclass(params):
         raise StageRegistrationError(f"stage '{name}': params must be a dataclass, got {params!r}")
+    if live is not None and not isinstance(live, LiveRule):
+        raise StageRegistrationError(f"stage '{name}': live must be a LiveRule(start, step) "
+                                     f"(ctxreplay.LiveRule), got {type(live).__name__}")
 
     def register(fn: Stage) -> Stage:
         module = getattr(fn, "__module__", "") or ""
@@ -239,7 +252,7 @@ def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = 
                                  built_in=held.module.startswith(CORE_MODULE_PREFIX))
         STAGES[name] = RegisteredStage(
             name, version, params, fn, (fn.__doc__ or "").strip(), module, tuple(requires), tuple(reads),
-            tuple(frozen), rebuild, spilled_texts, encoder_version)
+            tuple(frozen), rebuild, spilled_texts, encoder_version, live, compact)
         return fn
 
     return register
