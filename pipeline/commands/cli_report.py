@@ -136,13 +136,14 @@ def _usage_html(rep: Any, doc: dict[str, Any], book: Any, opts: Any, chosen: lis
     from ctxreplay.pipeline.reporting.html_report import usage_html, write_html
 
     sessions = doc["rows"] if rep.by == "session" else rp.build_report(
-        chosen, book, dataclasses.replace(opts, by="session")).rows
-    recs = rep.records
-    dm = pl.DataFrame({"day": [r[rp.DAY] for r in recs], "model": [r[rp.MODEL] or "unknown" for r in recs],
-                       "cost": [r[rp.COST] for r in recs]}, schema={"day": pl.String, "model": pl.String,
-                                                                     "cost": pl.Float64})
-    dm = dm.filter(pl.col("cost").is_not_null()).group_by("day", "model").agg(pl.col("cost").sum()).sort("day", "model")
-    write_html(html_file, usage_html(doc, sessions, dm))
+        chosen, book, dataclasses.replace(opts, by="session", breakdown=False)).rows
+    fields = {"day": rp.DAY, "model": rp.MODEL, "cost": rp.COST, "input": rp.IN, "cw5": rp.CW5, "cw1": rp.CW1,
+              "cr": rp.CR}
+    cols = list(zip(*rep.records, strict=True)) if rep.records else [()] * (rp.COST + 1)
+    schema = {"day": pl.String, "model": pl.String, "cost": pl.Float64, "input": pl.Int64, "cw5": pl.Int64,
+              "cw1": pl.Int64, "cr": pl.Int64}
+    requests = pl.DataFrame({k: list(cols[i]) for k, i in fields.items()}, schema=schema)
+    write_html(html_file, usage_html(doc, sessions, requests, week_start=opts.start_of_week))
     echo(f"ctxreplay report: wrote {html_file}", err=True)
 
 
