@@ -23,6 +23,7 @@ from ctxreplay.pipeline.core.constants import TRUNCATION_MARKER_RE as MARKER_RE
 from ctxreplay.pipeline.stageapi.calls import materialize, visible_at
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
+from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 MARKER_FIXED_CHARS = 20  # "\n…" + " chars truncated…\n"; plus the digits of the count
@@ -261,6 +262,16 @@ def live_step(carry: None, new: LiveRows, p: ResultBudget, ctx: StageContext) ->
     return Live.quiet()
 
 
+def quiet_check(params: ResultBudget, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): in every thread, the text of all tool
+    results together (every part, every version) is within the cap of one result and within
+    aggregate_max_chars, so no result and no turn's results are over."""
+    cap = max(1, min(params.max_result_chars, int(params.max_window_share * ctx.window_tokens * 4)))
+    limit = min(cap, params.aggregate_max_chars) if params.aggregate_max_chars > 0 else cap
+    chars = pl.when((pl.col("block_type") == "tool_result") & _has_text()).then(pl.col("text").str.len_chars())
+    return per_thread(chars.cast(pl.Int64).sum() <= limit)
+
+
 @stage("result_budget", version=1, params=ResultBudget, requires=("pairing",), frozen=("truncate", "spill"),
        spilled_texts=spilled_texts, live=LiveRule(live_start, live_step))
 def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
@@ -274,4 +285,6 @@ def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFra
     (reason `max_result_chars` or `aggregate`); the runner re-applies the ledger's decisions first
     (frozen), and a result already cut is never cut again.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
     return plan(blocks, params, ctx)

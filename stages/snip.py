@@ -53,9 +53,11 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, start_marks
+from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 from ctxreplay.schemas.blocks import BLOCKS as _BLOCKS_ARROW
 from ctxreplay.schemas.check import conform
+from ctxreplay.stages.tombstone import quiet_check as tombstone_quiet_check
 
 SNIP_TEMPLATE = SNIP_MARKER_TEXT
 SNIP_RE = re.compile(SNIP_MARKER_RE)
@@ -536,6 +538,18 @@ def live_step(carry: LiveCarry | None, new: LiveRows, p: Snip, ctx: StageContext
     return Live.quiet(LiveCarry(tokens, dry))
 
 
+def quiet_check(params: Snip, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no snip marker yet, and every request of
+    every thread (bounded by all its rows) within the high watermark, with the pipeline's tombstone
+    quiet too (its dry run leaves the blocks as they are)."""
+    if not params.enabled:
+        return pl.lit(True)
+    hi = params.high_watermark * max(0, ctx.window_tokens - params.reserve_output_tokens)
+    check = ~(pl.col("origin") == "snip").fill_null(False).any() & per_thread(request_tokens_bound(ctx) <= hi)
+    ref = ctx.peer("tombstone")
+    return check if ref is None else check & tombstone_quiet_check(ref.params, ctx)
+
+
 @stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),
        rebuild=_ledger_markers, live=LiveRule(live_start, live_step))
 def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
@@ -550,6 +564,8 @@ def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageCon
     ledger's snips and rebuilds the marker first; a row changed under a recorded snip (a `conflict`)
     is still removed from that call; only later calls are decided afresh.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
     if not params.enabled:
         return StageResult(blocks, empty_decisions())
     redo = _resnip_conflicts(blocks, ledger)

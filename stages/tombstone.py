@@ -46,6 +46,7 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, mark_replace_from, start_marks
+from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 
@@ -687,6 +688,24 @@ def forced(params: Tombstone) -> Tombstone:
     return dataclasses.replace(params, trigger_tokens=1, clear_at_least_tokens=0)
 
 
+def quiet_check(params: Tombstone, ctx: StageContext) -> pl.Expr:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no result cleared already, and in every
+    thread either no result could be eligible (all results' text together under min_result_chars,
+    no image) or no trigger can fire: every request within trigger_tokens (bounded by all the
+    thread's rows) and no two of its rows trigger_idle_seconds apart. A firing needs both."""
+    result = (pl.col("block_type") == "tool_result").fill_null(False)
+    done = (result & (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).fill_null(False).any()
+    size = pl.when(result).then(pl.col("text").str.len_chars()).cast(pl.Int64).sum()
+    few = (size < params.min_result_chars) & ~(result & is_image_expr().fill_null(False)).any()
+    calm = pl.lit(True)
+    if params.trigger_tokens > 0:
+        calm = calm & (request_tokens_bound(ctx) <= params.trigger_tokens)
+    if params.trigger_idle_seconds > 0:
+        span = (pl.col("timestamp").max() - pl.col("timestamp").min()).dt.total_seconds()
+        calm = calm & (span < max(params.trigger_idle_seconds, 1)).fill_null(True)
+    return ~done & per_thread(few | calm)
+
+
 @stage("tombstone", version=1, params=Tombstone, requires=("pairing",),
        frozen=("tombstone", "clear_input", "replace", "drop"), live=LiveRule(live_start, live_step), compact=forced)
 def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
@@ -703,6 +722,8 @@ def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx
     matches its content (a `conflict` in the ledger view) is cleared afresh from the same call and
     in the same epoch (the position in time is what was decided); only later calls are decided.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):
+        return unchanged(blocks)
     redo = conflicted(ledger, "tombstone").filter(pl.col("part_pos") == 0).select(
         *THREAD, "entry_id", "block_pos", kind=pl.lit("result"), clear_call="from_call",
         epoch=pl.col("cache_epoch").cast(pl.Int32), reason="reason")

@@ -33,7 +33,7 @@ def check_result(res: object, name: str, position: int, module: str) -> tuple[pl
         raise StageFailed(name, position, exc, kind="schema", message=str(exc)) from exc
     blocks = res.blocks.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
     decisions = res.decisions.lazy().collect(engine=POLARS_ENGINE)  # type: ignore[attr-defined]
-    dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1)
+    dupes = decisions.group_by(DECISION_KEY).len().filter(pl.col("len") > 1) if decisions.height else decisions
     if dupes.height:
         msg = (f"stage '{name}' made {dupes.height} duplicate decisions for the same block and call (first: "
                f"{dupes.row(0, named=True)}); this is a bug in the stage")

@@ -92,6 +92,8 @@ class CallMap:
 
     def with_keys(self, decisions: pl.DataFrame) -> pl.DataFrame:
         """`decisions` with the `call_key` of their (thread, from_call) (null where none)."""
+        if not decisions.height:
+            return decisions.with_columns(call_key=pl.lit(None, pl.String))
         return decisions.join(self.keys.rename({"call": "from_call"}), on=[*THREAD, "from_call"], how="left")
 
 
@@ -119,6 +121,8 @@ class LedgerView:
         return cls(calls, view)
 
     def for_stage(self, name: str) -> pl.DataFrame:
+        if not self.decisions.height:  # no earlier decision at all (a first run): nothing to filter
+            return pl.DataFrame(schema=DECISION_SCHEMA)
         return conform(self.decisions.filter(pl.col("stage") == name).drop("stage"), STAGE_DECISION).collect(engine=POLARS_ENGINE)
 
 
@@ -247,6 +251,9 @@ def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame)
     """Step 1 for one stage: its frozen decisions re-applied (see the module docstring's policy),
     its inserted rows rebuilt; the view the stage gets is `earlier` without old conflict rows,
     plus this run's conflicts."""
+    if not earlier.height:  # nothing to re-apply, rebuild or conflict with
+        empty = pl.DataFrame(schema=DECISION_SCHEMA)
+        return Reapplied(blocks, empty, empty, earlier)
     led = earlier.lazy().filter(pl.col("action").is_in(list(stage.frozen))).select(
         *PART_KEY, _lf=pl.col("from_call").cast(pl.Int32), _la="action", _lr="reason", _lb="before_sha256",
         _lafter="after_sha256", _lrep="replacement", _le=pl.col("cache_epoch").cast(pl.Int32),
@@ -393,10 +400,14 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
                                               run=reapply_and_run)
         _record_failures(state, st, name, position, failed, skip)
         decisions = pl.concat([decisions, _failed_decisions(blocks, failed | dict.fromkeys(skip))])
-    if st.spilled_texts is not None and decisions.filter(pl.col("action") == "spill").height:
+    if st.spilled_texts is not None and decisions.height and decisions.filter(pl.col("action") == "spill").height:
         state.spills.append(st.spilled_texts(blocks.lazy(), decisions.lazy()).select("sha256", "text").collect(engine=POLARS_ENGINE))
-    marked = mark_provisional(decisions, state.view.calls.pending)
-    new, conflicts, reused = reconcile(marked, earlier)
+    if decisions.height or earlier.height:
+        marked = mark_provisional(decisions, state.view.calls.pending)
+        new, conflicts, reused = reconcile(marked, earlier)
+    else:  # nothing decided, nothing in the ledger: nothing to reconcile
+        marked = decisions.with_columns(is_provisional=pl.lit(False))
+        new, conflicts, reused = decisions, 0, 0
     by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
     stats = StageStats(decisions.height, new.height, reused, int(marked["is_provisional"].sum()),
                        conflicts + int((decisions["action"] == "conflict").sum()), dict(sorted(by_reason.items())),

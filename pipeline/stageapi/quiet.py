@@ -1,0 +1,73 @@
+"""A stage's quick "nothing to do" check: one small query over the blocks, before the stage's plan.
+
+A pipeline pass pays a fixed cost per stage whatever the input's size: a stage's plan is dozens of
+joins, windows and marks, and polars plans and runs each of them even on a session of ten calls
+(~50 ms a stage, ~0.4 s a pass). Most passes decide little: a short session trips no token
+trigger, holds no image, no inter-session row, no oversized result. A stage that can prove from a
+few aggregates that its plan would decide nothing returns the blocks as its plan would have left
+them (sorted, unchanged) and no decision, at the cost of one small query.
+
+The check must be conservative: `quiet` only where the stage's plan decides nothing and changes no
+row (tests/test_stage_quiet.py runs each stage's check against its plan on both sides of every
+threshold). A stage with earlier decisions in its ledger view (re-applied, or in conflict) always
+runs its plan.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from ctxreplay.pipeline.core.blockops import empty_decisions, sort_blocks
+from ctxreplay.pipeline.core.constants import (
+    CHARS4_COUNTER,
+    MESSAGE_OVERHEAD_TOKENS,
+    POLARS_ENGINE,
+    THREAD,
+)
+from ctxreplay.pipeline.core.tokens import (
+    IMAGE_MAX_TOKENS,
+    TIKTOKEN_COUNTER,
+    fast_token_estimate,
+    is_image_expr,
+    row_tokens_expr,
+    token_text_expr,
+)
+from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult
+
+
+def quiet(blocks: pl.LazyFrame, ledger: pl.LazyFrame, check: pl.Expr) -> bool:
+    """True when the stage's ledger view is empty and `check` (a boolean aggregate over the
+    blocks, one value) holds. One query for both."""
+    q = pl.concat([ledger.select(_q=pl.len() == 0), blocks.select(_q=check.fill_null(False))])
+    return bool(q.select(pl.col("_q").all()).collect(engine=POLARS_ENGINE).item())
+
+
+def unchanged(blocks: pl.LazyFrame) -> StageResult:
+    """What a stage's plan returns when it decides nothing: the blocks in the block order of
+    `finish` (ctxreplay.pipeline.stageapi.marks), no decision."""
+    return StageResult(sort_blocks(blocks), empty_decisions())
+
+
+def per_thread(expr: pl.Expr) -> pl.Expr:
+    """`expr` (a per-thread aggregate) holds for every thread."""
+    return expr.over(THREAD).all()
+
+
+def row_tokens_bound(ctx: StageContext) -> pl.Expr:
+    """At least the tokens `row_tokens_expr(ctx.count_tokens)` gives a row, without tokenizing:
+    chars/4 exactly for the fast counter, the text's UTF-8 bytes for tiktoken (a token holds at
+    least one byte), an image's cap. Another counter is asked (exact)."""
+    if ctx.count_tokens is not None and ctx.token_counter_version not in (CHARS4_COUNTER, TIKTOKEN_COUNTER):
+        return row_tokens_expr(ctx.count_tokens)
+    text = token_text_expr().fill_null("")
+    per_text = fast_token_estimate(text.str.len_chars()) if ctx.count_tokens is None \
+        or ctx.token_counter_version == CHARS4_COUNTER else text.str.len_bytes().cast(pl.Int64)
+    return pl.when(is_image_expr()).then(pl.lit(IMAGE_MAX_TOKENS, pl.Int64)).otherwise(per_text).cast(pl.Int64)
+
+
+def request_tokens_bound(ctx: StageContext) -> pl.Expr:
+    """An aggregate (use it per thread: `per_thread`): at least the estimated tokens of any request
+    of the rows it sees (ctxreplay.pipeline.stageapi.calls.request_tokens): every version of every
+    row, plus the per-message overhead of every message."""
+    return row_tokens_bound(ctx).sum() \
+        + pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64) * pl.col("msg_key").n_unique().cast(pl.Int64)

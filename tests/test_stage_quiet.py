@@ -1,0 +1,259 @@
+"""A stage's quick "nothing to do" check (ctxreplay.pipeline.stageapi.quiet), against its plan.
+
+For each stage with a check, on both sides of every threshold it reads: where the check says quiet,
+the stage's plan (the check bypassed) decides nothing and returns exactly the blocks the quick path
+returns (same rows, same order); one step over, the check says not quiet, and where the plan then
+decides something the stage (check on) decides the same.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import polars as pl
+import pytest
+
+from ctxreplay.pipeline.core.blockops import empty_decisions
+from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
+from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER, TokenCounter, row_tokens_expr
+from ctxreplay.pipeline.stageapi.quiet import quiet, request_tokens_bound, row_tokens_bound
+from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
+from ctxreplay.pipeline.staging.spec import resolve_params
+from ctxreplay.testkit import make_blocks, make_context, run_stage
+
+HOUR = 3_600
+
+
+def loops(n: int, *, size: int = 300, gap: float = 10, idle_before: int | None = None) -> list[dict[str, Any]]:
+    """A user row, then n tool loops (call, result of `size` characters), `gap` seconds apart."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "text": "start", "timestamp": 0}]
+    t = 10.0
+    for i in range(n):
+        if i == idle_before:
+            t += HOUR + 5
+        if i:
+            msgs.append({"role": "user", "text": f"next {i}", "timestamp": t})
+        msgs.append({"role": "assistant", "timestamp": t, "blocks": [
+            {"type": "tool_use", "tool_use_id": f"toolu_{i}", "tool_name": "Read", "tool_input": {"p": i}}]})
+        msgs.append({"role": "user", "timestamp": t + 1, "blocks": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "tool_name": "Read", "text": "x" * size}]})
+        t += gap
+    msgs.append({"role": "assistant", "text": "done", "timestamp": t})
+    return msgs
+
+
+def module(name: str) -> Any:
+    return importlib.import_module(get_stage(name).module)
+
+
+def check(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageContext) -> bool:
+    p = resolve_params(get_stage(name), dict(params), where="test")
+    return quiet(blocks, empty_decisions(), module(name).quiet_check(p, ctx))
+
+
+@contextmanager
+def check_off(name: str) -> Iterator[None]:
+    """The stage's plan, its quick check bypassed."""
+    mod = module(name)
+    saved = mod.quiet
+    mod.quiet = lambda *a: False
+    try:
+        yield
+    finally:
+        mod.quiet = saved
+
+
+def outputs(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageContext,
+            ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    res = run_stage(name, blocks, params, ctx=ctx)
+    return res.blocks.collect(), res.decisions.collect()
+
+
+def agrees(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageContext) -> bool:
+    """The check's answer, after asserting what it promises: quiet -> the plan decides nothing and
+    leaves the blocks as the quick path does; either way the stage decides what its plan decides."""
+    is_quiet = check(name, blocks, params, ctx)
+    fast_blocks, fast_dec = outputs(name, blocks, params, ctx)
+    with check_off(name):
+        plan_blocks, plan_dec = outputs(name, blocks, params, ctx)
+    assert fast_blocks.equals(plan_blocks)
+    assert fast_dec.equals(plan_dec)
+    if is_quiet:
+        assert plan_dec.height == 0
+    return is_quiet
+
+
+CTX = StageContext(window_tokens=200_000)
+
+
+def bound(blocks: pl.LazyFrame, ctx: StageContext = CTX) -> int:
+    return int(blocks.select(request_tokens_bound(ctx)).collect().item())
+
+
+# ---------------------------------------------------------------------------------------------
+# tombstone: token trigger, idle trigger, eligible size
+
+
+TOMB = {"keep_recent": 1, "clear_at_least_tokens": 1, "min_result_chars": 100}
+
+
+def test_tombstone_token_trigger_both_sides() -> None:
+    blocks = make_blocks(loops(8, size=2_000))
+    b = bound(blocks)
+    assert agrees("tombstone", blocks, {**TOMB, "trigger_idle_seconds": 0, "trigger_tokens": b}, CTX)
+    assert not agrees("tombstone", blocks, {**TOMB, "trigger_idle_seconds": 0, "trigger_tokens": b - 1}, CTX)
+    # far enough under the bound, the plan clears: the stage still does
+    _, dec = outputs("tombstone", blocks, {**TOMB, "trigger_idle_seconds": 0, "trigger_tokens": b // 3}, CTX)
+    assert dec.filter(pl.col("action") == "tombstone").height > 0
+
+
+def test_tombstone_idle_trigger_both_sides() -> None:
+    params = {**TOMB, "trigger_tokens": 0}
+    calm = make_blocks(loops(6, gap=HOUR / 8))  # 6 loops span under an hour
+    assert agrees("tombstone", calm, params, CTX)
+    idle = make_blocks(loops(6, idle_before=4))
+    assert not agrees("tombstone", idle, params, CTX)
+    _, dec = outputs("tombstone", idle, params, CTX)
+    assert set(dec.filter(pl.col("action") == "tombstone")["reason"]) == {"idle"}
+    # the span itself: one second under the idle trigger is quiet, at it is not
+    ts = calm.select(pl.col("timestamp").max() - pl.col("timestamp").min()).collect().item()
+    span = int(ts.total_seconds())
+    assert agrees("tombstone", calm, {**params, "trigger_idle_seconds": int(span) + 1}, CTX)
+    assert not agrees("tombstone", calm, {**params, "trigger_idle_seconds": int(span)}, CTX)
+
+
+def test_tombstone_results_too_short_to_clear_are_quiet_whatever_the_triggers() -> None:
+    idle = make_blocks(loops(6, size=50, idle_before=4))  # 6 results x 50 characters = 300
+    params = {**TOMB, "trigger_tokens": 1}
+    assert agrees("tombstone", idle, {**params, "min_result_chars": 301}, CTX)
+    assert not agrees("tombstone", idle, {**params, "min_result_chars": 300}, CTX)
+    assert not agrees("tombstone", idle, {**params, "min_result_chars": 50}, CTX)
+
+
+def test_tombstone_with_clearings_already_in_the_input_is_never_quiet() -> None:
+    blocks = make_blocks(loops(8, size=2_000))
+    params = {**TOMB, "trigger_idle_seconds": 0, "trigger_tokens": bound(blocks) // 3}
+    out, _ = outputs("tombstone", blocks, params, CTX)
+    assert not agrees("tombstone", out.lazy(), {**params, "trigger_tokens": 10 ** 9}, CTX)
+
+
+# ---------------------------------------------------------------------------------------------
+# snip: the high watermark, with and without the pipeline's tombstone
+
+
+def chat(turns: int, size: int = 400) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "text": "You are terse."}]
+    for t in range(turns):
+        msgs.append({"role": "user", "text": f"question {t} " + "q" * size})
+        msgs.append({"role": "assistant", "text": f"answer {t} " + "a" * size})
+    return msgs
+
+
+@pytest.mark.parametrize("peers", [{}, {"tombstone": {"trigger_idle_seconds": 0}}])
+def test_snip_high_watermark_both_sides(peers: dict[str, Any]) -> None:
+    blocks = make_blocks(chat(10))
+    b = bound(blocks)
+    at = make_context(window_tokens=b, peers=peers)  # high watermark 1.0 x budget = the bound
+    under = make_context(window_tokens=b - 1, peers=peers)
+    params = {"reserve_output_tokens": 0, "high_watermark": 1.0, "low_watermark": 0.5}
+    assert agrees("snip", blocks, params, at)
+    assert not agrees("snip", blocks, params, under)
+    small = make_context(window_tokens=b // 2, peers=peers)
+    _, dec = outputs("snip", blocks, params, small)
+    assert dec.filter(pl.col("action") == "snip").height > 0
+
+
+def test_snip_is_not_quiet_where_its_tombstone_dry_run_may_fire() -> None:
+    blocks = make_blocks(loops(8, size=2_000))
+    b = bound(blocks)
+    params = {"reserve_output_tokens": 0, "high_watermark": 1.0}
+    tomb = {"trigger_idle_seconds": 0, "keep_recent": 1, "clear_at_least_tokens": 1, "min_result_chars": 100}
+    assert agrees("snip", blocks, params, make_context(window_tokens=b, peers={"tombstone": {**tomb, "trigger_tokens": b}}))
+    assert not agrees("snip", blocks, params,
+                      make_context(window_tokens=b, peers={"tombstone": {**tomb, "trigger_tokens": b - 1}}))
+
+
+def test_snip_with_a_marker_in_the_input_is_never_quiet() -> None:
+    blocks = make_blocks(chat(10))
+    small = make_context(window_tokens=bound(blocks) // 2, peers={})
+    params = {"reserve_output_tokens": 0}
+    out, _ = outputs("snip", blocks, params, small)
+    assert not agrees("snip", out.lazy(), params, make_context(window_tokens=10 ** 9, peers={}))
+
+
+# ---------------------------------------------------------------------------------------------
+# result_budget, images, inter_session
+
+
+def fanout(k: int, size: int) -> list[dict[str, Any]]:
+    """One assistant turn of k calls, answered together by k results of `size` characters."""
+    calls = [{"type": "tool_use", "tool_use_id": f"toolu_{i}", "tool_name": "Read", "tool_input": {"p": i}}
+             for i in range(k)]
+    results = [{"type": "tool_result", "tool_use_id": f"toolu_{i}", "tool_name": "Read", "text": "x" * size}
+               for i in range(k)]
+    return [{"role": "user", "text": "go"}, {"role": "assistant", "blocks": calls}, {"role": "user", "blocks": results},
+            {"role": "assistant", "text": "done"}]
+
+
+@pytest.mark.parametrize("aggregate", [0, 1_000])
+def test_result_budget_cap_both_sides(aggregate: int) -> None:
+    blocks = make_blocks(fanout(4, 250))  # 1,000 characters of results in the thread, one turn
+    base = {"aggregate_max_chars": aggregate}
+    assert agrees("result_budget", blocks, {**base, "max_result_chars": 1_000 if not aggregate else 5_000}, CTX)
+    if aggregate:
+        assert not agrees("result_budget", blocks, {"aggregate_max_chars": 999, "max_result_chars": 5_000}, CTX)
+        _, dec = outputs("result_budget", blocks, {"aggregate_max_chars": 600, "max_result_chars": 5_000}, CTX)
+        assert set(dec["reason"]) == {"aggregate"}
+    else:
+        assert not agrees("result_budget", blocks, {**base, "max_result_chars": 999}, CTX)
+        _, dec = outputs("result_budget", blocks, {**base, "max_result_chars": 200}, CTX)
+        assert set(dec["reason"]) == {"max_result_chars"}
+
+
+def test_result_budget_counts_each_thread_alone() -> None:
+    two = pl.concat([make_blocks(loops(2, size=400)), make_blocks(loops(2, size=400), thread_id="other")])
+    assert agrees("result_budget", two, {"max_result_chars": 800, "aggregate_max_chars": 0}, CTX)
+    assert not agrees("result_budget", two, {"max_result_chars": 799, "aggregate_max_chars": 0}, CTX)
+
+
+def test_images_quiet_without_an_image_only() -> None:
+    plain = [{"role": "user", "text": "hi"}, {"role": "assistant", "text": "ok"}]
+    assert agrees("images", make_blocks(plain), {}, CTX)
+    bad = [*plain, {"role": "user", "blocks": [{"type": "image", "image_media_type": "image/png", "image_data": "%%%"}]}]
+    assert not agrees("images", make_blocks(bad), {}, CTX)
+    _, dec = outputs("images", make_blocks(bad), {}, CTX)
+    assert dec["action"].to_list() == ["replace"]
+
+
+def test_inter_session_quiet_without_a_routed_user_row_only() -> None:
+    prov = {"kind": "inter_session", "source_session": "a", "channel": "c", "tool": "t"}
+    plain = [{"role": "user", "text": "hi", "provenance": {**prov, "kind": "external_user"}},
+             {"role": "assistant", "text": "ok"}]
+    assert agrees("inter_session", make_blocks(plain), {}, CTX)
+    routed = [*plain, {"role": "user", "text": "child", "provenance": prov}]
+    assert not agrees("inter_session", make_blocks(routed), {}, CTX)
+    _, dec = outputs("inter_session", make_blocks(routed), {}, CTX)
+    assert dec.height == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the token bound
+
+
+@pytest.mark.parametrize("counter", [None, CHARS4_COUNTER, TIKTOKEN_COUNTER])
+def test_row_tokens_bound_is_at_least_the_estimate(counter: str | None) -> None:
+    texts = ["", "a", "héllo wörld " * 30, "日本語のテキスト" * 10, "{\"x\": [1, 2, 3]}", "🙂" * 7]
+    msgs = [{"role": "user", "text": t} for t in texts if t] + [
+        {"role": "assistant", "blocks": [{"type": "tool_use", "tool_use_id": "toolu_1", "tool_name": "Read",
+                                          "tool_input": {"path": "/ü" * 40}}]},
+        {"role": "user", "blocks": [{"type": "image", "image_media_type": "image/png", "image_data": "x"}]}]
+    blocks = make_blocks(msgs)
+    count = TokenCounter(counter).series_counter() if counter else None
+    ctx = StageContext(count_tokens=count, token_counter_version=counter or CHARS4_COUNTER)
+    got = blocks.select(exact=row_tokens_expr(count), bound=row_tokens_bound(ctx)).collect()
+    assert (got["bound"] >= got["exact"]).all()
+    if counter != TIKTOKEN_COUNTER:
+        assert got["bound"].equals(got["exact"], check_names=False)  # chars/4 is exact
