@@ -1,26 +1,128 @@
-"""Where the memory of `ctxreplay run` goes (issue 10's memory goal): one run in this process, its
-resident memory sampled every 20 ms and kept as a peak per batch and phase (load, stages, replay,
-write: pipeline/core/crashpoints.py names them), with the memory left after each batch and the cache
-simulation's store at the end.
+"""Peak memory of `ctxreplay run` (issue 10's memory goal; issue 23, items 5 and 6).
 
+    python bench/bench_memory.py [--quick] [--keep DIR]
     python bench/bench_memory.py TREE [--batch-bytes N] [--preset default] [--out DIR]
 
-It tells the batch's own peak (which `--batch-bytes` bounds) from what the run keeps to its end
-(which grows with the corpus). Figures move with the machine's load only in time, not in memory.
+Without TREE: the cases (`line_cases`: one line of 20 / 50 / 200 MB, a sparse 1 GB file of zeros
+over the line limit; `--quick` leaves out the 200 MB line), each input written to a temp dir and
+run by a fresh `ctxreplay run --jobs 1` whose peak RSS is read with getrusage(RUSAGE_CHILDREN) in a
+wrapper process of its own; a table of case, largest line read (MB), peak RSS (MB), the bound
+(4x the largest line + BATCH_BUDGET_MB) and whether the peak is within it.
+
+With TREE: one run in this process, its resident memory sampled every 20 ms and kept as a peak per
+batch and phase (load, stages, replay, write: pipeline/core/crashpoints.py names them), with the
+memory left after each batch and the cache simulation's store at the end. It tells the batch's own
+peak (which `--batch-bytes` bounds) from what the run keeps to its end (which grows with the corpus).
+Figures move with the machine's load only in time, not in memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+MB = 1024 * 1024
+# what one default batch (16 MiB of input) peaks at, Python, DuckDB and polars included: about 0.6 GB
+# on the 190 MB tree (docs/benchmarks.md); a case's bound is 4x its largest line read + this
+BATCH_BUDGET_MB = 640
+
+
+@dataclass
+class Case:
+    """One input written by `make(dir)`, run with `args`; `line_mb`: its largest line, `read_mb`: the
+    largest line the loader reads (a line over --max-line-bytes is not read)."""
+
+    name: str
+    line_mb: float
+    make: Callable[[Path], None]
+    read_mb: float | None = None
+    args: list[str] = field(default_factory=list)
+
+    def bound_mb(self, budget_mb: float = BATCH_BUDGET_MB) -> float:
+        return 4 * (self.line_mb if self.read_mb is None else self.read_mb) + budget_mb
+
+
+def tool_result_session(d: Path, mb: float, sid: str = "be000000-0000-4000-8000-000000000001") -> None:
+    """A Claude Code session whose one tool result is `mb` MB of text (its line a little longer)."""
+    from bench.make_hostile_inputs import cc_entry, dump
+
+    u = f"{sid[:8]}"
+    entries = [
+        cc_entry(sid, f"{u}-u1", None, "user", "read the big file"),
+        cc_entry(sid, f"{u}-a1", f"{u}-u1", "assistant", [{"type": "tool_use", "id": "toolu_1", "name": "Read",
+                                                          "input": {"file_path": "/big.txt"}}]),
+        cc_entry(sid, f"{u}-u2", f"{u}-a1", "user", [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                     "content": "line of the big file\n" * int(mb * MB / 21)}]),
+        cc_entry(sid, f"{u}-a2", f"{u}-u2", "assistant", [{"type": "text", "text": "that was big"}]),
+    ]
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"{sid}.jsonl", "wb") as fh:
+        fh.writelines(dump(e) + b"\n" for e in entries)
+
+
+def zeros_file(d: Path, mb: float) -> None:
+    """`truncate -s`: a sparse file of zeros named *.jsonl, one line without a line break."""
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "zeros.jsonl", "wb") as fh:
+        fh.truncate(int(mb * MB))
+
+
+def line_cases(quick: bool = False) -> list[Case]:
+    """Issue 23, item 6: one huge tool result of 20 / 50 / 200 MB (`quick` leaves out 200 MB) and a
+    sparse 1 GB file of zeros (over the 64 MiB line limit: quarantined, never read whole)."""
+    cases = [Case(f"line {mb} MB", mb, lambda d, mb=mb: tool_result_session(d, mb)) for mb in (20, 50, 200)
+             if not (quick and mb == 200)]
+    cases.append(Case("zeros 1 GB, no line break", 1024, lambda d: zeros_file(d, 1024), read_mb=0))
+    return cases
+
+
+def peak_rss(args: list[str]) -> tuple[float, int, str]:
+    """(peak RSS in MB, exit status, stderr's end) of `ctxreplay ARGS` in a fresh process, read with
+    getrusage(RUSAGE_CHILDREN) in a wrapper whose only child it is."""
+    wrapper = ("import json, resource, subprocess, sys\n"
+               "r = subprocess.run([sys.executable, '-m', 'ctxreplay.pipeline.commands.cli', *sys.argv[1:]],"
+               " stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)\n"
+               "print(json.dumps([resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, r.returncode,"
+               " r.stderr[-2000:]]))\n")
+    out = subprocess.run([sys.executable, "-c", wrapper, *args], capture_output=True, text=True, cwd=ROOT,
+                         check=True).stdout
+    peak, rc, err = json.loads(out)
+    return peak, rc, err
+
+
+def run_cases(cases: list[Case], keep: Path | None = None) -> list[dict[str, object]]:
+    rows = []
+    for c in cases:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-memory-", dir=keep))
+        try:
+            c.make(tmp / "in")
+            t0 = time.perf_counter()
+            peak, rc, err = peak_rss(["run", str(tmp / "in"), "--out", str(tmp / "out"), "--jobs", "1", "-q",
+                                      *c.args])
+            secs = time.perf_counter() - t0
+        finally:
+            if keep is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if rc != 0:
+            print(f"{c.name}: exit {rc}: {err}", file=sys.stderr)
+        bound = c.bound_mb()
+        rows.append({"case": c.name, "line_mb": c.line_mb, "peak_mb": peak, "bound_mb": bound,
+                     "ok": rc == 0 and peak <= bound, "seconds": secs})
+        print(f"{c.name:<32} {c.line_mb:>9.0f} {peak:>12.0f} {bound:>9.0f}  {'yes' if rows[-1]['ok'] else 'NO'}"
+              f"  ({secs:.0f} s)", flush=True)
+    return rows
 
 
 def rss_mib() -> float:
@@ -29,17 +131,28 @@ def rss_mib() -> float:
 
 
 def main() -> None:
-    from ctxreplay.pipeline.batch import runner
     from ctxreplay.pipeline.batch.batches import DEFAULT_BATCH_BYTES
-    from ctxreplay.pipeline.core import crashpoints
-    from ctxreplay.pipeline.staging.spec import load_spec
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("tree", type=Path)
+    ap.add_argument("tree", type=Path, nargs="?", help="a tree to run in this process, peak per phase (else: the cases)")
+    ap.add_argument("--quick", action="store_true", help="cases: leave out the 200 MB line")
+    ap.add_argument("--keep", type=Path, help="cases: write inputs and outputs under DIR, kept")
     ap.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES)
     ap.add_argument("--preset", default="default")
     ap.add_argument("--out", type=Path, help="OUT to write (default: a temp dir, removed)")
     a = ap.parse_args()
+    if a.tree is None:
+        print(f"{'case':<32} {'line MB':>9} {'peak RSS MB':>12} {'bound MB':>9}  ok")
+        rows = run_cases(line_cases(a.quick), a.keep)
+        sys.exit(0 if all(r["ok"] for r in rows) else 1)
+    tree(a)
+
+
+def tree(a: argparse.Namespace) -> None:
+    from ctxreplay.pipeline.batch import runner
+    from ctxreplay.pipeline.core import crashpoints
+    from ctxreplay.pipeline.staging.spec import load_spec
+
     out = a.out or Path(tempfile.mkdtemp(prefix="bench-memory-")) / "out"
     batch = [0]
     peaks: dict[tuple[int, str], float] = {}

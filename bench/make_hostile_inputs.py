@@ -14,7 +14,8 @@ DIR gets (all invented or derived from tests/fixtures/loaders, plus corpus lines
                            a session id and model name holding terminal escapes and a newline)
 - copies/                  the same sessions again: exact copies, an older prefix, a copy with one
                            entry changed (Claude Code, OpenClaw, Codex)
-- huge/                    one Claude Code line of --huge-mb MB (0 leaves it out), a 0-byte file,
+- huge/                    one Claude Code line of --huge-mb MB and a sparse file of as many zeros
+                           (0 leaves both out; over 64 MB both are over --max-line-bytes), a 0-byte file,
                            a file of blank lines
 - images/                  a PNG claiming 100,000 x 100,000 pixels (a decompression bomb), text bytes
                            labelled image/png, an animated GIF
@@ -738,6 +739,11 @@ def write_hostile_inputs(out: Path, *, huge_mb: float = 100, seed: int = 0, corp
     if huge_mb > 0:
         sid = "d4000000-0000-4000-8000-000000000001"
         put("huge", f"{sid}.jsonl", cc_session(sid, "y" * int(huge_mb * 1024 * 1024), answer="that was long"))
+        # `truncate -s`: a sparse file of zeros, one line without a line break (over --max-line-bytes, 64 MiB
+        # by default, it is quarantined as line_too_long without being read into memory)
+        put("huge", "zeros.jsonl", b"")
+        with open(out / "huge" / "zeros.jsonl", "r+b") as fh:
+            fh.truncate(int(huge_mb * 1024 * 1024))
     put("huge", "empty.jsonl", b"")
     put("huge", "blank.jsonl", b"\n  \n\t\n\r\n")
     put("huge", "empty.json", b"")

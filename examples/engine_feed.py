@@ -30,7 +30,7 @@ from typing import Any
 import polars as pl
 
 from ctxreplay import Engine
-from ctxreplay.pipeline.engine.engine import iter_lines
+from ctxreplay.pipeline.engine.engine import AssembleResult, iter_lines
 
 
 def engine_file(path: Path) -> str:
@@ -61,7 +61,8 @@ def starts_an_answer(entry: dict[str, Any], last_id: str | None) -> bool:
 class ThreadPicker:
     """The engine thread an answer is given on, from the entries of its file seen so far.
 
-    - a sub-agent's file holds one thread, named after the file: `agent-<id>`;
+    - a sub-agent's own file (`subagents/agent-<id>.jsonl`, or `agent-<id>.jsonl` beside the
+      session's) holds one thread: `agent-<id>`, the `agentId` of its entries;
     - in the main file, an inline sidechain (Claude Code 1.0: `isSidechain: true` lines, their
       first one without a parent) is `sidechain-` + the first 8 characters of the uuid of the
       first entry of its chain;
@@ -77,8 +78,10 @@ class ThreadPicker:
             self.root[uid] = self.root.get(parent, uid) if isinstance(parent, str) else uid
 
     def thread_for(self, entry: dict[str, Any], file: str) -> str:
-        if "/subagents/" in file:
-            return Path(file).name.removesuffix(".jsonl")
+        name = Path(file).name
+        if "/subagents/" in file or name.startswith("agent-"):
+            aid = entry.get("agentId")
+            return f"agent-{aid}" if isinstance(aid, str) and aid else name.removesuffix(".jsonl")
         if entry.get("isSidechain"):
             parent = entry.get("parentUuid")
             return "sidechain-" + self.root.get(parent, parent or "")[:8]
@@ -119,6 +122,23 @@ def timed_lines(paths: list[Path]) -> Iterator[tuple[Path, bytes, dict[str, Any]
         yield path, raw, entry
 
 
+def feed(eng: Engine, sid: str, files: list[Path]) -> Iterator[tuple[dict[str, Any], AssembleResult]]:
+    """Feed the files of session `sid` to `eng` line by line, as they were written; before each
+    new answer, yield its first line and the request it was given for (its thread's pending call)."""
+    pickers: dict[str, ThreadPicker] = {}  # per file
+    last_id: dict[str, str | None] = {}  # per file: the message id of its last assistant line
+    for path, raw, entry in timed_lines(files):
+        file = engine_file(path)
+        pick = pickers.setdefault(file, ThreadPicker())
+        if starts_an_answer(entry, last_id.get(file)):
+            thread = pick.thread_for(entry, file)
+            yield entry, eng.assemble(sid, thread, model=entry["message"].get("model"))
+        if entry.get("type") == "assistant":
+            last_id[file] = (entry.get("message") or {}).get("id")
+        pick.see(entry)
+        eng.ingest(sid, [raw], file=file)
+
+
 def check(out_dir: Path, paths: list[Path], preset: str = "default", show: bool = True) -> Checked:
     """Feed `paths` to an engine line by line and compare each request with `ctxreplay run`'s in
     `out_dir` (the module docstring)."""
@@ -134,31 +154,19 @@ def check(out_dir: Path, paths: list[Path], preset: str = "default", show: bool 
             recorded = {(r["message_id"], r["request_id"]): r
                         for r in mine.filter(~pl.col("is_pending")).iter_rows(named=True)}
             seen: set[tuple[str, str]] = set()
-            picker: dict[str, ThreadPicker] = {}
-            last_id: dict[str, str | None] = {}
-            for path, raw, entry in timed_lines(files):
-                file = engine_file(path)
-                pick = picker.setdefault(file, ThreadPicker())
-                if starts_an_answer(entry, last_id.get(file)):
-                    msg = entry["message"]
-                    # the request this answer was given for: the thread's pending call, now
-                    thread = pick.thread_for(entry, file)
-                    res = eng.assemble(sid, thread, model=msg.get("model"))
-                    want = recorded.get((msg.get("id"), entry.get("requestId")))
-                    same = want is not None and want["request_sha256"] == res.request_sha256
-                    got.calls += 1
-                    got.identical += same
-                    if want is not None:
-                        seen.add((msg.get("id"), entry.get("requestId")))
-                    if show:
-                        print(f"{sid[:8]} {thread} call {res.call}: sha256 {res.request_sha256[:12]} "
-                              + ("= ctxreplay run" if same else
-                                 "NOT IN ctxreplay run" if want is None else
-                                 f"!= ctxreplay run's {want['thread_id']} call {want['call']}"))
-                if entry.get("type") == "assistant":
-                    last_id[file] = (entry.get("message") or {}).get("id")
-                pick.see(entry)
-                eng.ingest(sid, [raw], file=file)
+            for entry, res in feed(eng, sid, files):
+                key = (entry["message"].get("id"), entry.get("requestId"))
+                want = recorded.get(key)
+                same = want is not None and want["request_sha256"] == res.request_sha256
+                got.calls += 1
+                got.identical += same
+                if want is not None:
+                    seen.add(key)
+                if show:
+                    print(f"{sid[:8]} {res.thread_id} call {res.call}: sha256 {res.request_sha256[:12]} "
+                          + ("= ctxreplay run" if same else
+                             "NOT IN ctxreplay run" if want is None else
+                             f"!= ctxreplay run's {want['thread_id']} call {want['call']}"))
             got.unmatched += [f"{sid[:8]} {r['thread_id']} call {r['call']}" for k, r in recorded.items()
                               if k not in seen]
             for r in mine.filter(pl.col("is_pending")).iter_rows(named=True):

@@ -4,6 +4,8 @@
 `\\xNN` escape, and its exact bytes are kept (base64) in `raw_base64`, null for every other line.
 `code` is a stable short name of the reason (e.g. `invalid_utf8`, `truncated_json`, `no_type`; the
 list is `ctxreplay.pipeline.loaders.base.QUARANTINE_CODES`); `reason` says it in a sentence.
+A line longer than the limit (`--max-line-bytes`) is not read: `raw` holds its first 1024 bytes and
+`line_bytes` its length (null for every other line, which `raw` holds whole).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ QUARANTINE = pa.schema(
         pa.field("reason", pa.string(), nullable=False),
         pa.field("code", pa.string(), nullable=False),
         pa.field("raw_base64", pa.string()),  # the exact bytes, only for lines that are not UTF-8
+        pa.field("line_bytes", pa.int64()),  # the line's length, only when `raw` holds its start (line_too_long)
     ],
-    metadata={"name": "quarantine", "version": "2"},
+    metadata={"name": "quarantine", "version": "3"},
 )

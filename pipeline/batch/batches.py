@@ -23,7 +23,7 @@ from typing import Any
 
 from ctxreplay.pipeline.loaders import discover
 from ctxreplay.pipeline.loaders.base import decode_line, parse_json_line, path_str, session_id_from_name
-from ctxreplay.pipeline.loaders.inputs import open_input
+from ctxreplay.pipeline.loaders.inputs import open_input, raw_lines
 
 # a batch's load, stages and replay take about 20x its input bytes at their peak (measured on the 190 MB
 # tree: 64 MiB batches peaked at 1.3-1.5 GB, 16 MiB ones at 0.6-0.65 GB for some 8 % more CPU)
@@ -63,7 +63,11 @@ def first_values(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
     objs: list[Any] = []
     try:
         with open_input(path) as fh:  # never a FIFO or a device
-            for n, raw in enumerate(fh):
+            for n, raw in enumerate(raw_lines(fh)):  # a line over the limit is not read (None)
+                if raw is None:
+                    if n >= scan:
+                        break
+                    continue
                 if not raw.strip():
                     continue
                 text, _ = decode_line(raw.rstrip(b"\n"))

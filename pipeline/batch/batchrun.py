@@ -214,7 +214,7 @@ def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
 def quarantine_table(loaded: LoadResult) -> pa.Table:
     return pa.Table.from_pylist(
         [{"file": q.file, "line": q.line, "raw": q.raw, "reason": q.reason, "code": q.code,
-          "raw_base64": q.raw_base64} for q in loaded.quarantine], schema=QUARANTINE)
+          "raw_base64": q.raw_base64, "line_bytes": q.line_bytes} for q in loaded.quarantine], schema=QUARANTINE)
 
 
 def _group_facts(lr: LoadResult, out: BatchOutputs | None) -> dict[str, Any]:

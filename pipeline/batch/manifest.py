@@ -31,7 +31,7 @@ import orjson
 
 from ctxreplay.pipeline.batch.batches import Group
 from ctxreplay.pipeline.loaders.base import FileLoad, QuarantineRow, path_str
-from ctxreplay.pipeline.loaders.inputs import open_input
+from ctxreplay.pipeline.loaders.inputs import MAX_LINE_BYTES, open_input
 
 MANIFEST_FILE = "manifest.json"
 FACTS_FILE = "call_facts.parquet"
@@ -107,7 +107,7 @@ def config(spec_sha256: str, target: str, token_counter: str, all_calls: bool, v
 
     return {"version": MANIFEST_VERSION, "ctxreplay": __version__, "pipeline_sha256": spec_sha256,
             "target": target, "token_counter": token_counter, "all_calls": all_calls, "validate": validate,
-            "ledger": str(ledger.resolve())}
+            "ledger": str(ledger.resolve()), "max_line_bytes": MAX_LINE_BYTES.get()}
 
 
 @dataclass

@@ -117,7 +117,7 @@ def _loaded(records: list[dict[str, Any]], quarantine: pa.Table) -> LoadResult:
     by_file: dict[str, list[QuarantineRow]] = {}
     for q in quarantine.to_pylist():
         by_file.setdefault(q["file"], []).append(QuarantineRow(q["file"], q["line"], q["raw"], q["reason"], q["code"],
-                                                               q["raw_base64"]))
+                                                               q["raw_base64"], q.get("line_bytes")))
     for rows in by_file.values():
         rows.sort(key=lambda q: q.line)
     stats: dict[str, int] = {}

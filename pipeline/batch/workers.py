@@ -28,6 +28,7 @@ import polars as pl
 
 from ctxreplay.pipeline.batch.batches import Group
 from ctxreplay.pipeline.batch.batchrun import BatchCounter, BatchResult, Env, run_batch
+from ctxreplay.pipeline.loaders.inputs import MAX_LINE_BYTES
 
 Job = tuple[int, list[Group]]
 
@@ -108,7 +109,8 @@ def _init(state: tuple[Any, ...], parent: int | None = None) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if parent is not None:
         _die_with_parent(parent)
-    spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens = state
+    spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens, max_line = state
+    MAX_LINE_BYTES.set(max_line)  # the command's --max-line-bytes (a context variable does not cross processes)
 
     def earlier_of(s: list[str]) -> pl.DataFrame:
         return earlier.filter(pl.col("session_id").is_in(s))
@@ -142,7 +144,7 @@ def worker_state(env: Env, ledger: Any) -> tuple[Any, ...] | None:
     tokens = dict(ledger.con.execute("SELECT sha256, tokens FROM token_cache WHERE counter = ?",
                                      [env.counter.name]).fetchall())
     return (env.spec, env.target, env.staging, env.out_dir, env.all_calls, env.validate, earlier,
-            env.counter.name, tokens)
+            env.counter.name, tokens, MAX_LINE_BYTES.get())
 
 
 def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterator[BatchResult]:

@@ -25,6 +25,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     echo,
     follow_links_option,
     json_option,
+    max_line_bytes_option,
     no_cache_option,
     paths_or_roots,
     pipeline_option,
@@ -169,6 +170,7 @@ def main() -> None:
 @click.option("--address", metavar="HOST:PORT", help="With --engine ray: join this Ray cluster (HOST:PORT of its "
               "head node); inputs and --out must then be on a shared path.")
 @follow_links_option()
+@max_line_bytes_option()
 @no_cache_option()
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,

@@ -19,6 +19,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     echo,
     follow_links_option,
     json_option,
+    max_line_bytes_option,
     no_cache_option,
     paths_or_roots,
     pipeline_option,
@@ -53,6 +54,7 @@ def _size(n: int) -> str:
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (no summary, no progress); with --json "
               "the JSON document is still printed.")
 @follow_links_option()
+@max_line_bytes_option()
 @no_cache_option()
 def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
              golden_dir: Path, fast_tokens: bool, json_: bool, quiet: bool) -> None:
@@ -119,6 +121,7 @@ def snapshot(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | 
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors (no progress, timing or notes); the "
               "report, the result, still goes to stdout.")
 @follow_links_option()
+@max_line_bytes_option()
 @no_cache_option()
 def diff(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, target: str | None,
          golden_dir: Path, fmt: str, json_: bool, update: bool, threads: tuple[str, ...], detail: str | None,

@@ -20,6 +20,7 @@ from ctxreplay.pipeline.commands.clicommon import (
     echo,
     follow_links_option,
     json_option,
+    max_line_bytes_option,
     no_cache_option,
     paths_or_roots,
 )

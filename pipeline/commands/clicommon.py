@@ -165,6 +165,51 @@ def follow_links_option() -> Decorator:
                              "~/.aws/credentials). FIFOs and devices are never read.")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+class ByteSize(click.ParamType):
+    """A number of bytes: a whole number, or one with a unit K, M or G (KiB, MiB, GiB: `64M`,
+    `1.5G`, `512KiB`), at least 1 byte."""
+
+    name = "bytes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        import re
+
+        if isinstance(value, int) and not isinstance(value, bool):
+            n: float = value
+        else:
+            m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+            unit = m.group(2).lower() if m else ""
+            if not m or unit not in _SIZE_UNITS:
+                self.fail(f"{value!r} is not a size: give a number of bytes, optionally with a unit K, M or G "
+                          "(KiB, MiB, GiB), e.g. 64M", param, ctx)
+            n = float(m.group(1)) * _SIZE_UNITS[unit] if "." in m.group(1) else int(m.group(1)) * _SIZE_UNITS[unit]
+        if n < 1:
+            self.fail(f"{value!r} is below 1 byte: give a size of at least 1 byte, e.g. 64M", param, ctx)
+        return int(n)
+
+
+def max_line_bytes_option() -> Decorator:
+    """`--max-line-bytes SIZE` of the commands that read transcripts (no parameter: it sets
+    `ctxreplay.pipeline.loaders.inputs.MAX_LINE_BYTES` for the command, which every reader of a
+    transcript's lines takes, in worker processes too)."""
+    def limit(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+        from ctxreplay.pipeline.loaders.inputs import DEFAULT_MAX_LINE_BYTES, MAX_LINE_BYTES
+
+        token = MAX_LINE_BYTES.set(DEFAULT_MAX_LINE_BYTES if value is None else value)
+        ctx.call_on_close(lambda: MAX_LINE_BYTES.reset(token))  # the limit is the command's only
+        return value
+
+    return click.option("--max-line-bytes", type=ByteSize(), expose_value=False, callback=limit,
+                        help="Longest transcript line read, in bytes (K, M, G: KiB, MiB, GiB; default 64M). A longer "
+                             "line is not read but quarantined as line_too_long (its length and first 1024 bytes "
+                             "kept), so memory stays a few times this size; a .json file, read whole as one JSON "
+                             "document, is limited as one line.")
+
+
 def no_cache_option() -> Decorator:
     """`--no-cache` of the commands that price requests (no parameter: it sets
     `ctxreplay.pipeline.cost.prices.NO_CACHE` for the command): the disk cache of prices in

@@ -24,7 +24,14 @@ import orjson
 import pyarrow as pa
 
 from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
-from ctxreplay.pipeline.loaders.inputs import path_str, read_file, unreadable  # noqa: F401 (the loaders' names)
+from ctxreplay.pipeline.loaders.inputs import (  # noqa: F401 (the loaders' names)
+    Lines,
+    LongLine,
+    path_str,
+    read_file,
+    read_lines,
+    unreadable,
+)
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
 
 ORDER_STRIDE = 1024  # order_key = position * ORDER_STRIDE leaves room for inserted rows
@@ -41,6 +48,7 @@ class QuarantineRow:
     reason: str  # one readable sentence
     code: str  # stable short name of the reason (see QUARANTINE_CODES)
     raw_base64: str | None = None  # the line's exact bytes, only when they are not valid UTF-8
+    line_bytes: int | None = None  # the line's length in bytes, when `raw` holds only its start (line_too_long)
 
 
 # Stable names of quarantine reasons (the `code` column); the `reason` column says it in words.
@@ -58,6 +66,8 @@ QUARANTINE_CODES = {
     "unknown_format": "a file of no known transcript format",
     "not_a_request": "a request JSON document that is not a request",
     "unknown_record": "a Gemini CLI session line that is no record of its (header, message, $set, $rewindTo)",
+    "line_too_long": "a line longer than --max-line-bytes (default 64 MiB), or a .json document bigger than it: "
+                     "not read; `raw` holds its first 1024 bytes, `line_bytes` its length",
 }
 
 
@@ -256,9 +266,44 @@ def read_nonblank_lines(path: Path, data: bytes | None = None) -> tuple[bytes, l
     return data, [(i, displayable(raw)) for i, raw in nonblank_lines(data)]
 
 
-def file_load(path: Path, fmt: str, data: bytes, lines: int) -> FileLoad:
-    """A file's accounting record, with its size and sha256 taken from its bytes."""
+def file_load(path: Path, fmt: str, data: bytes | Lines, lines: int) -> FileLoad:
+    """A file's accounting record, with its size and sha256 taken from its bytes (from `read_lines`:
+    the whole file's, its lines over the limit counted and quarantined, `take_long_lines`)."""
+    if isinstance(data, Lines):
+        load = FileLoad(path_str(path), fmt, lines=lines)
+        take_long_lines(load, data)
+        return load
     return FileLoad(path_str(path), fmt, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), lines=lines)
+
+
+def _text_prefix(b: bytes) -> str:
+    """The first bytes of a line as text: a character cut at the end is dropped, other bytes that
+    are not UTF-8 show as `\\xNN` escapes."""
+    for k in range(min(3, len(b)) + 1):
+        try:
+            return b[:len(b) - k].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return displayable(b)
+
+
+def too_long_row(spath: str, line: int, length: int, prefix: bytes, limit: int, *, document: bool = False) -> QuarantineRow:
+    """The quarantine row of a line (or a whole .json document) over the limit, not read."""
+    what = ("a JSON document" if document else "a line") + f" of {length:,} bytes"
+    why = (f"{what}, over the limit of {limit:,} bytes (--max-line-bytes"
+           + ("; a .json file is read whole, as one line" if document else "") + "): not read; `raw` holds its "
+           f"first {len(prefix):,} bytes")
+    return QuarantineRow(spath, line, _text_prefix(prefix), why, "line_too_long", line_bytes=length)
+
+
+def take_long_lines(load: FileLoad, src: Lines) -> None:
+    """A file's size and sha256 from `read_lines`, and its lines over the limit (which it left out)
+    counted and quarantined as `line_too_long`."""
+    load.bytes, load.sha256 = src.size, src.sha256
+    for ll in src.long:
+        load.lines += 1
+        load.stats["lines_too_long"] += 1
+        load.quarantine.append(too_long_row(load.path, ll.line, ll.length, ll.prefix, src.limit))
 
 
 def line_digest(raw: bytes) -> bytes:
@@ -453,7 +498,8 @@ def parse_document(data: bytes) -> tuple[Any, str, int]:
     return doc, text, bad_bytes
 
 
-def iter_json_lines(path: Path, load: FileLoad, data: bytes | None = None) -> Iterator[tuple[int, str, list[Any]]]:
+def iter_json_lines(path: Path, load: FileLoad, data: bytes | Lines | None = None,
+                    ) -> Iterator[tuple[int, str, list[Any]]]:
     """Yield (line number, raw line, parsed objects) for every non-blank physical line.
 
     A line that holds several JSON values back to back yields them all (recorded in
@@ -466,11 +512,18 @@ def iter_json_lines(path: Path, load: FileLoad, data: bytes | None = None) -> It
     noted in `load.recovered`); where the line cannot be parsed, it is quarantined as
     `invalid_utf8` with its exact bytes in `raw_base64`. The raw line shown for such a line
     escapes the bad bytes as `\\xNN`.
+
+    The file is read with `read_lines` unless `data` is given (its result, or the file's bytes): a
+    line over the limit is counted and quarantined as `line_too_long`, never read.
     """
     if data is None:
-        data = read_file(path)
-    load.bytes = len(data)
-    load.sha256 = hashlib.sha256(data).hexdigest()
+        data = read_lines(path)
+    if isinstance(data, Lines):
+        take_long_lines(load, data)
+        data = data.data
+    else:
+        load.bytes = len(data)
+        load.sha256 = hashlib.sha256(data).hexdigest()
     for i, raw_b in nonblank_lines(data):
         load.lines += 1
         load.digests[i] = line_digest(raw_b)

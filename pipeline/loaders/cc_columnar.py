@@ -80,8 +80,9 @@ from ctxreplay.pipeline.loaders.base import (
     parse_json_line,
     parse_ts,
     path_str,
-    read_file,
     read_line,
+    read_lines,
+    take_long_lines,
     unreadable,
 )
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS, TS
@@ -811,16 +812,16 @@ def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] |
         for fi, p in enumerate(cc._main_first(g.files, g.session_id)):
             spath = path_str(p)
             try:
-                data = read_file(p)
+                src = read_lines(p)  # a line over the limit is quarantined, never read (as in the reference)
             except OSError as exc:
                 if skipped is not None:
                     skipped.append(unreadable(p, exc))
                 b.files.append(_File(gi, fi, p, spath, None))
                 continue
             load = FileLoad(spath, FORMAT)
-            load.bytes = len(data)
-            load.sha256 = hashlib.sha256(data).hexdigest()
-            b.files.append(_File(gi, fi, p, spath, load, data))
+            take_long_lines(load, src)
+            b.files.append(_File(gi, fi, p, spath, load, src.data))
+            del src
     b.clock.lap("read files")
     _parse(b)
     for f in b.files:

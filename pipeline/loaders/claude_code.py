@@ -41,7 +41,7 @@ from ctxreplay.pipeline.loaders.base import (
     one_of,
     parse_ts,
     path_str,
-    read_file,
+    read_lines,
     session_id_from_name,
     unreadable,
 )
@@ -356,7 +356,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
         file_nodes: list[Node] = []
         per_file.append(file_nodes)
         try:
-            data = read_file(path)
+            data = read_lines(path)  # a line over the limit is quarantined, never read
         except OSError as exc:
             if skipped is not None:
                 skipped.append(unreadable(path, exc))

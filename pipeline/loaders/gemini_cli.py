@@ -436,7 +436,7 @@ class _Replay:
             del self.live[i]
 
 
-def _load_records(path: Path, data: bytes) -> tuple[list[Thread], FileLoad]:
+def _load_records(path: Path, data: bytes | None) -> tuple[list[Thread], FileLoad]:
     load = FileLoad(path_str(path), FORMAT)
     spath = load.path
     rp = _Replay()
@@ -711,12 +711,12 @@ def _load_document(path: Path, data: bytes) -> tuple[list[Thread], FileLoad]:
 
 
 def load(path: Path, data: bytes | None = None) -> tuple[list[Thread], FileLoad]:
-    """Load one Gemini CLI session file: a `.json` name is the older format, any other the records."""
+    """Load one Gemini CLI session file: a `.json` name is the older format (one JSON document, read
+    whole: the caller checks it is within the line limit), any other the records (read line by line,
+    a line over the limit quarantined unread: `base.iter_json_lines`)."""
     path = Path(path)
-    if data is None:
-        data = read_file(path)
     if path.name.endswith(".json"):
-        return _load_document(path, data)
+        return _load_document(path, read_file(path) if data is None else data)
     return _load_records(path, data)
 
 

@@ -17,20 +17,38 @@ regular file: a file replaced after it was listed (by a FIFO, a directory) is re
 NotARegularFile, one that is gone raises FileNotFoundError, and `unreadable` words either as a
 `skipped_files` entry. Nothing here raises for a file that changed after it was listed; a PATH
 that does not exist is the caller's error (`missing`).
+
+Memory per line is bounded (issue 23, item 6): `read_lines` reads a transcript in chunks and leaves
+out every line longer than MAX_LINE_BYTES (the commands' --max-line-bytes, default 64 MiB), keeping
+only its number, length and first LONG_LINE_PREFIX bytes (`LongLine`; the loaders quarantine it as
+`line_too_long`), so a 1 GB line, with or without a line break, is never held whole; `raw_lines`
+gives the first lines of a file (format detection) under the same limit, and `head` the first bytes
+of a file too big to read (a .json document over the limit).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import io
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 # whether the commands follow symbolic links out of the directories they were given (--follow-links)
 FOLLOW_LINKS: ContextVar[bool] = ContextVar("ctxreplay_follow_links", default=False)
+
+# the longest line a transcript may hold, in bytes (without its line break): a longer one is not read
+# but quarantined as `line_too_long` (the commands' --max-line-bytes; a .json document, read whole,
+# is limited as one line). Peak memory is a few times the longest line read (bench/bench_memory.py).
+DEFAULT_MAX_LINE_BYTES = 64 * 1024 * 1024
+MAX_LINE_BYTES: ContextVar[int] = ContextVar("ctxreplay_max_line_bytes", default=DEFAULT_MAX_LINE_BYTES)
+LONG_LINE_PREFIX = 1024  # bytes of a line over the limit kept (quarantine.parquet's `raw`)
+CHUNK_BYTES = 1 << 20  # read size (at most the limit: a line inside one chunk is never over it)
 
 
 def path_str(path: Path | str) -> str:
@@ -81,6 +99,160 @@ def read_file(path: Path | str) -> bytes:
     """An input file's bytes (`open_input`: never a FIFO or a device)."""
     with open_input(path) as fh:
         return fh.read()
+
+
+def max_line_bytes(limit: int | None = None) -> int:
+    """The limit to use: `limit`, else MAX_LINE_BYTES (the command's --max-line-bytes)."""
+    n = MAX_LINE_BYTES.get() if limit is None else limit
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"max_line_bytes must be a whole number of bytes of at least 1, not {n!r}")
+    return n
+
+
+@dataclass
+class LongLine:
+    """A line over the limit, not read: where, how long, and its first bytes."""
+
+    line: int  # 1-based physical line
+    length: int  # its bytes, without the line break
+    prefix: bytes  # its first LONG_LINE_PREFIX bytes
+
+
+@dataclass
+class Lines:
+    """A transcript read under a line limit (`read_lines`)."""
+
+    data: bytes  # the file's bytes, every line over the limit left empty (its line break kept)
+    size: int  # the file's size in bytes (long lines included)
+    sha256: str  # of all the file's bytes (long lines included)
+    limit: int
+    long: list[LongLine] = field(default_factory=list)
+
+
+class _LongLineReader:
+    """One line over the limit, fed in pieces: its length, first bytes and whether it is blank."""
+
+    def __init__(self, line: int, head: bytes | memoryview) -> None:
+        self.line, self.length, self.prefix, self.blank = line, 0, b"", True
+        self.feed(head)
+
+    def feed(self, piece: bytes | memoryview) -> None:
+        n = len(piece)
+        if not n:
+            return
+        if len(self.prefix) < LONG_LINE_PREFIX:
+            self.prefix += bytes(piece[:LONG_LINE_PREFIX - len(self.prefix)])
+        if self.blank and bytes(piece).strip():
+            self.blank = False  # a line of nothing but (ASCII) whitespace is blank, as in base.nonblank_lines
+        self.length += n
+
+    def done(self) -> LongLine | None:
+        return None if self.blank else LongLine(self.line, self.length, self.prefix)
+
+
+def read_lines(path: Path | str, limit: int | None = None) -> Lines:
+    """A transcript's bytes, read in chunks, with every line longer than `limit` bytes (default:
+    MAX_LINE_BYTES) left out: such a line is never held whole (a 1 GB file without a line break
+    neither); its place keeps its line break, so the other lines keep their numbers. `open_input`
+    opens the file (never a FIFO or a device). A line of nothing but whitespace is blank, however long.
+    """
+    limit = max_line_bytes(limit)
+    h = hashlib.sha256()
+    with open_input(path) as fh:
+        if os.fstat(fh.fileno()).st_size <= limit:  # no line can be over the limit: one read
+            data = fh.read()
+            if len(data) <= limit:
+                h.update(data)
+                return Lines(data, len(data), h.hexdigest(), limit)
+            fh.seek(0)  # it grew since: read it the careful way
+        out = io.BytesIO()
+        long: list[LongLine] = []
+        chunk_size = min(CHUNK_BYTES, limit)
+        line_no, cur = 1, 0  # the current line's number, and its bytes in `out` so far
+        over: _LongLineReader | None = None  # the current line, when it is over the limit
+        size = 0
+
+        def end_long() -> None:
+            nonlocal over
+            assert over is not None
+            got = over.done()
+            if got is not None:
+                long.append(got)
+            over = None
+
+        while chunk := fh.read(chunk_size):
+            h.update(chunk)
+            size += len(chunk)
+            mv = memoryview(chunk)
+            nl = chunk.find(b"\n")
+            end = len(chunk) if nl < 0 else nl  # the current line's bytes in this chunk: mv[:end]
+            if over is not None:
+                over.feed(mv[:end])
+            elif cur + end > limit:  # the current line goes over the limit here: take it back from `out`
+                out.seek(out.tell() - cur)
+                head = out.read()
+                out.seek(out.tell() - cur)
+                out.truncate()
+                over = _LongLineReader(line_no, head)
+                over.feed(mv[:end])
+                cur = 0
+            else:
+                out.write(mv[:end])
+                cur += end
+            if nl < 0:
+                continue
+            if over is not None:
+                end_long()
+            # the rest of the chunk: whole lines (each shorter than the chunk, so within the limit),
+            # then the start of the next line
+            last = chunk.rfind(b"\n")
+            out.write(mv[nl:last + 1])
+            line_no += chunk.count(b"\n", nl, last + 1)
+            out.write(mv[last + 1:])
+            cur = len(chunk) - last - 1
+        if over is not None:
+            end_long()
+    data = out.getvalue()
+    out.close()
+    return Lines(data, size, h.hexdigest(), limit, long)
+
+
+def raw_lines(fh: BinaryIO, limit: int | None = None) -> Iterator[bytes | None]:
+    """The physical lines of an open file, in order, each with its line break if it has one; None
+    for a line over `limit` bytes (default: MAX_LINE_BYTES), read past without being held."""
+    limit = max_line_bytes(limit)
+    while raw := fh.readline(limit + 1):  # a line within the limit and its \n, or one byte too many
+        if raw.endswith(b"\n") or len(raw) <= limit:
+            yield raw
+            continue
+        while (rest := fh.readline(CHUNK_BYTES)) and not rest.endswith(b"\n"):
+            pass
+        yield None
+
+
+def read_document(path: Path | str, limit: int | None = None) -> bytes | None:
+    """A file read whole as one JSON document (a .json file), or None when it is bigger than `limit`
+    bytes (default: MAX_LINE_BYTES): the limit of one line applies to the whole document."""
+    limit = max_line_bytes(limit)
+    with open_input(path) as fh:
+        if os.fstat(fh.fileno()).st_size > limit:
+            return None
+        data = fh.read(limit + 1)
+    return None if len(data) > limit else data
+
+
+def head(path: Path | str, n: int = LONG_LINE_PREFIX) -> tuple[bytes, int, str]:
+    """A file's first `n` bytes, its size and its sha256 (read in chunks: it may be too big to hold)."""
+    h = hashlib.sha256()
+    first = b""
+    size = 0
+    with open_input(path) as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            if not size:
+                first = chunk[:n]
+            h.update(chunk)
+            size += len(chunk)
+    return first, size, h.hexdigest()
 
 
 def unreadable(path: Path | str, exc: OSError) -> dict[str, str]:
@@ -198,5 +370,6 @@ def _walk(root: Path, wanted: Callable[[str], bool], follow: bool,
     return files, [{"file": path_str(f), "reason": why} for f, what, why in entries if what == "skip"]
 
 
-__all__ = ["FOLLOW_LINKS", "NotARegularFile", "file_kind", "list_files", "open_input", "path_str", "read_file",
-           "unreadable"]
+__all__ = ["DEFAULT_MAX_LINE_BYTES", "FOLLOW_LINKS", "MAX_LINE_BYTES", "Lines", "LongLine", "NotARegularFile",
+           "file_kind", "head", "list_files", "max_line_bytes", "open_input", "path_str", "raw_lines", "read_document",
+           "read_file", "read_lines", "unreadable"]

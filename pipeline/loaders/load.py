@@ -27,8 +27,19 @@ from ctxreplay.pipeline.loaders.base import (
     parse_json_line,
     path_str,
     threads_to_blocks,
+    too_long_row,
 )
-from ctxreplay.pipeline.loaders.inputs import list_files, open_input, read_file, unreadable
+from ctxreplay.pipeline.loaders.inputs import (
+    Lines,
+    head,
+    list_files,
+    max_line_bytes,
+    open_input,
+    raw_lines,
+    read_document,
+    read_lines,
+    unreadable,
+)
 from ctxreplay.schemas.blocks import BLOCKS
 from ctxreplay.schemas.check import empty_table
 
@@ -95,7 +106,12 @@ def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
     objs: list[Any] = []
     parsed_n = 0
     with open_input(path) as fh:
-        for n, raw in enumerate(fh):
+        for n, raw in enumerate(raw_lines(fh)):  # a line over the limit is not read: None, as one that does not parse
+            if raw is None:
+                objs.append(None)
+                if len(objs) >= scan:
+                    break
+                continue
             if not raw.strip():
                 continue
             text, _ = decode_line(raw.rstrip(b"\n"))
@@ -156,7 +172,10 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     for f in files:
         try:
             if f.name.endswith(".json"):
-                data = read_file(f)
+                data = read_document(f)  # one JSON document, read whole: the line limit applies to the file
+                if data is None:
+                    loads.append(_document_too_big(f))
+                    continue
                 doc, _, bad_bytes = parse_document(data)
                 if f.name.endswith(".meta.json") and isinstance(doc, dict) and "agentType" in doc:
                     load = request.counted_load(f, "claude_code_meta", data)
@@ -198,7 +217,7 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
                 cc_files.append(f)
                 cc_first[f] = first
                 continue
-            loads.append(_unknown_format(f, read_file(f), first))
+            loads.append(_unknown_format(f, read_lines(f), first))
         except OSError as exc:
             skipped.append(unreadable(f, exc))
     groups = claude_code.group_sessions(cc_files, cc_first)
@@ -266,11 +285,21 @@ def _batch_bytes(groups: list[claude_code.SessionFiles]) -> int:
     return total
 
 
-def _unknown_format(f: Path, data: bytes, first: list[Any]) -> FileLoad:
+def _document_too_big(f: Path) -> FileLoad:
+    """A .json file bigger than the line limit: not read (one `line_too_long` row, its first bytes)."""
+    first, size, sha = head(f)
+    ld = FileLoad(path_str(f), "unknown", sha256=sha, bytes=size, lines=1)
+    ld.stats["lines_too_long"] += 1
+    ld.quarantine.append(too_long_row(ld.path, 1, size, first, max_line_bytes(), document=True))
+    return ld
+
+
+def _unknown_format(f: Path, src: Lines, first: list[Any]) -> FileLoad:
     """A file of no known format: every non-blank line quarantined (exact bytes kept when not UTF-8);
-    a line that is not JSON at all gets the parse error's code, the others `unknown_format`."""
-    lines = [(i, ln.rstrip(b"\r")) for i, ln in nonblank_lines(data)]
-    ld = file_load(f, "unknown", data, len(lines))
+    a line that is not JSON at all gets the parse error's code, the others `unknown_format` (a line
+    over the limit, never read, `line_too_long`)."""
+    lines = [(i, ln.rstrip(b"\r")) for i, ln in nonblank_lines(src.data)]
+    ld = file_load(f, "unknown", src, len(lines))
     reason = ("unrecognised transcript format: not Claude Code, OpenClaw/pi, Codex rollout or a request "
               "JSON (first line has keys " + _keys(next((o for o in first if o is not None), None)) + ")")
     spath = ld.path

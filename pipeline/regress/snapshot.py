@@ -105,7 +105,7 @@ class Inputs:
 def collect_inputs(paths: Sequence[Path]) -> Inputs:
     """The files `ctxreplay run` would read under `paths`, with their sha256."""
     from ctxreplay.pipeline.loaders import discover
-    from ctxreplay.pipeline.loaders.inputs import NotARegularFile, read_file
+    from ctxreplay.pipeline.loaders.inputs import NotARegularFile, head
 
     files, _ = discover([Path(p) for p in paths])
     bases = [os.path.abspath(p) if Path(p).is_dir() else os.path.dirname(os.path.abspath(p)) for p in paths]
@@ -116,12 +116,13 @@ def collect_inputs(paths: Sequence[Path]) -> Inputs:
         absolute = os.path.abspath(f)
         key = Path(os.path.relpath(absolute, root)).as_posix()
         try:
-            data = read_file(absolute)  # never a FIFO or a device
+            # never a FIFO or a device; in chunks: a file may hold a line too long to read whole
+            _, size, sha = head(absolute, 0)
         except (FileNotFoundError, NotARegularFile):
             continue  # gone or replaced since it was listed: the run skips it too, and says so
         except OSError as exc:
             raise InputError(f"{f}: cannot be read: {exc.strerror}. Check the path and its permissions") from exc
-        out[key] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        out[key] = {"sha256": sha, "bytes": size}
         key_of[str(f)] = key
         key_of[absolute] = key
     return Inputs(root, dict(sorted(out.items())), key_of)
