@@ -32,6 +32,7 @@ from ctxreplay.pipeline.reporting import html_report as hr
 from tests.htmlkit import MODELS, write_months
 
 SESSIONS = 120
+COMPARED = 36
 
 
 @pytest.fixture(autouse=True)
@@ -218,11 +219,13 @@ def test_report_html_days_for_a_short_range_and_other_past_the_palette(tmp_path:
 
 
 @pytest.fixture(scope="module")
-def compared(months: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("cmp")
+    months = tmp / "in"
+    write_months(months, sessions=COMPARED)     # fewer: each pipeline replays them all
     spec = tmp / "clear.toml"
     spec.write_text('[pipeline]\nname = "clear"\n\n[[stage]]\nuse = "sanitize"\n\n[[stage]]\nuse = "pairing"\n\n'
-                    '[[stage]]\nuse = "tombstone"\ntrigger_tokens = 6000\ntrigger_idle_seconds = 0\nkeep_recent = 1\n'
+                    '[[stage]]\nuse = "tombstone"\ntrigger_tokens = 1000\ntrigger_idle_seconds = 0\nkeep_recent = 1\n'
                     'clear_at_least_tokens = 0\nmin_result_chars = 0\n', encoding="utf-8")
     pages: list[hr.Page] = []
     real = hr.write_html
@@ -246,15 +249,19 @@ def test_compare_html_a_colour_per_pipeline_and_a_fitted_hit_rate_axis(compared:
     lo, hi = side.layout.yaxis2.range
     assert 0 < lo < min(rates) and max(rates) < hi <= 1
     assert side.data[1].mode == "markers+text"           # dots: the axis does not start at 0
+    # the clearing spec breaks the prefix: its hit rate is lower, and by less than a point
+    assert rates[1] < rates[0] and doc["totals"][1]["breaks"] > 0
     # the traces along a session: a colour per pipeline, each (colour, kind) once per session
     first = [t for t in along.data if t.visible]
     assert len(first) == 4 * len(labels) > 10
+    assert any(t.name == "breaks" and len(t.x) for t in first)
     looks = {(t.legendgroup, t.name) for t in first}
     assert len(looks) == len(first)
     by_pipeline = {t.legendgroup: _colour(t) for t in first if t.name == "prompt"}
     assert list(by_pipeline) == labels and len(set(by_pipeline.values())) == len(labels)
     assert all(_colour(t) == by_pipeline[t.legendgroup] for t in first)
     assert {t.marker.color for t in per_session.data} == set(by_pipeline.values())
+    assert len(per_session.data[0].x) == hr.TOP_SESSIONS and f"of {COMPARED} (the other" in _title(per_session)
     # the menu is top left, the toolbar top right
     menu = along.layout.updatemenus[0]
     assert menu.x == 0 and menu.xanchor == "left"
@@ -292,12 +299,13 @@ window.addEventListener('load', () => setTimeout(() => {
       titleBox: q('.gtitle').map(box), modebar: q('.modebar').map(box),
       menu: q('.updatemenu-header-group').map(box),
       bars: q('.barlayer .point path').map(e => e.getBoundingClientRect().width),
+      // each entry's sample (a line, a square, a marker); a group's title has none and is left out
       legend: q('.legend .traces').map(t => {
-        const p = t.querySelector('.legendpoints path');
-        const s = p ? getComputedStyle(p) : null;
-        return [t.querySelector('.legendtext').textContent, s ? s.fill : '', s ? s.stroke : '',
-                s ? s.strokeDasharray : '', p ? p.getAttribute('d') : ''];
-      }), yranges: yr});
+        const p = t.querySelector('.legendlines path, .legendpoints path, .legendsymbols path');
+        if (!p) return null;
+        const s = getComputedStyle(p);
+        return [t.querySelector('.legendtext').textContent, s.fill, s.stroke, s.strokeDasharray, p.getAttribute('d')];
+      }).filter(e => e), yranges: yr});
   });
   const t = document.getElementById('report-table');
   const out = {charts: charts, table: t ? {scroll: t.parentElement.scrollWidth, client: t.parentElement.clientWidth,
@@ -376,8 +384,9 @@ def test_compare_page_in_chromium(compared: dict[str, Any], tmp_path: Path) -> N
     assert all(_apart(m, t) for m in along["menu"] for t in along["modebar"])
     assert all(_apart(m, t) for m in along["menu"] for t in along["titleBox"])
     assert all(_apart(m, t) for m in along["modebar"] for t in along["titleBox"])
-    # four pipelines × prompt, cache read, cache write, breaks: sixteen entries, none alike
-    assert len(along["legend"]) == 16 and _distinct(along["legend"])
+    # four pipelines × prompt, cache read, cache write (and breaks where there are some): none alike
+    drawn = [t for t in compared["page"].figures[2].data if t.visible and len(t.x)]
+    assert len(along["legend"]) == len(drawn) > 12 and _distinct(along["legend"])
     assert len(per_session["legend"]) == 4 and _distinct(per_session["legend"])
     lo, hi = side["yranges"]["yaxis2"]
     rates = [r["cache_hit_rate"] for r in compared["doc"]["totals"]]

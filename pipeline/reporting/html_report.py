@@ -253,6 +253,8 @@ def _period_model_figure(frames: list[tuple[str, pl.DataFrame]], what: str, week
                                       f"%{{y:$,.4f}}<extra></extra>", **kw)
             shown.add(name)
     fig.update_layout(barmode="stack", title=f"Cost by {unit} and model ({what})", yaxis_title="USD")
+    if many:    # room for the panels' titles under the chart's
+        fig.update_layout(margin={"l": 60, "r": 20, "t": 90, "b": 60})
     fig.update_xaxes(type="date", title_text=_unit_label(unit, week_start))
     if unit == "month":
         fig.update_xaxes(tickformat="%b %Y", dtick="M1")
@@ -306,13 +308,15 @@ def _session_bars(fig: Any, rows: list[dict[str, Any]], key: str, value: str, *,
                 hovertemplate="%{text}<br>%{y:$,.4f}<extra>" + html.escape(name) + "</extra>")
 
 
-def _more(what: str, order: list[str], rows: list[dict[str, Any]], key: str, value: str) -> str:
-    """The title's word on the sessions left out of a chart of the TOP_SESSIONS dearest."""
+def _more(what: str, order: list[str], rows: list[dict[str, Any]], key: str, value: str, of: str = "") -> str:
+    """The title's word on the sessions left out of a chart of the TOP_SESSIONS dearest (`of`: whose
+    cost, e.g. "recorded")."""
     rest = set(order[TOP_SESSIONS:])
     if not rest:
         return what
     usd = sum((r[value] or 0) for r in rows if r[key] in rest)
-    return f"{what}: the {TOP_SESSIONS} dearest of {len(order)} (the other {len(rest)}: {usd:,.4f} USD together)"
+    return (f"{what}: the {TOP_SESSIONS} dearest of {len(order)} (the other {len(rest)}: {usd:,.4f} USD"
+            f"{' ' + of if of else ''} together)")
 
 
 def _hover_break(cause: pl.Expr, detail: pl.Expr, tokens: pl.Expr, cost: pl.Expr) -> pl.Expr:
@@ -522,7 +526,8 @@ def sim_html(calls: pl.DataFrame, doc: dict[str, Any], out: str) -> Page:
     order = [r["session_id"] for r in sess]
     for i, (name, key) in enumerate((("recorded", "rec_cost"), ("simulated", "sim_cost"))):
         _session_bars(fig, sess, "session_id", key, name=name, colour=PALETTE[i], order=order)
-    fig.update_layout(barmode="group", title=_more("Cost per session (recorded)", order, sess, "session_id", "rec_cost"),
+    fig.update_layout(barmode="group", title=_more("Cost per session, recorded and simulated", order, sess, "session_id",
+                                                      "rec_cost", "recorded"),
                       yaxis_title="USD")
     page.figure(fig)
     page.h2("Prompt and cache along a session")
@@ -566,7 +571,8 @@ def compare_html(res: Any) -> Page:
                     textposition="top center", cliponaxis=False,
                     hovertemplate="%{x}<br>%{y:.2%}<extra></extra>", row=1, col=2)
     causes = sorted({c for d in doc["breaks_by_cause"].values() for c in d})
-    for cause, col in zip(causes, palette(len(causes)), strict=True):
+    cause_colours = palette(len(labels) + len(causes))[len(labels):]    # apart from the pipelines' colours
+    for cause, col in zip(causes, cause_colours, strict=True):
         fig.add_bar(x=labels, y=[doc["breaks_by_cause"][lb].get(cause, 0) for lb in labels], name=cause,
                     marker_color=col, hovertemplate=f"{cause}<br>%{{x}}: %{{y}}<extra></extra>", row=1, col=3)
     fig.update_layout(barmode="stack")
@@ -584,8 +590,8 @@ def compare_html(res: Any) -> Page:
                       order=ids, extra="Δ {d_cost_usd:+,.4f} USD")
     base = [r for r in sess if r["pipeline"] == labels[0]]
     fig.update_layout(barmode="group", yaxis_title="USD",
-                      title=_more(f"Cost per session and pipeline (totals under {labels[0]})", ids, base, "session_id",
-                                  "cost_usd"))
+                      title=_more("Cost per session and pipeline", ids, base, "session_id", "cost_usd",
+                                  f"under {labels[0]}"))
     page.figure(fig)
     page.h2("Prompt and cache along a session, per pipeline")
     page.note("Pick the session in the menu (the 30 dearest with more than one call). A colour per pipeline: "
