@@ -22,7 +22,9 @@ BLOCKS = pa.schema(
         pa.field("source_format", pa.string(), nullable=False),
         pa.field("source_file", pa.string(), nullable=False),
         pa.field("source_line", pa.int64(), nullable=False),  # 1-based physical line
-        pa.field("raw_line", pa.string(), nullable=False),  # never overwritten
+        # never overwritten; a view type: the blocks of one line share its bytes, so a message of N
+        # blocks costs its line once, not N times (issue 23, item 5); String in polars, string on disk
+        pa.field("raw_line", pa.string_view(), nullable=False),
         # message identity and order
         pa.field("entry_order", pa.int64(), nullable=False),  # message position in its thread (raw)
         pa.field("order_key", pa.int64(), nullable=False),  # working order; stages may move/insert

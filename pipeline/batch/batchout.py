@@ -23,7 +23,7 @@ from ctxreplay.pipeline.loaders import LoadResult
 from ctxreplay.pipeline.staging.stagerun import StageFailure
 from ctxreplay.pipeline.targets import Violation
 from ctxreplay.schemas.blocks import BLOCKS
-from ctxreplay.schemas.check import empty_table
+from ctxreplay.schemas.check import empty_table, view_dictionary
 
 RUN_ID_KEY = b"ctxreplay_run_id"
 
@@ -74,9 +74,10 @@ class Writers:
                 meta = {**(table.schema.metadata or {}), RUN_ID_KEY: self.run_id.encode()}
                 schema = table.schema.with_metadata(meta)
                 # without the Arrow schema in the file, dictionary-encoded columns read back as strings
-                w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=name != "call_messages")
-                if name == "call_messages":  # no Arrow schema: the run id goes in as the file's own metadata
-                    w.add_key_value_metadata({RUN_ID_KEY: self.run_id.encode()})
+                plain = name == "call_messages" or any(f.name in SHARED for f in schema)
+                w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=not plain)
+                if plain:  # no Arrow schema: the run id (and the schema's own metadata) go in as the file's
+                    w.add_key_value_metadata(meta if name != "call_messages" else {RUN_ID_KEY: self.run_id.encode()})
             if table.num_rows or w.schema is None:
                 if not table.schema.equals(w.schema, check_metadata=False):
                     table = table.cast(w.schema)
@@ -113,10 +114,23 @@ def _scalar_columns(t: pa.Table, first: list[str]) -> list[str]:
     return [c for c in first if c in t.column_names] + rest
 
 
+# columns a value of which repeats on many rows of one message (a line's text on each of its blocks):
+# dictionary-encoded in memory from the shared views the pipeline holds them as, and written as
+# their dictionary and indices, so a message of N blocks costs its line once, not N times (issue 23,
+# item 5); a previous run's file is read back so too (pipeline/batch/reuse.py). Strings on disk.
+SHARED = frozenset({"raw_line"})
+
+
 def _decoded(t: pa.Table) -> pa.Table:
     """Dictionary-encoded columns as plain values (batches from a run and from the previous run's
-    files then concatenate; on disk they are plain strings either way)."""
+    files then concatenate; on disk they are plain strings either way), but the SHARED ones, which
+    become (or stay) dictionary-encoded."""
     for i, f in enumerate(t.schema):
+        if f.name in SHARED:
+            if pa.types.is_string_view(f.type):
+                d = view_dictionary(t.column(i))
+                t = t.set_column(i, pa.field(f.name, d.type, nullable=f.nullable, metadata=f.metadata), d)
+            continue
         if pa.types.is_dictionary(f.type):
             t = t.set_column(i, f.name, pc.cast(t.column(i), f.type.value_type))
     return t

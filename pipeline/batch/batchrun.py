@@ -40,7 +40,7 @@ from ctxreplay.pipeline.staging.spec import PipelineSpec
 from ctxreplay.pipeline.staging.stagerun import CallMap, LedgerView, StageFailure, run_stages
 from ctxreplay.pipeline.targets import Violation, get_target
 from ctxreplay.schemas.blocks import BLOCKS
-from ctxreplay.schemas.check import check_frame, empty_table, to_arrow
+from ctxreplay.schemas.check import check_frame, empty_table, filter_rows, to_arrow
 from ctxreplay.schemas.quarantine import QUARANTINE
 
 BLOCK_ORDER = ["session_id", "thread_id", "order_key", "entry_id", "block_pos", "part_pos", "first_call"]
@@ -161,7 +161,7 @@ def _group_part(loaded: LoadResult, g: Group) -> LoadResult:
     """One session group's share of a batch's load: its files' blocks, loads, skips and accounting
     (a session never spans two groups, so this is what loading the group alone gives)."""
     names = {path_str(f) for f in g.files}
-    blocks = loaded.blocks.filter(pc.is_in(loaded.blocks.column("source_file"), value_set=pa.array(sorted(names))))
+    blocks = filter_rows(loaded.blocks, pc.is_in(loaded.blocks.column("source_file"), value_set=pa.array(sorted(names))))
     stats: Counter[str] = Counter()
     for n in names:
         stats.update(loaded.stats_by_file.get(n, {}))

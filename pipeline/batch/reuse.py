@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ctxreplay.pipeline.assembly.store import CALL_MESSAGES_FILE, MESSAGES_FILE
-from ctxreplay.pipeline.batch.batchout import merge_stats
+from ctxreplay.pipeline.batch.batchout import SHARED, merge_stats
 from ctxreplay.pipeline.batch.batchrun import BatchOutputs, BatchResult
 from ctxreplay.pipeline.batch.manifest import FACTS_FILE, Prior, load_from_dict
 from ctxreplay.pipeline.loaders import LoadResult
@@ -33,7 +33,9 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
     from the row groups of these previous batches only (where the manifest says which they are)."""
 
     def read(path: Path, column: str, values: list[Any]) -> pa.Table:
-        f = pq.ParquetFile(path)
+        # a line's text, repeated on each of its blocks: read as a dictionary, once (batchout.SHARED)
+        shared = sorted(SHARED & set(pq.read_schema(path).names))
+        f = pq.ParquetFile(path, read_dictionary=shared)
         if not values:
             return empty_table(f.schema_arrow)
         if not f.num_row_groups:
@@ -47,7 +49,7 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
             return whole.filter(pc.is_in(pc.cast(whole.column(column), pa.string()), pa.array(values, pa.string())))
         if where is None or len(where) != f.num_row_groups or None in batches:
             read.scanned = True  # type: ignore[attr-defined]
-            return pq.read_table(path, filters=[(column, "in", values)])
+            return pq.read_table(path, filters=[(column, "in", values)], read_dictionary=shared)
         t = f.read_row_groups([i for i, b in enumerate(where) if b in batches])
         return t.filter(pc.is_in(pc.cast(t.column(column), pa.string()), pa.array(values, pa.string())))
 

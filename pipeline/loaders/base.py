@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import polars as pl
 import pyarrow as pa
 
 from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
@@ -33,6 +34,7 @@ from ctxreplay.pipeline.loaders.inputs import (  # noqa: F401 (the loaders' name
     unreadable,
 )
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
+from ctxreplay.schemas.check import shared_strings
 
 ORDER_STRIDE = 1024  # order_key = position * ORDER_STRIDE leaves room for inserted rows
 
@@ -808,14 +810,22 @@ def threads_to_blocks(threads: list[Thread], notes: list[dict[str, Any]] | None 
     cols = {f.name: [r.get(f.name) for r in rows] for f in BLOCKS}
     try:
         cols["content_sha256"] = _content_shas(cols)
-        return pa.Table.from_pydict(cols, schema=BLOCKS)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return _blocks_table(cols)
+    except (pa.ArrowException, pl.exceptions.PolarsError, TypeError, ValueError, OverflowError):
         pass
     for f in BLOCKS:
         if f.name != "content_sha256":
             _coerce_column(f, cols, notes)
     cols["content_sha256"] = _content_shas(cols)
-    return pa.Table.from_pydict(cols, schema=BLOCKS)
+    return _blocks_table(cols)
+
+
+def _blocks_table(cols: dict[str, list[Any]]) -> pa.Table:
+    # the blocks of one line share its raw_line (one str object): one copy of its bytes, not one per block
+    raw = cols["raw_line"]
+    if not all(type(v) is str for v in raw):
+        raise TypeError("raw_line: a value that is not a str")
+    return pa.Table.from_pydict({**cols, "raw_line": shared_strings(raw)}, schema=BLOCKS)
 
 
 def _content_shas(cols: dict[str, list[Any]]) -> list[str]:
@@ -831,7 +841,7 @@ def _fits(f: pa.Field, v: Any) -> bool:
     t = f.type
     if v is None:
         return f.nullable
-    if pa.types.is_string(t):
+    if pa.types.is_string(t) or pa.types.is_string_view(t):
         return type(v) is str and not _SURROGATE.search(v)
     if pa.types.is_boolean(t):
         return type(v) is bool
@@ -847,7 +857,7 @@ def _coerce_column(f: pa.Field, cols: dict[str, list[Any]], notes: list[dict[str
     for i, v in enumerate(col):
         if _fits(f, v):
             continue
-        if pa.types.is_string(f.type):
+        if pa.types.is_string(f.type) or pa.types.is_string_view(f.type):
             if isinstance(v, str):
                 new: Any = _SURROGATE.sub("\ufffd", v)
             elif v is None:

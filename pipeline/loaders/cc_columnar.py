@@ -645,18 +645,20 @@ class _Batch:
         cols["source_line"] = pa.array([n_line[i] for i in r_node], pa.int64())
         raw_src = self.text
         raw_idx: list[int] = []
-        slow_raw: list[str] = []
+        slow_at: dict[int, int] = {}  # a careful-path entry's raw line: once, whatever its blocks
         for i in r_node:
             s = src[i]
             if s >= 0:
                 raw_idx.append(fast_lid[s])
             else:
-                raw_idx.append(n_text + len(slow_raw))
-                slow_raw.append(self.slow_msgs[-s - 1].raw_line)
+                raw_idx.append(n_text + slow_at.setdefault(s, len(slow_at)))
         raw = pl.Series("raw", raw_src)
-        if slow_raw:
+        if slow_at:
+            slow_raw = [self.slow_msgs[-s - 1].raw_line for s in slow_at]
             raw = pl.concat([raw, pl.Series("raw", slow_raw, pl.String)], rechunk=False)
-        cols["raw_line"] = raw.gather(pl.Series(raw_idx, dtype=pl.Int64)).to_arrow()
+        # a view per row into the lines' bytes: a line's blocks share them (BLOCKS: raw_line)
+        cols["raw_line"] = raw.gather(pl.Series(raw_idx, dtype=pl.Int64)).to_arrow(
+            compat_level=pl.CompatLevel.newest())
         self.clock.lap("assemble: raw lines")
         eb = _gather(self._eb_table(), r_eb)
         for c in (*_EB_COLS, "image_bytes", "content_sha256"):
