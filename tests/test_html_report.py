@@ -167,6 +167,7 @@ def test_report_html_over_eight_months(months: Path, tmp_path: Path, monkeypatch
     lo, hi = rate.layout.yaxis.range
     values = [*dots.y, *line.y]
     assert 0.85 < lo < min(values) and max(values) < hi <= 1.0
+    assert f"(axis from {lo:.1%})" in _title(rate)
     assert line.y[0] == pytest.approx(_week_rate(months, line.customdata[0][0]), rel=1e-9)
     # cost per session: the 30 dearest, the title says what the others cost
     assert len(per_session.data[0].x) == hr.TOP_SESSIONS
@@ -176,7 +177,8 @@ def test_report_html_over_eight_months(months: Path, tmp_path: Path, monkeypatch
     table = text[text.index('id="report-table"'):]
     table = table[:table.index("</table>")]
     assert table.count("<tr>") == SESSIONS + 2
-    assert all(r["key"] in table for r in doc["rows"])
+    # a session id as the narrow terminal shows it, whole on hover
+    assert all(f'<td title="{r["key"]}"><code>{r["key"][:8]}</code></td>' in table for r in doc["rows"])
     t = doc["totals"]
     assert f"{t['cache_read_tokens']:,}" in table and f"{t['cost_usd']:,.4f}" in table and "Total" in table
 

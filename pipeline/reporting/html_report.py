@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import polars as pl
 
@@ -39,7 +39,7 @@ p.note { color: #555; font-size: 0.9em; }
 div.scroll { overflow-x: auto; }
 table.kv { border-collapse: collapse; font-size: 0.85em; }
 table.kv td { padding: 2px 8px; border-bottom: 1px solid #eee; white-space: nowrap; }
-table.kv td.wrap { white-space: normal; } table.kv td.wrap span { white-space: nowrap; }
+table.kv td.wrap { white-space: normal; } table.kv code { font-size: 1.1em; } table.kv td.wrap span { white-space: nowrap; }
 table.kv td.num { text-align: right; font-variant-numeric: tabular-nums; }
 table.kv thead td { position: sticky; top: 0; background: #fff; border-bottom: 2px solid #ccc; }
 table.kv tfoot td { border-top: 2px solid #ccc; font-weight: bold; }
@@ -55,6 +55,7 @@ TOP_SESSIONS = 30
 DAY_MAX_SPAN = 62      # days from the first to the last: up to this many, a bar per day
 WEEK_MAX_SPAN = 366    # then a bar per week up to a year, then per month
 _DAY_MS = 86_400_000
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 
 
@@ -64,6 +65,13 @@ def _go() -> Any:
     except ImportError as exc:  # pragma: no cover - plotly is a dependency
         raise OutputError("--html needs plotly (a dependency of ctxreplay): pip install plotly") from exc
     return go
+
+
+class Abbr(NamedTuple):
+    """A table cell shown short, whole on hover and in the page's text (e.g. a session id)."""
+
+    short: str
+    full: str
 
 
 class Page:
@@ -90,6 +98,8 @@ class Page:
 
         def cell(j: int, v: Any) -> str:
             num = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if isinstance(v, Abbr):
+                return f'<td title="{html.escape(v.full)}"><code>{html.escape(v.short)}</code></td>'
             if isinstance(v, list):    # names, each kept on one line
                 return f'<td class="wrap">{", ".join(f"<span>{html.escape(str(x))}</span>" for x in v)}</td>'
             txt = f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if num else html.escape(str(v if v is not None else "–"))
@@ -183,6 +193,12 @@ def rate_axis(values: Iterable[float | None]) -> dict[str, Any]:
     pad = max((hi - lo) * 0.25, 0.005)
     lo, hi = max(0.0, lo - pad), min(1.0, hi + pad)
     return {"range": [lo, hi], "tickformat": ".1%" if hi - lo < 0.1 else ".0%"}
+
+
+def _axis_from(ax: dict[str, Any]) -> str:
+    """A title's word on a fitted axis that does not start at 0."""
+    lo = ax["range"][0]
+    return f" (axis from {lo:.1%})" if lo > 0 else ""
 
 
 def _periods(days: pl.Expr, unit: str, week_start: str) -> tuple[pl.Expr, pl.Expr]:
@@ -284,7 +300,7 @@ def _hit_rate_figure(frame: pl.DataFrame, sessions: list[dict[str, Any]], week_s
                     hovertemplate="%{customdata[0]}: %{y:.2%} of the prompt read from the cache "
                                   "(%{customdata[1]:,} requests)<extra></extra>")
     ax = rate_axis([*per["rate"].to_list(), *(r["cache_hit_rate"] for r in dots)])
-    fig.update_layout(title=f"Cache hit rate by {unit} (axis from {ax['range'][0]:.1%}: fitted to the data)",
+    fig.update_layout(title=f"Cache hit rate by {unit}{_axis_from(ax)}",
                       yaxis={**ax, "title": "cache read / prompt"})
     fig.update_xaxes(type="date", title_text=_unit_label(unit, week_start))
     return fig
@@ -453,7 +469,7 @@ def _usage_table(page: Page, doc: dict[str, Any]) -> None:
         header.append("Models")
     header += ["Input", "Output", "Cache write\n5m", "Cache write\n1h", "Cache read", "Hit rate", "Cost\n(USD)"]
 
-    def cells(r: dict[str, Any], key: str, sub: bool) -> list[Any]:
+    def cells(r: dict[str, Any], key: Any, sub: bool) -> list[Any]:
         out: list[Any] = [key]
         if by == "session":
             out.append("" if sub else (r.get("last_activity") or "")[:16].replace("T", " "))
@@ -464,7 +480,9 @@ def _usage_table(page: Page, doc: dict[str, Any]) -> None:
 
     rows, subs = [], []
     for r in doc["rows"]:
-        rows.append(cells(r, r["key"], False))
+        k = r["key"]
+        # a session id as the terminal shows it when narrow: its first 8 characters (whole on hover)
+        rows.append(cells(r, Abbr(_short(k), k) if by == "session" and _UUID.match(k) else k, False))
         for m in r.get("breakdown") or []:
             subs.append(len(rows))
             rows.append(cells({**m, "models": [m["model"]]}, f"└ {m['model']}" if by == "model" else "└", True))
@@ -562,7 +580,7 @@ def compare_html(res: Any) -> Page:
     rates = [r["cache_hit_rate"] for r in tot]
     ax = rate_axis(rates)
     fig = make_subplots(rows=1, cols=3, subplot_titles=(
-        "Cost (USD)", f"Cache hit rate (axis from {ax['range'][0]:.1%})", "Breaks by cause"))
+        "Cost (USD)", f"Cache hit rate{_axis_from(ax)}", "Breaks by cause"))
     fig.add_bar(x=labels, y=[r["cost_usd"] for r in tot], name="cost", showlegend=False, marker_color=colours,
                 hovertemplate="%{x}<br>%{y:$,.4f}<extra></extra>", row=1, col=1)
     # dots, not bars: the axis does not start at 0, and a bar's length would mislead
@@ -601,5 +619,5 @@ def compare_html(res: Any) -> Page:
     return page
 
 
-__all__ = ["OTHER", "PALETTE", "Page", "by_period", "compare_html", "named_and_other", "palette", "rate_axis",
+__all__ = ["OTHER", "PALETTE", "Abbr", "Page", "by_period", "compare_html", "named_and_other", "palette", "rate_axis",
            "sim_html", "time_unit", "usage_html", "write_html"]
