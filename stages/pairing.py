@@ -68,6 +68,7 @@ from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT_OPENAI as MISS
 from ctxreplay.pipeline.stageapi.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread, nonblank
 from ctxreplay.pipeline.stageapi.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
+from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 from ctxreplay.pipeline.targets import target_family
 from ctxreplay.schemas.blocks import CONTENT_COLUMNS
@@ -261,6 +262,53 @@ def live_step(ids: frozenset[str], new: LiveRows, p: Pairing, ctx: StageContext)
     return Live.quiet(ids | {r["tool_use_id"] for r in new.rows if r["tool_use_id"] is not None})
 
 
+def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.LazyFrame:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet), a plan whose values must all hold: every
+    tool call already has exactly one result, right after it, in call order, seen from the call's
+    first request on; ids are unique in their thread and map to themselves; result names are
+    trimmed; and nothing needs a version of its own (no synthetic result, failed frame, or call or
+    result that leaves a request). Then no step of the stage changes anything."""
+    mode = resolve_id_mode(params.tool_id_mode, ctx.target)
+    failed = (pl.col("role") == "assistant") & pl.col("stop_reason").str.to_lowercase().is_in(FAILED_STOP_REASONS)
+    is_result = pl.col("block_type") == "tool_result"
+    name = pl.col("tool_name")
+    rows = blocks.select(_q=~(
+        (pl.col("origin") == "pairing").fill_null(False) | failed.fill_null(False)
+        | ((_IS_CALL | is_result) & (pl.col("last_call").is_not_null() | _blank("tool_use_id"))).fill_null(False)
+        | (is_result & name.is_not_null() & (_blank("tool_name") | (name.str.strip_chars() != name))).fill_null(False)
+    ).any())  # no such row
+    calls = blocks.filter(_IS_CALL).group_by(BLOCK).agg(
+        msg_key=pl.col("msg_key").first(), order_key=pl.col("order_key").min(), _cid=pl.col("tool_use_id").first(),
+        _fc=pl.col("first_call").min(),
+    ).with_columns(_occ=pl.lit(0, pl.Int64)).with_columns(
+        _same=_map_ids_expr(mode, ctx.target) == pl.col("_cid"),
+        _n=pl.len().over([*THREAD, "_cid"]),
+        _crank=pl.col("block_pos").rank("dense").over(MSG).cast(pl.Int64),
+        _m=pl.len().over(MSG).cast(pl.Int64),
+    )
+    results = blocks.filter(is_result).group_by(BLOCK).agg(
+        _cid=pl.col("tool_use_id").first(), _rok=pl.col("order_key").min(), _rpos=_POS.min(),
+        _fr=pl.col("first_call").min(),
+    ).with_columns(_rn=pl.len().over([*THREAD, "_cid"]))
+    pairs = calls.join(results.drop("entry_id", "block_pos"), on=[*THREAD, "_cid"], how="full", coalesce=True)
+    ok_pairs = pairs.select(_q=(
+        pl.col("_same") & (pl.col("_n") == 1) & (pl.col("_rn") == 1) & (pl.col("_rok") > pl.col("order_key"))
+        & (pl.col("_fr") <= pl.col("_fc"))
+    ).fill_null(False).all())
+    # in place: results in call order, and no other row between the assistant row and its last slot
+    # (from the frame's first row: the stage takes any of them; in place from the first is in place from any)
+    frames = pairs.filter(pl.col("msg_key").is_not_null()).group_by(MSG).agg(
+        _a=pl.col("order_key").min(),
+        _ordered=(pl.col("_rpos").sort_by("_crank").diff().drop_nulls() > 0).fill_null(False).all(),
+        _span_end=pl.col("_rok").max() + pl.col("_m").first(),
+    )
+    others = blocks.filter(~is_result).group_by(*THREAD, "order_key").agg(_n=pl.len())
+    frames = _count_upto(frames, others, at="_a", out="_cum_a")
+    frames = _count_upto(frames, others, at="_span_end", out="_cum_l")
+    in_place = frames.select(_q=(pl.col("_ordered") & (pl.col("_cum_l") == pl.col("_cum_a"))).fill_null(False).all())
+    return pl.concat([rows, ok_pairs, in_place])
+
+
 @stage("pairing", version=2, params=Pairing, requires=("sanitize",), live=LiveRule(live_start, live_step))
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
@@ -271,6 +319,8 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     rewrites tool-call ids per target (`replace`/`tool_id`), re-attaches results without a call
     (`replace`/`reattached`) and trims result names (`replace`/`result_name`).
     """
+    if quiet(blocks, ledger, quiet_check(blocks, params, ctx)):
+        return unchanged(blocks)
     mode = resolve_id_mode(params.tool_id_mode, ctx.target)
     w = materialize(_working_frame(blocks))
     calls = materialize(_call_ids(_calls(w, params), mode, ctx.target))  # steps 1 and 7

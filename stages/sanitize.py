@@ -39,7 +39,7 @@ from typing import Literal
 import orjson
 import polars as pl
 
-from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA
+from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, empty_decisions, sort_blocks
 from ctxreplay.pipeline.core.constants import (
     FAILED_TURN_TEXT,
     MAGIC_STRING_PATTERN,
@@ -67,6 +67,7 @@ from ctxreplay.pipeline.stageapi.marks import (
     start_marks,
     text_row,
 )
+from ctxreplay.pipeline.stageapi.quiet import quiet
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 from ctxreplay.pipeline.targets import (
     ANTHROPIC_RESULT_PART_TYPES,
@@ -265,6 +266,43 @@ def live_step(carry: LiveCarry, new: LiveRows, p: Sanitize, ctx: StageContext) -
     return Live.quiet(LiveCarry(has_thinking, unsettled_tail(new.frame)))
 
 
+def quiet_check(params: Sanitize, ctx: StageContext) -> pl.Expr:
+    """Nothing to do but the usage columns (ctxreplay.pipeline.stageapi.quiet): no row any sub-step
+    drops, replaces or inserts for. No null, blank or placeholder block, no row the row filter takes,
+    no item the target cannot carry, no thinking but native signed thinking kept as it is, every tool
+    call with an id, an input and a valid, allowed, trimmed name, no tool result with a non-model
+    field (or an escaped key that could hide one), no magic string. Then sub-steps 1-7 and 9 change
+    nothing."""
+    family = target_family(ctx.target)
+    bt = pl.col("block_type")
+    is_result = bt == "tool_result"
+    flags = [
+        bt.is_null() | bt.str.to_lowercase().is_in([*NULL_BLOCK_TYPES, EMPTY_PLACEHOLDER]),
+        (bt == "text") & (pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")),
+        ~bt.is_in(sorted(PORTABLE_BLOCK_TYPES)),  # (a type only some targets carry: not quiet, the plan decides)
+        pl.col("text").str.contains("ANTHROPIC_MAGIC_STRING_TRIGGER_", literal=True),
+        is_result & pl.col("extra_json").is_not_null() & (
+            pl.col("extra_json").str.contains("\\u", literal=True)
+            | pl.any_horizontal([pl.col("extra_json").str.contains(f'"{k}"', literal=True) for k in NON_MODEL_RESULT_KEYS])),
+    ]
+    if family == "anthropic":
+        flags.append(is_result & (pl.col("part_type") == "other"))
+    filt = _row_filter_expr(params.drop_rows_where)
+    if filt is not None:
+        flags.append(filt)
+    thinking = bt.is_in(list(THINKING_TYPES))
+    if params.thinking_policy == "keep_signed":
+        thinking = thinking & ~((row_family_expr() == family).fill_null(False) & signed_expr().fill_null(False))
+    flags.append(thinking)
+    name = pl.col("tool_name").str.strip_chars()
+    bad_call = is_blank("tool_use_id") | is_blank("tool_input") | (pl.col("tool_input").str.strip_chars() == "null") \
+        | name.is_null() | ~name.str.contains(TOOL_NAME_PATTERN).fill_null(False) | (name != pl.col("tool_name"))
+    if params.allowed_tools is not None:
+        bad_call = bad_call | ~name.str.to_lowercase().is_in(sorted({t.strip().lower() for t in params.allowed_tools}))
+    flags.append(bt.is_in(list(TOOL_CALL_TYPES)) & bad_call)
+    return ~pl.any_horizontal([f.fill_null(False) for f in flags]).any()
+
+
 @stage("sanitize", version=2, params=Sanitize, live=LiveRule(live_start, live_step))  # the first layer: it needs no other
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
@@ -274,6 +312,8 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     sub-step; kept signed thinking is byte-identical; raw columns never change. Normalised usage
     (sub-step 8) fills the u_* and usage_stale columns; it changes no block content.
     """
+    if quiet(blocks, ledger, quiet_check(params, ctx)):  # normalised usage all the same (sub-step 8)
+        return StageResult(normalized_usage(sort_blocks(blocks)).select(BLOCK_SCHEMA.names()), empty_decisions())
     family = target_family(ctx.target)
     w = start_marks(blocks)
 

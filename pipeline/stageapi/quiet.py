@@ -35,10 +35,13 @@ from ctxreplay.pipeline.core.tokens import (
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult
 
 
-def quiet(blocks: pl.LazyFrame, ledger: pl.LazyFrame, check: pl.Expr) -> bool:
-    """True when the stage's ledger view is empty and `check` (a boolean aggregate over the
-    blocks, one value) holds. One query for both."""
-    q = pl.concat([ledger.select(_q=pl.len() == 0), blocks.select(_q=check.fill_null(False))])
+def quiet(blocks: pl.LazyFrame, ledger: pl.LazyFrame, check: pl.Expr | pl.LazyFrame) -> bool:
+    """True when the stage's ledger view is empty and `check` holds: a boolean aggregate over the
+    blocks (one value), or a plan of its own (one boolean column; every value must hold). One
+    query for both."""
+    own = check.select(_q=pl.col(check.collect_schema().names()[0]).fill_null(False)) \
+        if isinstance(check, pl.LazyFrame) else blocks.select(_q=check.fill_null(False))
+    q = pl.concat([ledger.select(_q=pl.len() == 0), own])
     return bool(q.select(pl.col("_q").all()).collect(engine=POLARS_ENGINE).item())
 
 
