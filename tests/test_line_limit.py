@@ -318,3 +318,15 @@ def test_memory_bench_cases() -> None:
     cases = {c.name: c for c in bench_memory.line_cases()}
     assert cases["line 200 MB"].bound_mb() == 4 * 200 + bench_memory.BATCH_BUDGET_MB
     assert cases["zeros 1 GB, no line break"].bound_mb() == bench_memory.BATCH_BUDGET_MB  # never read
+
+
+def test_a_big_text_is_counted_as_a_small_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Texts over tokens.BIG_TEXT_CHARS are counted into a NumPy array (no Python int per token): the
+    same counts, special tokens read as text and lone surrogates replaced as before."""
+    from ctxreplay.pipeline.core import tokens
+
+    texts = ["hello <|endoftext|> world", "é naïve \ud800 日本語 <|fim_prefix|>", "line of the big file\n" * 5000, "", "x"]
+    small = tokens.tiktoken_counts(texts)
+    monkeypatch.setattr(tokens, "BIG_TEXT_CHARS", 0)
+    assert tokens.tiktoken_counts(texts) == small
+    assert small[0] == len(tokens.load_o200k().encode_ordinary(texts[0]))
