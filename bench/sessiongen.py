@@ -26,3 +26,21 @@ class SessionLines:
         self.lines.append(json.dumps({"type": typ, "uuid": u, "parentUuid": self.parent, "sessionId": self.session_id,
                                       "timestamp": self.ts(i), "isSidechain": False, "message": message, **kw}))
         self.parent = u
+
+
+BLOCKS_SESSION = "11111111-2222-4333-8444-555555555555"
+
+
+def many_blocks_lines(n: int, turns: int = 1) -> list[str]:
+    """A Claude Code session whose user message is a list of `n` tiny text blocks (`{"type": "text",
+    "text": "x"}`), answered with usage; `turns` > 1 repeats the pair (issue 23, item 5: memory and
+    time must be linear in the blocks of one message)."""
+    g = SessionLines(BLOCKS_SESSION)
+    for k in range(turns):
+        g.entry("user", {"role": "user", "content": [{"type": "text", "text": "x"} for _ in range(n)]}, 2 * k)
+        g.entry("assistant", {"id": f"msg_{k}", "type": "message", "role": "assistant",
+                              "model": "claude-sonnet-4-5-20250929", "content": [{"type": "text", "text": "ok"}],
+                              "stop_reason": "end_turn",
+                              "usage": {"input_tokens": n, "output_tokens": 1, "cache_creation_input_tokens": 0,
+                                        "cache_read_input_tokens": 0}}, 2 * k + 1, requestId=f"req_{k}")
+    return g.lines
