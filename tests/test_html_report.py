@@ -235,11 +235,29 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     mp.setattr(hr, "write_html", lambda path, page: (pages.append(page), real(path, page)))
     try:
         r = _cli("compare", months, "--pipeline", "identity", "--pipeline", spec, "--pipeline", "context-editing",
-                 "--pipeline", "identity@ttl=1h", "--json", "--html", tmp / "compare.html")
+                 "--pipeline", "identity@ttl=1h", "--json", "--html", tmp / "compare.html", "--keep", tmp / "runs")
     finally:
         mp.undo()
     assert r.exit_code == 0, r.output
-    return {"page": pages[0], "html": tmp / "compare.html", "doc": json.loads(r.stdout)}
+    return {"page": pages[0], "html": tmp / "compare.html", "doc": json.loads(r.stdout), "run": tmp / "runs" / "1-clear"}
+
+
+def test_sim_html_over_months(compared: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page, _ = _page_of(monkeypatch, "report", "--sim", compared["run"], "--html", tmp_path / "sim.html")
+    per_session, along, cost = page.figures
+    # recorded and simulated side by side, by week (one unit for both panels), a colour per model
+    assert "Cost by week and model" in _title(cost)
+    assert {t.xaxis for t in cost.data} == {"x", "x2"}
+    assert all(w == 7 * 86_400_000 * 0.8 for t in cost.data for w in t.width)
+    colours = {t.name: t.marker.color for t in cost.data}
+    assert len(colours) == len(MODELS) and len(set(colours.values())) == len(MODELS)
+    assert sum(t.showlegend is not False for t in cost.data) == len(MODELS)     # each model once in the legend
+    assert len(per_session.data[0].x) == hr.TOP_SESSIONS and f"of {COMPARED} (the other" in _title(per_session)
+    menu = along.layout.updatemenus[0]
+    assert menu.x == 0 and menu.xanchor == "left" and len(menu.buttons) == COMPARED
+    assert re.fullmatch(r"[0-9a-f]{8} · \d{4}-\d{2}-\d{2} · \d+ calls", menu.buttons[0].label)
+    first = [t for t in along.data if t.visible]
+    assert len({(t.type, t.name) for t in first}) == len(first) and any(t.name == "break (sim)" and len(t.x) for t in first)
 
 
 def test_compare_html_a_colour_per_pipeline_and_a_fitted_hit_rate_axis(compared: dict[str, Any]) -> None:
