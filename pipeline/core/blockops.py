@@ -125,8 +125,11 @@ def content_len_expr() -> pl.Expr:
     ).cast(pl.Int64)
 
 
+_NO_DECISIONS = pl.DataFrame(schema=DECISION_SCHEMA)  # made once: a frame from a schema costs ~0.3 ms
+
+
 def empty_decisions() -> pl.LazyFrame:
-    return pl.LazyFrame(schema=DECISION_SCHEMA)
+    return _NO_DECISIONS.lazy()
 
 
 def decisions_from(
