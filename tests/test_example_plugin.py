@@ -112,3 +112,45 @@ def test_it_runs_on_the_corpus_from_its_entry_point(installed: None, corpus: Pat
                               | (pl.col("block_type") == "tool_result"))
     for kind, pattern in PATTERNS.items():  # nothing left to mask in what it looks at
         assert looked_at.filter(pl.col("text").str.contains(pattern).fill_null(False)).height == 0, kind
+
+
+def test_its_live_rule_takes_the_live_path_in_the_engine(installed: None, tmp_path: Path) -> None:
+    # a plug-in with a live rule (@stage(live=...)): steps without a secret take the live path, the
+    # step that appends one is a full pass for the reason its rule gives; every request is the one
+    # of an engine doing a full pass at every step (and the secret never reaches a request)
+    from datetime import UTC, datetime
+
+    from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+    from ctxreplay.pipeline.engine.engine import Engine
+    from tests.cckit import CCSession
+
+    sid = "0e1e2f30-4b3d-4e5f-8a6b-1c2d3e4f5a6b"
+    s = CCSession(sid, datetime(2026, 6, 1, 8, 0, tzinfo=UTC))
+    s.user("Deploy it, please.")
+    for k in range(1, 7):
+        s.tool_call(k, "Bash", 300)
+        if k == 3:
+            s.answer(100, "Which key?")
+            s.user(f"use the key {SECRET} for the deploy")
+
+    def feed(live: bool) -> list:
+        out = []
+        with Engine.open(_spec(tmp_path), tmp_path / f"e-{live}.duckdb", token_counter=CHARS4_COUNTER) as eng:
+            eng.live_path = live
+            for i, e in enumerate(s.entries):
+                if i and e["type"] == "assistant":
+                    out.append(eng.assemble(sid, model="claude-x"))
+                eng.ingest(sid, [e])
+            out.append(eng.assemble(sid, awaiting_user=True))
+        return out
+
+    got, full = feed(True), feed(False)
+    assert [r.request_sha256 for r in got] == [r.request_sha256 for r in full]
+    secret = next(i for i, r in enumerate(got) if b"[REDACTED anthropic-key]" in r.request_json)
+    reasons = [r.full_pass_reason for r in got]
+    # past the first calls (a file's format is sniffed from its first 5 entries), the one full pass
+    # is the step that appends the secret; the next step is live again
+    assert [(i, r) for i, r in enumerate(reasons) if r is not None and "fewer than 5" not in r] == [
+        (secret, "redact_secrets: a secret to mask in a new row")], reasons
+    assert got[secret + 1].incremental and got[-1].incremental
+    assert all(SECRET.encode() not in r.request_json for r in got)

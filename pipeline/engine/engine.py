@@ -249,6 +249,9 @@ class _Session:
     scan: livepath.TailScan | None = None  # the live path's reading of the session's one file
     facts: livepath.ThreadFacts | None = None  # the main thread after the last step
     unshaped: list[LiveRows] = field(default_factory=list)  # live steps the main thread's state lacks
+    # the last step's answers of the live rules: (the pending call before the step, position ->
+    # None for quiet or the reason); None when the step was refused before the rules were asked
+    asked: tuple[int, dict[str, str | None]] | None = None
 
 
 def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
@@ -563,6 +566,7 @@ class Engine:
         pass when they only extend the main thread and no stage decides anything about them.
         Returns None when it did, else why a full pass is needed (the scan reads the new lines
         either way, so it stays level with the spool)."""
+        s.asked = None
         if len(s.files) != 1:
             return "a session of several transcript files"
         f = next(iter(s.files.values()))
@@ -584,6 +588,7 @@ class Engine:
             return new
         t1 = time.perf_counter()
         why, carried = livepath.step_rules(self._positions, facts, new)
+        s.asked = (facts.calls, dict(facts.answers))
         if why is not None:
             return why
         t2 = time.perf_counter()
