@@ -174,6 +174,9 @@ def test_report_html_over_eight_months(months: Path, tmp_path: Path, monkeypatch
     assert f"of {SESSIONS} (the other {SESSIONS - hr.TOP_SESSIONS}:" in _title(per_session)
     # the table as the terminal prints it: a row per session, the totals at the foot
     text = out.read_text(encoding="utf-8")
+    # one file, nothing fetched when viewed: plotly's script inline once, no src= or link
+    assert re.findall(r"<script[^>]*\ssrc=", text) == [] and re.findall(r"<link[^>]*href=", text) == []
+    assert text.count("Plotly.newPlot") == 3 and len(text) > 3_000_000
     table = text[text.index('id="report-table"'):]
     table = table[:table.index("</table>")]
     assert table.count("<tr>") == SESSIONS + 2
