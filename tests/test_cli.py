@@ -38,7 +38,8 @@ def test_run_json_summary_and_outputs(tmp_path: Path) -> None:
             "recorded_cache_write_tokens"} <= set(calls.columns)
     assert (out / "requests" / f"{SID}.json").is_file()
     assert (out / "requests" / f"{SID}--agent-a1b2c3d.json").is_file()
-    assert pl.read_parquet(out / "quarantine.parquet").columns == ["file", "line", "raw", "reason", "code", "raw_base64"]
+    assert pl.read_parquet(out / "quarantine.parquet").columns == ["file", "line", "raw", "reason", "code", "raw_base64",
+                                                                     "line_bytes"]
     assert json.loads((out / "summary.json").read_text())["pipeline_sha256"] == s["pipeline_sha256"]
 
 

@@ -436,6 +436,8 @@ class _File:
     data: bytes | None = None
     start: int = 0  # its first line in the batch's line arrays
     n: int = 0  # its physical lines (split on \n, the last one possibly empty)
+    # lines longer than MAX_FAST_LINE by line number (`inputs.read_lines`' aside): empty in the line arrays
+    aside: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass
@@ -814,7 +816,10 @@ def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] |
         for fi, p in enumerate(cc._main_first(g.files, g.session_id)):
             spath = path_str(p)
             try:
-                src = read_lines(p)  # a line over the limit is quarantined, never read (as in the reference)
+                # a line over the limit is quarantined, never read (as in the reference); one too long for
+                # the fast path stays out of the batch's line arrays (each a copy of every line) and is
+                # read the careful way from its own bytes
+                src = read_lines(p, aside=MAX_FAST_LINE)
             except OSError as exc:
                 if skipped is not None:
                     skipped.append(unreadable(p, exc))
@@ -822,7 +827,7 @@ def load_sessions(groups: list[cc.SessionFiles], skipped: list[dict[str, str]] |
                 continue
             load = FileLoad(spath, FORMAT)
             take_long_lines(load, src)
-            b.files.append(_File(gi, fi, p, spath, load, src.data))
+            b.files.append(_File(gi, fi, p, spath, load, src.data, aside=src.aside))
             del src
     b.clock.lap("read files")
     _parse(b)
@@ -1258,7 +1263,9 @@ def _load_group(b: _Batch, session_id: str, files: list[_File],
                     other[fast.kind[r]] += 1
                 continue
             # ---- the careful path: the reference loader's code for this line
-            raw_b = lines_bin[lid].as_py()
+            raw_b = f.aside.pop(line_no, None)  # a line too long for the fast path: its own bytes
+            if raw_b is None:
+                raw_b = lines_bin[lid].as_py()
             if not _nonblank(raw_b):
                 continue
             load.lines += 1

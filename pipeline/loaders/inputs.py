@@ -127,6 +127,9 @@ class Lines:
     sha256: str  # of all the file's bytes (long lines included)
     limit: int
     long: list[LongLine] = field(default_factory=list)
+    # lines longer than `read_lines`' `aside` (and within the limit), by line number, each left empty
+    # in `data` too: a reader that copies `data` whole (the columnar loader) then never copies them
+    aside: dict[int, bytes] = field(default_factory=dict)
 
 
 class _LongLineReader:
@@ -150,13 +153,46 @@ class _LongLineReader:
         return None if self.blank else LongLine(self.line, self.length, self.prefix)
 
 
-def read_lines(path: Path | str, limit: int | None = None) -> Lines:
+def read_lines(path: Path | str, limit: int | None = None, aside: int | None = None) -> Lines:
     """A transcript's bytes, read in chunks, with every line longer than `limit` bytes (default:
     MAX_LINE_BYTES) left out: such a line is never held whole (a 1 GB file without a line break
     neither); its place keeps its line break, so the other lines keep their numbers. `open_input`
     opens the file (never a FIFO or a device). A line of nothing but whitespace is blank, however long.
+    `aside`: lines longer than this many bytes (and within the limit) are taken out of `data` too,
+    into `Lines.aside`.
     """
-    limit = max_line_bytes(limit)
+    got = _read_lines(path, max_line_bytes(limit))
+    if aside is not None and len(got.data) > aside:
+        got.data, got.aside = _set_aside(got.data, aside)
+    return got
+
+
+def _set_aside(data: bytes, aside: int) -> tuple[bytes, dict[int, bytes]]:
+    """`data` with each line longer than `aside` bytes left empty, and those lines by number. Steps
+    over the short lines `aside` bytes at a time (their line breaks counted, not walked one by one)."""
+    taken: dict[int, bytes] = {}
+    kept: list[bytes] = []
+    n, pos, line, last = len(data), 0, 1, 0
+    while pos < n:
+        k = data.rfind(b"\n", pos, pos + aside + 1)
+        if k >= 0:  # every line that starts before k ends by k: none of them is longer than `aside`
+            line += data.count(b"\n", pos, k + 1)
+            pos = k + 1
+            continue
+        end = data.find(b"\n", pos)
+        end = n if end < 0 else end
+        if end - pos > aside:
+            taken[line] = data[pos:end]
+            kept.append(data[last:pos])
+            last = end
+        pos, line = end + 1, line + 1
+    if not taken:
+        return data, taken
+    kept.append(data[last:])
+    return b"".join(kept), taken
+
+
+def _read_lines(path: Path | str, limit: int) -> Lines:
     h = hashlib.sha256()
     with open_input(path) as fh:
         if os.fstat(fh.fileno()).st_size <= limit:  # no line can be over the limit: one read
