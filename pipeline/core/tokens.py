@@ -141,10 +141,17 @@ class TokenCounter:
         """For StageContext.count_tokens: a Series of texts → a Series of counts (null → 0)."""
 
         def count(s: pl.Series) -> pl.Series:
-            distinct = s.drop_nulls().unique().to_list()
+            unique = s.drop_nulls().unique()
+            distinct = unique.to_list()
             memo = self.count_many(distinct)
-            return s.replace_strict(distinct, [memo[t] for t in distinct], default=0,
-                                    return_dtype=pl.Int64).fill_null(0)
+            counts = [memo[t] for t in distinct]
+            hashes = unique.hash()
+            if hashes.n_unique() == len(hashes):
+                # mapped by each text's hash (no two distinct texts share one here), not by the texts:
+                # replace_strict over texts copied each of them (a 50 MB tool result three times)
+                return s.hash().replace_strict(hashes, counts, default=0, return_dtype=pl.Int64) \
+                    .zip_with(s.is_not_null(), pl.Series([0], dtype=pl.Int64).new_from_index(0, len(s)))
+            return s.replace_strict(distinct, counts, default=0, return_dtype=pl.Int64).fill_null(0)
 
         return count
 
