@@ -4,10 +4,15 @@
     python bench/bench_memory.py TREE [--batch-bytes N] [--preset default] [--out DIR]
 
 Without TREE: the cases (`line_cases`: one line of 20 / 50 / 200 MB, a sparse 1 GB file of zeros
-over the line limit; `--quick` leaves out the 200 MB line), each input written to a temp dir and
+over the line limit; `--quick` leaves out the 200 MB line; `block_cases`: one message of 1,000 /
+10,000 / 100,000 tiny text blocks), each input written to a temp dir and
 run by a fresh `ctxreplay run --jobs 1` whose peak RSS is read with getrusage(RUSAGE_CHILDREN) in a
 wrapper process of its own; a table of case, largest line read (MB), peak RSS (MB), the bound
-(4x the largest line + BATCH_BUDGET_MB) and whether the peak is within it.
+(4x the largest line + BATCH_BUDGET_MB, + PER_BLOCK_KB per block of the block cases) and whether
+the peak is within it. The block cases end with the growth from 10,000 to 100,000 blocks against the
+growth from 1,000 to 10,000: about 10 when memory is linear in the blocks of one message, about 100
+when quadratic (each block held its own copy of the message's line: 388 MB at 1,000 blocks, 24 GB
+not enough at 100,000, before issue 23 item 5).
 
 With TREE: one run in this process, its resident memory sampled every 20 ms and kept as a peak per
 batch and phase (load, stages, replay, write: pipeline/core/crashpoints.py names them), with the
@@ -37,6 +42,9 @@ MB = 1024 * 1024
 # what one default batch (16 MiB of input) peaks at, Python, DuckDB and polars included: about 0.6 GB
 # on the 190 MB tree (docs/benchmarks.md); a case's bound is 4x its largest line read + this
 BATCH_BUDGET_MB = 640
+# what one more block of one message costs a run at most (block cases): its rows in the loader,
+# stages and replay, a few kB (5 kB measured from 30,000 to 100,000 blocks), never the line again
+PER_BLOCK_KB = 8
 
 
 @dataclass
@@ -49,9 +57,11 @@ class Case:
     make: Callable[[Path], None]
     read_mb: float | None = None
     args: list[str] = field(default_factory=list)
+    blocks: int = 0  # blocks in the one message of a block case
 
     def bound_mb(self, budget_mb: float = BATCH_BUDGET_MB) -> float:
-        return 4 * (self.line_mb if self.read_mb is None else self.read_mb) + budget_mb
+        return 4 * (self.line_mb if self.read_mb is None else self.read_mb) + budget_mb + \
+            self.blocks * PER_BLOCK_KB / 1024
 
 
 def tool_result_session(d: Path, mb: float, sid: str = "be000000-0000-4000-8000-000000000001") -> None:
@@ -86,6 +96,21 @@ def line_cases(quick: bool = False) -> list[Case]:
              if not (quick and mb == 200)]
     cases.append(Case("zeros 1 GB, no line break", 1024, lambda d: zeros_file(d, 1024), read_mb=0))
     return cases
+
+
+def blocks_session(d: Path, n: int) -> None:
+    """A Claude Code session whose user message is `n` blocks `{"type": "text", "text": "x"}`."""
+    from bench.sessiongen import BLOCKS_SESSION, many_blocks_lines
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{BLOCKS_SESSION}.jsonl").write_text("\n".join(many_blocks_lines(n)) + "\n")
+
+
+def block_cases() -> list[Case]:
+    """Issue 23, item 5: one user message of 1,000 / 10,000 / 100,000 tiny text blocks (a line of
+    31 bytes per block: 3 MB at 100,000)."""
+    return [Case(f"{n:,} blocks in one message", n * 31 / MB, lambda d, n=n: blocks_session(d, n), blocks=n)
+            for n in (1000, 10_000, 100_000)]
 
 
 def peak_rss(args: list[str]) -> tuple[float, int, str]:
@@ -144,7 +169,11 @@ def main() -> None:
     if a.tree is None:
         print(f"{'case':<32} {'line MB':>9} {'peak RSS MB':>12} {'bound MB':>9}  ok")
         rows = run_cases(line_cases(a.quick), a.keep)
-        sys.exit(0 if all(r["ok"] for r in rows) else 1)
+        blocks = run_cases(block_cases(), a.keep)
+        p = [float(r["peak_mb"]) for r in blocks]  # type: ignore[arg-type]
+        print(f"blocks: growth 10k->100k / growth 1k->10k = {(p[2] - p[1]) / max(p[1] - p[0], 1.0):.1f} "
+              f"(linear: about 10; quadratic: about 100)")
+        sys.exit(0 if all(r["ok"] for r in rows + blocks) else 1)
     tree(a)
 
 
