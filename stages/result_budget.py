@@ -23,7 +23,7 @@ from ctxreplay.pipeline.core.constants import TRUNCATION_MARKER_RE as MARKER_RE
 from ctxreplay.pipeline.stageapi.calls import materialize, visible_at
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
-from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, unchanged
+from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
 
 MARKER_FIXED_CHARS = 20  # "\n…" + " chars truncated…\n"; plus the digits of the count
@@ -262,14 +262,18 @@ def live_step(carry: None, new: LiveRows, p: ResultBudget, ctx: StageContext) ->
     return Live.quiet()
 
 
-def quiet_check(params: ResultBudget, ctx: StageContext) -> pl.Expr:
-    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): in every thread, the text of all tool
-    results together (every part, every version) is within the cap of one result and within
-    aggregate_max_chars, so no result and no turn's results are over."""
+def quiet_check(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -> pl.LazyFrame:
+    """Nothing to do (ctxreplay.pipeline.stageapi.quiet): every tool result within the cap, and the
+    results that first appear at one call within aggregate_max_chars, each counted with all its
+    parts and versions (a result's first version, and one assistant turn's results, are within
+    these). Then no result and no turn's results are over."""
     cap = max(1, min(params.max_result_chars, int(params.max_window_share * ctx.window_tokens * 4)))
-    limit = min(cap, params.aggregate_max_chars) if params.aggregate_max_chars > 0 else cap
-    chars = pl.when((pl.col("block_type") == "tool_result") & _has_text()).then(pl.col("text").str.len_chars())
-    return per_thread(chars.cast(pl.Int64).sum() <= limit)
+    rows = blocks.filter((pl.col("block_type") == "tool_result") & _has_text()).select(
+        *BLOCK_KEY, _c0=pl.col("first_call").min().over(BLOCK_KEY), _len=pl.col("text").str.len_chars().cast(pl.Int64))
+    ok = pl.col("_len").sum().over(BLOCK_KEY) <= cap
+    if params.aggregate_max_chars > 0:
+        ok = ok & (pl.col("_len").sum().over([*THREAD, "_c0"]) <= params.aggregate_max_chars)
+    return rows.select(_q=ok.fill_null(False).all())
 
 
 @stage("result_budget", version=1, params=ResultBudget, requires=("pairing",), frozen=("truncate", "spill"),
@@ -285,6 +289,6 @@ def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFra
     (reason `max_result_chars` or `aggregate`); the runner re-applies the ledger's decisions first
     (frozen), and a result already cut is never cut again.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):
+    if quiet(blocks, ledger, quiet_check(blocks, params, ctx)):
         return unchanged(blocks)
     return plan(blocks, params, ctx)

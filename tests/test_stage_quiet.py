@@ -203,23 +203,25 @@ def fanout(k: int, size: int) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("aggregate", [0, 1_000])
 def test_result_budget_cap_both_sides(aggregate: int) -> None:
-    blocks = make_blocks(fanout(4, 250))  # 1,000 characters of results in the thread, one turn
-    base = {"aggregate_max_chars": aggregate}
-    assert agrees("result_budget", blocks, {**base, "max_result_chars": 1_000 if not aggregate else 5_000}, CTX)
-    if aggregate:
-        assert not agrees("result_budget", blocks, {"aggregate_max_chars": 999, "max_result_chars": 5_000}, CTX)
+    blocks = make_blocks(fanout(4, 250))  # 4 results of 250 characters, one turn: 1,000 together
+    if not aggregate:
+        assert agrees("result_budget", blocks, {"aggregate_max_chars": 0, "max_result_chars": 250}, CTX)
+        assert not agrees("result_budget", blocks, {"aggregate_max_chars": 0, "max_result_chars": 249}, CTX)
+        _, dec = outputs("result_budget", blocks, {"aggregate_max_chars": 0, "max_result_chars": 200}, CTX)
+        assert set(dec["reason"]) == {"max_result_chars"}
+    else:
+        assert agrees("result_budget", blocks, {"aggregate_max_chars": aggregate, "max_result_chars": 5_000}, CTX)
+        assert not agrees("result_budget", blocks, {"aggregate_max_chars": aggregate - 1, "max_result_chars": 5_000}, CTX)
         _, dec = outputs("result_budget", blocks, {"aggregate_max_chars": 600, "max_result_chars": 5_000}, CTX)
         assert set(dec["reason"]) == {"aggregate"}
-    else:
-        assert not agrees("result_budget", blocks, {**base, "max_result_chars": 999}, CTX)
-        _, dec = outputs("result_budget", blocks, {**base, "max_result_chars": 200}, CTX)
-        assert set(dec["reason"]) == {"max_result_chars"}
 
 
-def test_result_budget_counts_each_thread_alone() -> None:
+def test_result_budget_counts_each_result_and_each_call_alone() -> None:
+    # two threads, two calls each, one 400-character result per call: 1,600 characters in all
     two = pl.concat([make_blocks(loops(2, size=400)), make_blocks(loops(2, size=400), thread_id="other")])
-    assert agrees("result_budget", two, {"max_result_chars": 800, "aggregate_max_chars": 0}, CTX)
-    assert not agrees("result_budget", two, {"max_result_chars": 799, "aggregate_max_chars": 0}, CTX)
+    assert agrees("result_budget", two, {"max_result_chars": 400, "aggregate_max_chars": 400}, CTX)
+    assert not agrees("result_budget", two, {"max_result_chars": 399, "aggregate_max_chars": 0}, CTX)
+    assert not agrees("result_budget", two, {"max_result_chars": 5_000, "aggregate_max_chars": 399}, CTX)
 
 
 def test_images_quiet_without_an_image_only() -> None:
