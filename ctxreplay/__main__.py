@@ -1,5 +1,7 @@
-"""`python -m ctxreplay`: the same command line as `ctxreplay`."""
+"""`python -m ctxreplay`: the same command line as `ctxreplay` (a quiet Ctrl-C at start-up first:
+ctxreplay/entry.py)."""
 
-from ctxreplay.pipeline.commands.cli import main
+from ctxreplay.entry import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -103,7 +103,7 @@ def test_its_version_and_entry_points(built: Built) -> None:
     meta = email.parser.Parser().parsestr(built.dist_info("METADATA"))
     assert (meta["Name"], meta["Version"]) == ("ctxreplay", __version__)
     eps = built.dist_info("entry_points.txt")
-    assert "ctxreplay = ctxreplay.pipeline.commands.cli:main" in eps
+    assert "ctxreplay = ctxreplay.entry:main" in eps  # quiet Ctrl-C at start-up, then the CLI
     assert "ctxreplay = ctxreplay.pipeline.regress.pytest_plugin" in eps
 
 

@@ -94,6 +94,8 @@ def _signals_raise() -> Any:
     import signal
     import threading
 
+    from ctxreplay.entry import quiet_sigint
+
     _SIGNALLED.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -108,10 +110,12 @@ def _signals_raise() -> Any:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         raise _Terminated()
 
+    # SIGINT's start-up handler (ctxreplay/entry.py: exit 130 at once) is replaced too: inside a
+    # command, Ctrl-C must unwind so that the command cleans up; it is put back afterwards
     old = {}
-    for sig, handler, default in ((signal.SIGINT, on_sigint, signal.default_int_handler),
-                                  (signal.SIGTERM, on_sigterm, signal.SIG_DFL)):
-        if signal.getsignal(sig) == default:
+    for sig, handler, defaults in ((signal.SIGINT, on_sigint, (signal.default_int_handler, quiet_sigint)),
+                                   (signal.SIGTERM, on_sigterm, (signal.SIG_DFL,))):
+        if signal.getsignal(sig) in defaults:
             old[sig] = signal.signal(sig, handler)
     try:
         yield

@@ -1,0 +1,54 @@
+"""The `ctxreplay` command's entry point (the console script and `python -m ctxreplay`).
+
+Ctrl-C at start-up (issue 23, item 8) exits quietly: before anything else is imported, SIGINT
+gets a handler that prints one line and exits 130. Importing click, polars and our modules takes a
+good part of a second on a busy machine, and the default handler would show the KeyboardInterrupt
+traceback of whatever import it fell in. This module imports only the standard library, and
+`ctxreplay/__init__.py` stays as light, so the window left is Python's own start-up (where SIGINT
+still has its system default and a Ctrl-C ends the process as killed by SIGINT, which a shell
+shows as 130 too).
+
+While a command runs the CLI replaces this handler by its own (Ctrl-C raises KeyboardInterrupt
+there, so that the command cleans up: workers stopped, staging removed, ledger rolled back, then
+130 with one paragraph) and puts it back when the command ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+INTERRUPTED = b"ctxreplay: interrupted\n"
+
+
+def quiet_sigint(signum: int, frame: Any) -> None:
+    """SIGINT outside a command (imports, parsing the command line, exiting): nothing of ours is
+    half-written there, so exit at once with 130 and one line, never a traceback. os._exit, not
+    SystemExit: a signal handler may run inside a `__del__` or a callback, where an exception would
+    be printed as `Exception ignored` with its traceback."""
+    try:  # what a command printed before is not lost (a reentrant flush fails: then it is)
+        sys.stdout.flush()
+    except BaseException:  # noqa: BLE001, S110 - nothing may escape a handler that is exiting the process
+        pass
+    try:
+        os.write(2, INTERRUPTED)
+    except OSError:
+        pass
+    os._exit(130)
+
+
+def install() -> None:
+    """SIGINT quiet, where it has Python's default handler (a shell's background job inherits it
+    ignored, and an embedding program may have its own: both are kept)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, quiet_sigint)
+
+
+def main() -> None:
+    """Quiet Ctrl-C first, then the real command line (pipeline/commands/cli.py)."""
+    install()
+    from ctxreplay.pipeline.commands.cli import main as cli_main
+
+    cli_main()
