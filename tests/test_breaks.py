@@ -185,3 +185,23 @@ def test_calls_without_usage_are_counted_apart_not_compared() -> None:
     assert (s["t"]["calls"], s["t"]["no_usage"], s["t"]["rec_breaks"], s["t"]["agreement"]) == (0, 1, 0, None)
     doc = breaks.sim_view(c, {})
     assert (doc["totals"]["calls"], doc["totals"]["no_usage"]) == (2, 2)
+
+
+@pytest.mark.parametrize(("model", "floor"), [("gpt-5.4", 1024), ("gemini-2.5-pro", 2048), ("qwen3.5-plus", 1024)])
+def test_automatic_caching_a_prompt_at_its_minimum_that_read_nothing_missed(model: str, floor: int) -> None:
+    """Writes are free (not reported) with automatic caching: a call that read nothing is a miss
+    when its prompt reached the model's minimum, and no break below it (it could not be cached)."""
+    def run(prompt: int) -> list[Any]:
+        f = frame([{"t": 0, "read": 0, "write": 0, "model": model}, {"t": 10, "read": 3000, "write": 0, "model": model},
+                   {"t": 20, "read": 0, "write": 0, "model": model}])
+        f = f.with_columns(recorded_input_tokens=pl.Series([4000, 500, prompt]))
+        return breaks.recorded_breaks(f).sort("call")["recorded_break_cause"].to_list()
+
+    assert run(floor) == [None, None, "best_effort"]
+    assert run(floor - 1) == [None, None, None]
+
+
+def test_anthropic_a_call_that_neither_read_nor_wrote_is_still_no_break() -> None:
+    f = frame([{"t": 0, "read": 17000, "write": 9000}, {"t": 10, "read": 0, "write": 0}])
+    f = f.with_columns(recorded_input_tokens=pl.Series([1, 30000]))
+    assert breaks.recorded_breaks(f).sort("call")["recorded_break_cause"].to_list() == [None, None]

@@ -633,3 +633,82 @@ def test_chain_power_tables_grow_for_long_requests(monkeypatch: pytest.MonkeyPat
     vec = _chain(st, ids, [(0, 2500)], 0, monkeypatch)
     assert len(cs._POWERS[0]) > 5000
     assert vec == _chain(st, ids, [(0, 2500)], 10**9, monkeypatch)
+
+
+# ------------------------------------------------------------------- exogenous breaks, replayed
+
+
+def _preamble_change(u0_tokens: int = 2000) -> Scenario:
+    """Call 1 recorded a read that stops inside the preamble (0 here): the system prompt or the tools
+    changed, which no message shows."""
+    s = Scenario()
+    s.msg("u0", u0_tokens)
+    s.msg("a0", 50)
+    s.msg("u1", 300)
+    s.msg("a1", 40)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1"]], [0, 10],
+             usage=[{"input": 3, "read": 0, "write": end(2000) - 3},
+                    {"input": 3, "read": 0, "write": end(2000, 50, 300) - 3}])
+    return s
+
+
+def test_a_recorded_preamble_change_breaks_the_simulation_at_that_call() -> None:
+    out = _preamble_change().run()
+    r = row(out, 1)
+    assert r["recorded_break_cause"] == "preamble"
+    assert r["sim_break_cause"] == "preamble" and r["sim_break_detail"].startswith("replayed: ")
+    assert r["sim_cache_read_tokens"] == 0
+    assert r["sim_cache_write_5m_tokens"] == r["calibrated_prompt_tokens"]
+    # the rules alone do not see it: the whole previous request is read
+    off = row(_preamble_change().run(Policy(replay_exogenous=False)), 1)
+    assert off["sim_break_cause"] is None and off["sim_cache_read_tokens"] == end(2000)
+
+
+@pytest.mark.parametrize("policy", [Policy(), Policy(ttl="1h"), Policy(breakpoints=("system", "last")),
+                                    Policy(strip_thinking=False)])
+def test_a_system_change_breaks_every_pipeline_at_the_same_call(policy: Policy) -> None:
+    # another pipeline sends other messages (a layer shortened the first one): the break stays at call 1
+    for s in (_preamble_change(), _preamble_change(u0_tokens=1500)):
+        r = row(s.run(policy), 1)
+        assert (r["sim_break_cause"], r["sim_cache_read_tokens"]) == ("preamble", 0)
+
+
+def test_a_best_effort_miss_is_replayed_as_the_recorded_share_of_the_prompt() -> None:
+    s = Scenario()
+    for name, tok in (("u0", 3000), ("a0", 50), ("u1", 300), ("a1", 40), ("u2", 20), ("a2", 30), ("u3", 10)):
+        s.msg(name, tok)
+    p1, p2 = end(3000, 50, 300), end(3000, 50, 300, 40, 20)
+    lists = [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "a1", "u2"], ["u0", "a0", "u1", "a1", "u2", "a2", "u3"]]
+    lists.append(lists[-1])
+    s.thread(SID, "main", lists, [0, 10, 20, 30], models="gpt-4o",
+             usage=[{"input": end(3000), "read": 0, "write": 0},
+                    {"input": p1 - 2944, "read": 2944, "write": 0},            # the whole first request
+                    {"input": p2 - p2 // 2, "read": p2 // 2, "write": 0},       # half: a miss
+                    {"input": 3500, "read": 0, "write": 0}])                    # nothing: a miss
+    out = s.run()
+    r2 = row(out, 2)
+    assert r2["recorded_break_cause"] == "best_effort" and r2["sim_break_cause"] == "best_effort"
+    # half of the prompt, in OpenAI's 128-token steps
+    assert r2["sim_cache_read_tokens"] == (r2["calibrated_prompt_tokens"] * (p2 // 2) // p2) // 128 * 128
+    r3 = row(out, 3)
+    assert r3["recorded_break_cause"] == "best_effort" and r3["sim_cache_read_tokens"] == 0
+    off = s.run(Policy(replay_exogenous=False))
+    assert row(off, 2)["sim_cache_read_tokens"] == p1 // 128 * 128
+    assert row(off, 3)["sim_cache_read_tokens"] == p2 // 128 * 128
+
+
+def test_after_an_idle_gap_a_preamble_the_recorded_read_covers_is_warm() -> None:
+    """Other sessions of the account (outside the data) keep the shared preamble warm: after a gap
+    past the TTL, the recorded read shows it, and the simulation reads it too."""
+    def run(read: int) -> dict[str, Any]:
+        s = Scenario()
+        s.msg("u0", 2000)
+        s.msg("a0", 50)
+        s.msg("u1", 300)
+        s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1"]], [0, 1000],
+                 usage=[{"input": 3, "read": 5000, "write": end(2000)}, {"input": 3, "read": read, "write": 100}],
+                 preamble=5000, shared_tokens=5000)
+        return row(s.run(), 1)
+
+    assert run(5000)["sim_cache_read_tokens"] == 5000
+    assert run(4999)["sim_cache_read_tokens"] == 0

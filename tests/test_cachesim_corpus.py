@@ -47,10 +47,10 @@ def test_per_call_agreement_and_what_explains_the_rest(calls: pl.DataFrame) -> N
     assert cl["agree"].mean() >= 0.996
     off = sorted((r["session_id"], r["thread_id"], r["call"], r["rec_class"], r["sim_class"])
                  for r in cl.filter(~pl.col("agree")).iter_rows(named=True))
+    # the two recorded preamble changes (S258 call 31: tool result + interruption + notification fell
+    # to the system prompt; SD6E call 2: `/mcp` changed it, only the usage shows it) are replayed
     assert off == [
-        (S258, "main", 31, "break", "hit"),      # tool result + interruption + notification: fell to the system prompt
         (S258, "main", 151, "hit", "break"),     # a new turn strips one thinking block: re-warmed outside the data
-        (SD6E, "main", 2, "break", "hit"),       # `/mcp` changed the system prompt (only the usage shows it)
     ]
 
 
@@ -58,15 +58,12 @@ def test_per_session_recorded_vs_simulated(calls: pl.DataFrame) -> None:
     s = {r["session_id"]: r for r in breaks.sessions(calls).to_dicts()}
     assert len(s) == 8
     for sid, r in s.items():
-        if sid == SD6E:
-            continue
         assert abs(r["read_diff"]) <= 0.01, (sid, r["read_diff"])
-        if sid != S258:
-            assert abs(r["write_diff"]) <= 0.03, (sid, r["write_diff"])
-            assert abs(r["cost_diff"]) <= 0.02, (sid, r["cost_diff"])
-    # the two sessions with a miss nothing in the transcript explains
-    assert -0.25 < s[S258]["write_diff"] < -0.20
-    assert -0.50 < s[SD6E]["write_diff"] < -0.40
+        assert abs(r["write_diff"]) <= 0.03, (sid, r["write_diff"])
+        assert abs(r["cost_diff"]) <= 0.02, (sid, r["cost_diff"])
+    # the two sessions with a preamble change nothing in the transcript explains: replayed, and
+    # without the replay the simulation misses their writes (-20 to -25 %, -40 to -50 %)
+    assert abs(s[S258]["write_diff"]) <= 0.01 and abs(s[SD6E]["write_diff"]) <= 0.01
     c = calls.filter(~pl.col("is_pending"))
     read = c["sim_cache_read_tokens"].sum() / c["recorded_cache_read_tokens"].sum() - 1
     cost = c["sim_cost_usd"].sum() / c["recorded_cost_usd"].sum() - 1
@@ -79,8 +76,10 @@ def test_every_recorded_break_is_attributed(calls: pl.DataFrame) -> None:
     assert rec == {"compaction": 4, "model_switch": 2, "preamble": 2, "thinking_strip": 3, "ttl_expiry": 2}
     assert by["recorded"]["unexplained_share"] == 0.0
     sim = {k: v["breaks"] for k, v in by["sim"].items() if isinstance(v, dict)}
-    assert sim == {"compaction": 4, "model_switch": 2, "thinking_strip": 4, "ttl_expiry": 2}
+    assert sim == {"compaction": 4, "model_switch": 2, "preamble": 2, "thinking_strip": 4, "ttl_expiry": 2}
     rows = breaks.break_rows(calls)
+    replayed = rows.filter((pl.col("source") == "sim") & (pl.col("cause") == "preamble"))
+    assert replayed.height == 2 and replayed["detail"].str.starts_with("replayed: ").all()
     ttl = rows.filter((pl.col("source") == "recorded") & (pl.col("cause") == "ttl_expiry"))
     assert sorted(ttl["detail"].str.extract(r"idle (\d+) s").cast(pl.Int64).to_list()) == [1150, 15076]
     # the breaks cost something, and never less than nothing

@@ -49,6 +49,7 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.pipeline.core.constants import TTL_1H_S, TTL_5M_S
+from ctxreplay.pipeline.cost.providers import OPENAI_MIN_TOKENS, min_cacheable_tokens, provider_of
 
 CAUSES = ("model_switch", "ttl_expiry", "compaction", "layer", "thinking_strip", "preamble", "eviction",
           "messages_change", "provider_miss", "best_effort", "lookback", "concurrent", "unexplained")
@@ -92,8 +93,17 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
     known = ~pl.col("is_pending") & pl.col("recorded_cache_read_tokens").is_not_null() \
         & pl.col("recorded_cache_write_tokens").is_not_null()
     # a call that neither read nor wrote (no breakpoint, below the minimum) is no break and leaves
-    # the prefix to compare with as it was
-    active = (pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0
+    # the prefix to compare with as it was; with automatic caching (not Anthropic: writes are free
+    # or not reported) a prompt of at least the model's minimum that read nothing missed
+    prompt = pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens") \
+        + pl.col("recorded_input_tokens").fill_null(0)
+    models = c.get_column("model").unique().to_list() if "model" in c.columns else []
+    floor = pl.col("model").replace_strict(
+        {m: min_cacheable_tokens(m, provider_of(m)) for m in models if m is not None},
+        default=OPENAI_MIN_TOKENS, return_dtype=pl.Int64)
+    automatic = ~pl.col("model").fill_null("").str.to_lowercase().str.contains("claude")
+    active = ((pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0) \
+        | (automatic & (prompt >= floor))
     r = r.filter(known & active).sort("thread_key", "call").with_columns(_rttl=_recorded_ttl())
     r = r.with_columns(_rttl=pl.col("_rttl").forward_fill().backward_fill().over("thread_key").fill_null(TTL_5M_S))
     prev = {

@@ -57,14 +57,21 @@ Rules per provider (`Policy` holds the knobs):
 
 The preamble a thread's first request read from other sessions' caches (its calibrated
 `shared_tokens`) is taken as warm at that request when no simulated request keeps it warm
-(`warm_shared`): it was written outside the data, by sessions of the account that are not in it.
+(`warm_shared`): it was written outside the data, by sessions of the account that are not in it;
+so is it at any later request whose recorded read covers it (after an idle gap past the TTL, the
+account's other sessions kept it warm).
+
+Breaks no context policy can cause (`EXOGENOUS`: a system prompt or tools change, an eviction, a
+provider's best-effort miss, ...) are replayed where the recorded usage shows them: the simulated
+request reads at most what the recorded one read (`Policy.replay_exogenous`). A model switch, an
+idle gap and a compaction the agent made happen at the same call under every pipeline by
+themselves (the calls' models, times and compaction segments are the recorded ones).
 """
 
 from __future__ import annotations
 
 import bisect
 import gc
-import re
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -84,50 +91,24 @@ from ctxreplay.pipeline.core.constants import (
     TTL_SECONDS,
 )
 from ctxreplay.pipeline.cost.calibrate import Calibration
+from ctxreplay.pipeline.cost.providers import (  # noqa: F401  (public here too)
+    OPENAI_MIN_TOKENS,
+    OPENAI_STEP,
+    OPENAI_WRITE_FEE,
+    min_cacheable_tokens,
+    provider_of,
+)
 
 NEVER = float("inf")
 
-# minimum cacheable prompt per model (cost-and-cache.md §2.1; where sources disagree, the larger
-# value, which real data supports: Sonnet 4.6 caching observed only from 2,048)
-_ANTHROPIC_MIN: list[tuple[re.Pattern[str], int]] = [
-    (re.compile(r"(?:opus|fable|mythos)-5(?!-\d)|(?:opus|fable|mythos)-5-[0-9]"), 512),
-    (re.compile(r"opus-4-[5-7]|haiku-4-5|haiku-4\.5|opus-4\.[5-7]"), 4096),
-    (re.compile(r"sonnet-4-6|sonnet-4\.6|haiku-3|3-haiku|3-5-haiku"), 2048),
-]
-_GEMINI_MIN: list[tuple[re.Pattern[str], int]] = [(re.compile(r"gemini-2\.5"), 2048)]
-OPENAI_MIN_TOKENS = 1024
-OPENAI_STEP = 128
-_OPENAI_WRITE_FEE = re.compile(r"gpt-(?:5\.(?:[6-9]|\d\d)|[6-9])")
-
-
-def provider_of(model: str | None) -> str | None:
-    """anthropic / openai / gemini from a model id (None: unknown)."""
-    m = (model or "").lower()
-    if "claude" in m or m.startswith("anthropic"):
-        return "anthropic"
-    if re.search(r"(?:^|/)(?:gpt|o\d|chatgpt|codex)", m):
-        return "openai"
-    if "gemini" in m:
-        return "gemini"
-    return None
-
-
-def min_cacheable_tokens(model: str | None, provider: str | None) -> int:
-    """The model's minimum cacheable prompt (Anthropic per model, default 1,024; OpenAI 1,024;
-    Gemini 2,048 for 2.5, else 4,096)."""
-    m = (model or "").lower()
-    if provider == "anthropic":
-        for pat, n in _ANTHROPIC_MIN:
-            if pat.search(m):
-                return n
-        return 1024
-    if provider == "gemini":
-        for pat, n in _GEMINI_MIN:
-            if pat.search(m):
-                return n
-        return 4096
-    return OPENAI_MIN_TOKENS
-
+# recorded break causes (pipeline/cost/breaks.py) that no context policy can cause or prevent: a
+# system prompt or tools change, the provider dropping the previous request's entry, a
+# best-effort miss of automatic caching, the server's miss of a request it could not compare, a
+# change of the messages the agent made outside the transcript, a break nothing explains. The
+# simulator replays them (`Policy.replay_exogenous`); a model switch, an idle gap past the TTL and a
+# compaction the agent made are exogenous too but simulated as they happened (the model, the
+# timestamps and the compaction segments are the same under every pipeline).
+EXOGENOUS = ("preamble", "eviction", "best_effort", "provider_miss", "messages_change", "unexplained")
 
 @dataclass(frozen=True)
 class Policy:
@@ -149,6 +130,10 @@ class Policy:
     sessions; a callable is not allowed (the policy must stay hashable and printable)."""
     openai_ttl_s: float = TTL_5M_S
     gemini_ttl_s: float = TTL_5M_S
+    replay_exogenous: bool = True
+    """Replay, at the call where the recorded usage shows it, each cache break no context policy
+    can cause (`EXOGENOUS`): the simulated request reads at most what the recorded one read.
+    False: every break is simulated (the rules alone, as before issue 20)."""
 
     def __post_init__(self) -> None:
         if self.ttl not in ("recorded", "5m", "1h"):
@@ -568,13 +553,16 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
         _ta=pl.col("answer_timestamp").dt.epoch("ms").cast(pl.Float64) / 1000.0,
     ).with_columns(_t=pl.col("_t").forward_fill().backward_fill().over("thread_key").fill_null(0.0))
     c = c.with_columns(_t=pl.col("_t").cum_max().over("thread_key", order_by="call"))
+    c = brk.recorded_breaks(c)         # before the walk: the exogenous breaks it replays
+    c = c.with_columns(**_exogenous(policy))
     todo = c.filter(~pl.col("is_pending")).sort("_t", "session_id", "thread_id", "call")
     decisions_by = _decisions_by_thread(decisions)
     walks: dict[str, _Walk] = {}
     out: dict[tuple[str, int], tuple[Any, ...]] = {}
     cols = _Columns(store, state.gid_map(store, aliases))
     fields = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
-            "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking"]
+            "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking",
+            "_exo", "_exo_read", "_exo_frac"]
     was = gc.isenabled()
     gc.disable()      # the walk allocates many small long-lived objects: no cyclic GC rescans
     try:
@@ -598,12 +586,24 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
                 "sim_input_tokens": pl.Int64, "sim_prompt": pl.Int64, "sim_break_cause": pl.String,
                 "sim_break_detail": pl.String, "sim_break_tokens": pl.Int64}, orient="row")
     c = c.join(sim, on=["thread_key", "call"], how="left")
-    c = brk.recorded_breaks(c)
     c = _price(c, prices)
     c = _summary_requests(c, decisions, prices)
     result = c.sort("_row").select(*calls.columns, *SIM_COLUMNS)   # the input's row order
     summary = brk.summary(result, cal, policy, prices)
     return SimResult(result, summary)
+
+
+def _exogenous(policy: Policy) -> dict[str, pl.Expr]:
+    """Per call, the exogenous break to replay (`_exo`: its recorded cause, null for none) and what
+    the recorded request read: tokens (`_exo_read`) and the share of its prompt (`_exo_frac`)."""
+    from ctxreplay.pipeline.cost.calibrate import recorded_write
+
+    read = pl.col("recorded_cache_read_tokens").fill_null(0)
+    prompt = read + recorded_write().fill_null(0) + pl.col("recorded_input_tokens").fill_null(0)
+    on = pl.col("recorded_break_cause").is_in(list(EXOGENOUS)) if policy.replay_exogenous else pl.lit(False)
+    return {"_exo": pl.when(on).then(pl.col("recorded_break_cause")),
+            "_exo_read": read.cast(pl.Float64),
+            "_exo_frac": pl.when(prompt > 0).then(read.cast(pl.Float64) / prompt).otherwise(0.0)}
 
 
 def summary_requests(decisions: pl.DataFrame | None) -> pl.DataFrame:
@@ -822,7 +822,7 @@ def _extend_chain(w: _Walk, v: int, n: int, horizon: int, cols: _Columns) -> Non
 def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Columns, state: CacheState,
                    policy: Policy, decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
     (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment,
-     strips) = row
+     strips, exo, exo_read, exo_frac) = row
     model = model or ""
     first_changed, old_id, env_changed = w.advance(k)
     provider = provider_of(model)
@@ -865,7 +865,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
               REQUEST_OVERHEAD_TOKENS + (store.tok[w.env] if w.env >= 0 else 0),
               state.cache("all" if policy.scope == "all" else session, model), min_cacheable_tokens(model, provider),
               TTL_SECONDS[ttl_name] if anthropic else (
-                  policy.openai_ttl_s if provider == "openai" else policy.gemini_ttl_s))
+                  policy.openai_ttl_s if provider == "openai" else policy.gemini_ttl_s), float(exo_read or 0))
     prompt = c.pos(n - 1)
     tail = float(tail or 0) if anthropic else 0.0
     prev = w.prev
@@ -878,6 +878,15 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
         read, write_end = _read_automatic(c, provider, model, *parts, prompt,
                                           min(first_changed, change if change is not None else n))
 
+    replayed = None
+    if exo is not None and provider is not None:
+        # an exogenous break (EXOGENOUS): read at most what the recorded request read; a preamble
+        # change keeps the preamble's recorded tokens, any other the recorded share of the prompt
+        cap = exo_read if exo == "preamble" else prompt * exo_frac
+        if provider == "openai":
+            cap = float(int(cap) // OPENAI_STEP * OPENAI_STEP)
+        if read > cap:
+            read, replayed = cap, exo
     read_i = round(read)
     prompt_i = round(prompt)
     write_i = max(round(write_end) - read_i, 0)
@@ -885,7 +894,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
         cached_end = int(write_end) // OPENAI_STEP * OPENAI_STEP if write_end >= c.mn else 0
     else:
         cached_end = round(write_end)        # what a later request may read of this one
-    if provider == "openai" and not _OPENAI_WRITE_FEE.search(model.lower()):
+    if provider == "openai" and not OPENAI_WRITE_FEE.search(model.lower()):
         write_i = 0            # writes are free before GPT-5.6: the uncached prefix is plain input
     if provider == "gemini":
         write_i = 0
@@ -906,6 +915,11 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
             btok = max(min(expected, cached_end) - read_i, 0)   # cached again, at most what this one caches
             cause, detail = _sim_cause(w, prev, model, t, n, change, strip_first, segment, decs, k, c.cache,
                                        policy, store, old_id, first_changed, env_changed)
+            if replayed is not None:
+                also = [x for x in (cause,) if x != "unexplained" and x != replayed]
+                cause, detail = replayed, "; ".join(
+                    [f"replayed: the recorded request read {round(exo_read):,} tokens"]
+                    + ([f"also {', '.join(also)}"] if also else []))
     if cached_end == 0 and provider is not None and prev is not None:
         return read_i, w5, w1, input_i, prompt_i, cause, detail, btok   # uncached: the prefix to compare stays
     w.prev = {"model": model, "cached": cached_end, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
@@ -957,6 +971,7 @@ class _Call:
     cache: dict[int, list[float]]
     mn: int
     ttl_s: float
+    rec_read: float = 0.0        # what the recorded request read (0: not recorded)
 
     def pos(self, i: int) -> float:
         """The calibrated token position of the end of message i (-1: the preamble's end)."""
@@ -979,8 +994,10 @@ def _read_anthropic(c: _Call, policy: Policy, store: SimStore, ext: tuple[int, i
     bps: list[tuple[int, float]] = []           # (node, position) of the cacheable breakpoints
     node_a, p_a = shared
     if "shared" in policy.breakpoints and p_a >= mn and p_a > 0:
-        if policy.warm_shared and w.prev is None and not c.alive(node_a):
-            cache[node_a] = [t + c.ttl_s, -NEVER]  # warm from sessions outside the data
+        if policy.warm_shared and (w.prev is None or c.rec_read >= p_a) and not c.alive(node_a):
+            # warm from sessions outside the data: at the thread's first request, and wherever the
+            # recorded request read at least the shared preamble (after an idle gap, say)
+            cache[node_a] = [t + c.ttl_s, -NEVER]
         bps.append(shared)
     if "system" in policy.breakpoints and system[1] >= mn and system[1] > p_a:
         bps.append(system)

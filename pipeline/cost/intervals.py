@@ -32,7 +32,7 @@ import math
 from collections.abc import Mapping
 
 COVERAGE = 0.9
-DEFAULT_Q = 0.27
+DEFAULT_Q = 0.18
 """|ε| quantile used when a comparison has fewer than 9 other sessions with usage: the bench's
 leave-one-session-out conformal quantile over the real sessions it reads (docs/cache-simulation.md)."""
 
