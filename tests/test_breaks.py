@@ -205,3 +205,13 @@ def test_anthropic_a_call_that_neither_read_nor_wrote_is_still_no_break() -> Non
     f = frame([{"t": 0, "read": 17000, "write": 9000}, {"t": 10, "read": 0, "write": 0}])
     f = f.with_columns(recorded_input_tokens=pl.Series([1, 30000]))
     assert breaks.recorded_breaks(f).sort("call")["recorded_break_cause"].to_list() == [None, None]
+
+
+@pytest.mark.parametrize(("keeps", "cause"), [(None, "thinking_strip"), (True, "thinking_strip"), (False, "preamble")])
+def test_a_thread_that_keeps_its_thinking_has_no_thinking_strip(keeps: bool | None, cause: str) -> None:
+    """A new turn after thinking is a strip only where the thread strips (the calibration's
+    `strips_thinking`; unknown: it may); otherwise the next cause that holds names the break."""
+    f = frame([{"t": 0, "read": 17000, "write": 9000}, {"t": 10, "read": 7000, "write": 20000, "strip": True}])
+    if keeps is not None:
+        f = f.with_columns(strips_thinking=pl.lit(keeps))
+    assert breaks.recorded_breaks(f).sort("call")["recorded_break_cause"].to_list() == [None, cause]

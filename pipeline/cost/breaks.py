@@ -16,7 +16,8 @@ holds, in this order:
 - `compaction`: a recorded compaction replaced the history (a new compaction segment starts here);
 - `thinking_strip`: a user message that is not only tool results arrives while the turn before it
   holds thinking blocks: with extended thinking Anthropic strips them from the context, which
-  changes the prefix from the first of them on (a documented provider rule; Anthropic models only);
+  changes the prefix from the first of them on (a documented provider rule; Anthropic models only;
+  not in a thread the calibration found keeps its thinking, `strips_thinking` false);
 - `preamble`: nothing above, and the read stops inside the preamble (before the first recorded
   message): the system prompt or the tools changed, which only the usage shows (Anthropic);
 - `eviction`: a step of the tool loop (no new user turn: the request only appends the answer and
@@ -130,7 +131,10 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
         ("compaction", pl.col("segment") != pl.col("_p_seg"), pl.lit(None, pl.String)),
         # Anthropic's extended-thinking rule (Gemini CLI leaves every thought out of its history: a
         # new turn changes no prefix there)
-        ("thinking_strip", pl.col("recorded_strip").fill_null(False) & anthropic, pl.lit(None, pl.String)),
+        # (not in a thread whose calibration found that its new turns keep the cache: it keeps its
+        # thinking, pipeline/cost/calibrate.py `strips_thinking`)
+        ("thinking_strip", pl.col("recorded_strip").fill_null(False) & anthropic
+         & _col(c, "strips_thinking", pl.Boolean).fill_null(True), pl.lit(None, pl.String)),
         ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,
          pl.format("read {} <= preamble {}", read, pl.col("preamble_tokens"))),
         # a step of the tool loop only appends to the previous request; reading exactly what that
