@@ -712,3 +712,20 @@ def test_after_an_idle_gap_a_preamble_the_recorded_read_covers_is_warm() -> None
 
     assert run(5000)["sim_cache_read_tokens"] == 5000
     assert run(4999)["sim_cache_read_tokens"] == 0
+
+
+@pytest.mark.parametrize(("summarised", "broken"), [("u1", False), ("u1x", True)])
+def test_a_compaction_agents_first_request_is_compared_with_its_main_threads_last(summarised: str,
+                                                                                   broken: bool) -> None:
+    """Claude Code's compaction agent (`agent-acompact-*`) sends the main thread's history plus its
+    prompt after the main thread's last request: a history a layer changed there is a break."""
+    s = Scenario()
+    for name, tok in (("u0", 3000), ("a0", 50), ("u1", 300), ("u1x", 200), ("p", 40)):
+        s.msg(name, tok)
+    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1"]], [0, 10])
+    key = s.thread(SID, "agent-acompact-1", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", summarised, "p"],
+                                             ["u0", "a0", summarised, "p"]], [0, 10, 20])
+    s.rows = [r for r in s.rows if not (r["thread_key"] == key and r["call"] < 2)]   # inherited calls
+    r = row(s.run(), 2, key)
+    assert (r["sim_break_cause"] is not None) == broken
+    assert r["sim_cache_read_tokens"] == (end(3000) if broken else end(3000, 50, 300))

@@ -575,6 +575,13 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
                     raise SimError(f"thread '{key}' is in the calls but not in the request store; the run's "
                                    f"outputs do not belong together: run again")
                 w = walks[key] = _Walk(key, ev)
+                parent = walks.get(row[13]) if "--agent-acompact" in key else None
+                if (parent is not None and parent.prev is not None and parent.prev["call"] < row[2]
+                        and parent.prev["model"] == (row[3] or "")):
+                    # a compaction agent's first request is its main thread's history plus the
+                    # summarising prompt, sent after the main thread's last request (of its model):
+                    # it is compared with what that request cached
+                    w.prev = dict(parent.prev)
             out[(key, row[2])] = _simulate_call(w, row, store, cols, state, policy, decisions_by.get(key))
     finally:
         if was:
