@@ -156,8 +156,14 @@ def _load_recorded(view: RunView, ref: ThreadRef, final: pl.DataFrame, pending: 
     mine = loaded.filter((pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)
                          & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call"))))
     # the same transcript: the same number of calls, and every block the run kept from it is there
-    kept = final.filter(pl.col("origin") == "transcript").select(*KEY, "raw_line").unique()
-    lost = kept.join(mine.select(*KEY, "raw_line").unique(), on=[*KEY, "raw_line"], how="anti")
+    kept = final.filter(pl.col("origin") == "transcript")
+    lost = kept.select(KEY).unique().join(mine.select(KEY).unique(), on=KEY, how="anti")
+    # each line's text compared once, not once per block (a message of N blocks repeats its line N
+    # times: hashing it per block was quadratic, issue 23 item 5); a line is one entry's, in one place
+    line, text = ["entry_id", "source_file", "source_line"], ["entry_id", "raw_line"]
+    texts = [f.unique(subset=line).select(text).unique() for f in (kept, mine)]
+    changed = texts[0].join(texts[1], on=text, how="anti").select("entry_id")
+    lost = pl.concat([lost, kept.join(changed, on="entry_id", how="semi").select(KEY)]).unique()
     now = counts.get((ref.session_id, ref.thread_id))
     if now != pending or lost.height:
         what = (f"it now has {now} calls before the pending one, the run had {pending}" if now != pending
@@ -178,7 +184,7 @@ def identity_request(rec: Recorded, ref: ThreadRef, call: int, target_name: str)
                          {(ref.session_id, ref.thread_id): rec.counts[(ref.session_id, ref.thread_id)]})
     calls = infos.get((ref.session_id, ref.thread_id), [])
     ((_, part),) = list(thread_rows(rec.blocks))
-    rows = part.to_dicts()
+    rows = part.drop("raw_line").to_dicts()  # not the line per block (issue 23, item 5)
     for res in replay_thread(rows, [0] * len(rows), calls, get_target(target_name),
                              materialize=lambda k, p: k == call):
         if res.call == call:
@@ -448,8 +454,9 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
             (pl.col("session_id") == ref.session_id) & (pl.col("thread_id") == ref.thread_id)).collect(engine=POLARS_ENGINE)
     final = view.memo[("final", ref.key)]
     rec = load_recorded(view, ref, final, pending)
-    fin_rows = _visible(final, k).to_dicts()
-    rec_rows = _visible(rec.blocks, k).to_dicts()
+    # rows as dicts without their raw line: a message of N blocks would give N copies of it
+    fin_rows = _visible(final, k).drop("raw_line").to_dicts()
+    rec_rows = _visible(rec.blocks, k).drop("raw_line").to_dicts()
     fin_by = {_key(r): r for r in fin_rows}
     rec_by = {_key(r): r for r in rec_rows}
     if len(fin_by) != len(fin_rows) or len(rec_by) != len(rec_rows):
