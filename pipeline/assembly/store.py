@@ -286,7 +286,7 @@ def _in_other_target(run: Path, key: str, k: int, target_name: str) -> bytes:
     n = int(calls.filter(pl.col("is_pending"))["call"].max() or 0)  # type: ignore[arg-type]
     infos = [CallInfo(c, models.get(c), reported=c in models) for c in range(n)]
     (_, part), = list(thread_rows(blocks))
-    rows = part.to_dicts()
+    rows = part.drop("raw_line").to_dicts()  # not a message's line once per block (issue 23, item 5)
     for res in replay_thread(rows, [0] * len(rows), infos, target, materialize=lambda kk, p: kk == k):
         if res.call == k:
             assert res.request_json is not None
