@@ -203,7 +203,7 @@ def test_every_builtin_rule_has_a_property_test() -> None:
 
 
 @pytest.mark.parametrize("stage", sorted(STAGE_SPECS))
-@settings(max_examples=examples(3), deadline=None,
+@settings(max_examples=examples(1), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(lines=sessions())
 @example(lines=rich_session())
@@ -260,7 +260,8 @@ def test_corpus_cut_at_every_call(preset: str, corpus: Path, tmp_path: Path) -> 
         quiet, bad = walk(lines, load_spec(preset=preset), tmp_path / str(i), _session_id(lines))
         assert not bad, f"{path.name} under {preset}:\n" + "\n".join(bad)
         asked.update(quiet)
-    assert sum(asked.values()), "no live step was asked on the corpus files"
+    if load_spec(preset=preset).stages:  # (identity has no stage: nothing to ask)
+        assert sum(asked.values()), "no live step was asked on the corpus files"
 
 
 def _both_sides(work: Path, stage: str) -> tuple[int, int]:
