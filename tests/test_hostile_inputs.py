@@ -463,9 +463,15 @@ def test_a_large_single_line_loads(tmp_path: Path) -> None:
 def test_a_100mb_single_line_loads_with_sane_memory(tmp_path: Path) -> None:
     import resource
 
+    from ctxreplay.pipeline.loaders.inputs import MAX_LINE_BYTES
+
     p = _huge(tmp_path, 100)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    res = load_paths([p])
+    token = MAX_LINE_BYTES.set(128 << 20)  # over the default limit (64 MiB): read it (--max-line-bytes 128M)
+    try:
+        res = load_paths([p])
+    finally:
+        MAX_LINE_BYTES.reset(token)
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert _blocks(res)["text"].str.len_bytes().max() == 100 * 1024 * 1024
     assert grown_mb < 100 * 8  # a few copies of the line (bytes, text, parsed value, Arrow), not more
