@@ -7,7 +7,7 @@ truth. The interval half-width `q` is a split-conformal quantile of `|ε|` over 
 with n residuals sorted ascending, `q` is the ⌈(n + 1) × 0.9⌉-th; under exchangeability (the
 session is like the others) `|ε_s| ≤ q` holds with probability ≥ 90 %, whatever the residuals'
 distribution. With fewer than 9 other sessions that index is past n and `DEFAULT_Q` is used: the
-same quantile measured leave-one-session-out on the 35 real sessions the bench reads
+same quantile measured leave-one-session-out on the 34 real sessions the bench reads
 (`bench/bench_cachesim.py`).
 
 How the intervals read on `compare`'s figures:
