@@ -181,3 +181,40 @@ def test_the_entry_point_imports_only_the_standard_library() -> None:
     others = [m for m in new if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "ctxreplay"]
     assert not others, others
     assert not [m for m in new if m.startswith("ctxreplay.pipeline")], new
+
+
+def test_ctrl_c_during_an_import_inside_a_command_waits_for_the_import(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt raised inside an import can land in a native module's initialisation
+    (DuckDB's, imported lazily by a loader: bench/bench_signals.py saw SIGABRT and a traceback), so
+    a command's handler lets the import finish, then interrupts: the module here is imported whole
+    (before, the Ctrl-C cut its body short), and the command still ends as interrupted (130)."""
+    from click.testing import CliRunner
+
+    from ctxreplay.pipeline.commands.cli import main
+
+    name = "ctxreplay_sigint_probe_module"
+    (tmp_path / f"{name}.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                         "for _ in range(20):\n    time.sleep(0.005)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+
+    @main.command("probe-import", hidden=True)
+    def probe() -> None:
+        import importlib
+
+        mod = importlib.import_module(name)
+        seen.append(f"imported whole: {getattr(mod, 'DONE', False)}")
+        time.sleep(5)  # the Ctrl-C comes here
+        seen.append("not interrupted")
+
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        r = CliRunner().invoke(main, ["probe-import"])
+    finally:
+        main.commands.pop("probe-import", None)
+        sys.modules.pop(name, None)
+        signal.signal(signal.SIGINT, old)
+    assert seen == ["imported whole: True"], seen
+    assert r.exit_code == 130 and "interrupted" in r.output and "Traceback" not in r.output, r.output

@@ -93,6 +93,7 @@ def _signals_raise() -> Any:
     BrokenProcessPool, a polars panic) still ends as the interruption it is, not an internal error."""
     import signal
     import threading
+    import time
 
     from ctxreplay.entry import quiet_sigint
 
@@ -101,11 +102,42 @@ def _signals_raise() -> Any:
         yield
         return
 
+    def importing(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+                return True
+            frame = frame.f_back
+        return False
+
+    def later(signum: int) -> None:
+        """The signal again in a moment. An exception raised inside an import can land in a native
+        module's initialisation (DuckDB's, imported lazily by a loader), which then aborts the
+        process (SIGABRT) instead of unwinding; so the signal waits until no import is under way."""
+        t = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+        t.daemon = True
+        t.start()
+
+    deferred: dict[int, float] = {}
+
+    def defer(signum: int, frame: Any) -> bool:
+        if not importing(frame):
+            deferred.pop(signum, None)
+            return False
+        first = deferred.setdefault(signum, time.monotonic())
+        if time.monotonic() - first > 5.0:  # an import that does not end: interrupt it all the same
+            return False
+        later(signum)
+        return True
+
     def on_sigint(signum: int, frame: Any) -> None:
+        if defer(signum, frame):
+            return
         _SIGNALLED.append(signum)
         signal.default_int_handler(signum, frame)
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        if defer(signum, frame):
+            return
         _SIGNALLED.append(signum)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         raise _Terminated()
