@@ -41,6 +41,7 @@ import io
 import logging
 import os
 import pickle
+import signal
 import socket
 import traceback
 import warnings
@@ -237,7 +238,8 @@ class _BatchWorker:
         # driver's directory; outputs name them so (source_file), hence no rewriting to absolute
         with contextlib.suppress(OSError):  # not there: _check_visible names the missing path
             os.chdir(cwd)
-        workers._init(ray.get(state[0]))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver handles Ctrl-C, as a --jobs worker's parent
+        workers.init(ray.get(state[0]))
 
     def __call__(self, batch: Any) -> Any:
         import pyarrow as pa

@@ -17,22 +17,21 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 import polars as pl
 
+from ctxreplay.pipeline.batch import workerboot
 from ctxreplay.pipeline.batch.batches import Group
 from ctxreplay.pipeline.batch.batchrun import BatchCounter, BatchResult, Env, run_batch
 from ctxreplay.pipeline.loaders.inputs import MAX_LINE_BYTES
 
 Job = tuple[int, list[Group]]
 
-_ENV: Env | None = None  # a worker's Env (see _init)
+_ENV: Env | None = None  # a worker's Env (see init)
 
 
 def default_jobs() -> int:
@@ -60,7 +59,7 @@ class SnapshotCache:
 def _sigint_blocked() -> Iterator[None]:
     """SIGINT held back in this thread while workers are spawned (issue 23, item 8): a spawned
     process inherits the signal mask, so a Ctrl-C during its start-up (importing, unpickling its
-    state) stays pending there until `_init` ignores it, instead of a KeyboardInterrupt traceback.
+    state) stays pending there until `workerboot.boot` ignores it, instead of a KeyboardInterrupt traceback.
     Here, the Ctrl-C is delivered when the mask is restored: it is deferred, not lost."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         yield
@@ -72,43 +71,10 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker exits when the process that started it dies (killed with SIGKILL, or by the OOM
-    killer: it can clean nothing up). On Linux the kernel kills it (prctl PR_SET_PDEATHSIG; the
-    workers are spawned from the parent's main thread, which lives as long as the parent); elsewhere
-    a thread checks once a second whether its parent changed. Either way a parent already gone by
-    now is noticed at once."""
-    done = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            done = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
-    if os.getppid() != parent:
-        os._exit(1)
-    if not done:
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="ctxreplay-parent-watch", daemon=True).start()
-
-
-def _init(state: tuple[Any, ...], parent: int | None = None) -> None:
-    """A worker starts (spawned: no thread pool of the parent's is inherited): its Env. Ctrl-C is
-    the parent's to handle (it reaches the whole process group: a worker that took it would print
-    a KeyboardInterrupt traceback, or die and break the pool); the worker exits with its parent."""
+def init(state: tuple[Any, ...]) -> None:
+    """A worker's Env, from the state the parent handed it (called by workerboot.boot, once the
+    worker ignores Ctrl-C and dies with its parent)."""
     global _ENV
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also drops one pending since the spawn
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    if parent is not None:
-        _die_with_parent(parent)
     spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens, max_line = state
     MAX_LINE_BYTES.set(max_line)  # the command's --max-line-bytes (a context variable does not cross processes)
 
@@ -155,7 +121,10 @@ def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterat
             yield run_batch(index, groups, env)
         return
     ctx = multiprocessing.get_context("spawn")
-    ex = ProcessPoolExecutor(min(n_jobs, len(jobs)), mp_context=ctx, initializer=_init, initargs=(state, os.getpid()))
+    # the state goes pickled: unpickling it imports the heavy modules, which the worker does only
+    # after workerboot has bound it to this process (a parent killed meanwhile takes it along)
+    ex = ProcessPoolExecutor(min(n_jobs, len(jobs)), mp_context=ctx, initializer=workerboot.boot,
+                             initargs=(f"{__name__}:init", pickle.dumps(state), os.getpid()))
     finished = False
     try:
         pending: list[Future[Any]] = []
