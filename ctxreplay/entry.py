@@ -21,22 +21,30 @@ import sys
 from typing import Any
 
 INTERRUPTED = b"ctxreplay: interrupted\n"
+TERMINATED = b"ctxreplay: terminated (SIGTERM)\n"
 
 
-def quiet_sigint(signum: int, frame: Any) -> None:
-    """SIGINT outside a command (imports, parsing the command line, exiting): nothing of ours is
-    half-written there, so exit at once with 130 and one line, never a traceback. os._exit, not
-    SystemExit: a signal handler may run inside a `__del__` or a callback, where an exception would
-    be printed as `Exception ignored` with its traceback."""
+def exit_at_once(signum: int) -> None:
+    """End the process now for SIGINT (130) or SIGTERM (143) with one line, never a traceback.
+    os._exit, not SystemExit: a signal handler may run inside a `__del__` or a weakref callback
+    (importlib's module-lock callback among them), where an exception would be printed as
+    `Exception ignored` with its traceback and then swallowed, the command going on."""
     try:  # what a command printed before is not lost (a reentrant flush fails: then it is)
         sys.stdout.flush()
     except BaseException:  # noqa: BLE001, S110 - nothing may escape a handler that is exiting the process
         pass
+    term = signum == signal.SIGTERM
     try:
-        os.write(2, INTERRUPTED)
+        os.write(2, TERMINATED if term else INTERRUPTED)
     except OSError:
         pass
-    os._exit(130)
+    os._exit(143 if term else 130)
+
+
+def quiet_sigint(signum: int, frame: Any) -> None:
+    """SIGINT outside a command (imports, parsing the command line, exiting): nothing of ours is
+    half-written there, so exit at once with 130 and one line."""
+    exit_at_once(signum)
 
 
 def install() -> None:

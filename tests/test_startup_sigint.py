@@ -223,3 +223,28 @@ def test_ctrl_c_during_an_import_inside_a_command_waits_for_the_import(tmp_path:
         signal.signal(signal.SIGINT, old)
     assert seen == ["imported whole: True"], seen
     assert r.exit_code == 130 and "interrupted" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_ctrl_c_during_imports_that_outlast_the_wait_exits_130_at_once(tmp_path: Path) -> None:
+    """An import under way for longer than the wait (IMPORT_WAIT_S; on a busy machine, imports one
+    after another for seconds): the signal is not raised inside the import (where importlib's
+    weakref callback swallowed it as `Exception ignored`, printed its traceback, and the command
+    went on to exit 0): the process ends at once, 130 and one line. The wait, shortened to 0.3 s,
+    is passed by an import that takes 3 s; the Ctrl-C comes from the import itself."""
+    (tmp_path / "slow_probe_module.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+        "for _ in range(300):\n    time.sleep(0.01)\n")
+    code = ("import sys, time\nfrom ctxreplay import entry\nentry.install()\n"
+            "from ctxreplay.pipeline.commands import cli\ncli.IMPORT_WAIT_S = 0.3\n"
+            "@cli.main.command('probe-slow-import', hidden=True)\n"
+            "def probe():\n    import slow_probe_module\n    print('imported whole', flush=True)\n"
+            "    time.sleep(3)\n    print('not interrupted', flush=True)\n"
+            "sys.argv = ['ctxreplay', 'probe-slow-import']\ncli.main()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 130, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and r.stderr.strip().splitlines() == ["ctxreplay: interrupted"], r.stderr
+    assert "not interrupted" not in r.stdout and "imported whole" not in r.stdout, r.stdout
+    assert took < 60, took

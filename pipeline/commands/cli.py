@@ -83,6 +83,7 @@ class _Terminated(KeyboardInterrupt):
 
 
 _SIGNALLED: list[int] = []  # the signals (SIGINT, SIGTERM) this command received
+IMPORT_WAIT_S = 5.0  # how long Ctrl-C / SIGTERM waits for imports under way to end (_signals_raise)
 
 
 @contextlib.contextmanager
@@ -95,7 +96,7 @@ def _signals_raise() -> Any:
     import threading
     import time
 
-    from ctxreplay.entry import quiet_sigint
+    from ctxreplay.entry import exit_at_once, quiet_sigint
 
     _SIGNALLED.clear()
     if threading.current_thread() is not threading.main_thread():
@@ -124,8 +125,14 @@ def _signals_raise() -> Any:
             deferred.pop(signum, None)
             return False
         first = deferred.setdefault(signum, time.monotonic())
-        if time.monotonic() - first > 5.0:  # an import that does not end: interrupt it all the same
-            return False
+        if time.monotonic() - first > IMPORT_WAIT_S:
+            # imports for 5 s each time the signal came back (one that does not end, or a busy
+            # machine importing one module after another): an exception cannot be raised safely
+            # there (it lands in a native init, or in importlib's weakref callback, which swallows
+            # it and the command goes on), so the process ends now, as a SIGKILL would leave it:
+            # the output directory holds its last complete run, the ledger's open transaction
+            # is never committed
+            exit_at_once(signum)
         later(signum)
         return True
 
