@@ -358,6 +358,8 @@ SELECT lid, typ,
    AND jok(s.uuid) AND jok(s.requestId)
    AND jbool_ok(s.isSidechain) AND jbool_ok(s.isMeta) AND jbool_ok(s.isCompactSummary)
    AND jbool_ok(s.isVisibleInTranscriptOnly)
+   -- Claude Code's local notices (model <synthetic>, a few per session) are read by the careful path
+   AND NOT coalesce(typ = 'assistant' AND jstr(s.message.model) = '{cc.LOCAL_MODEL}', false)
    AND (typ NOT IN ('user', 'assistant') OR (
         msg_obj AND jok(s.message.id) AND jok(s.message.role) AND jok(s.message.model) AND jok(s.message.stop_reason)
         AND (s.message.content IS NOT NULL OR starts_with(cj, '"') OR (typ = 'user' AND cj IS NULL))
@@ -393,6 +395,7 @@ class MessagePlan:
     msg_key: str | None
     source_line: int
     inherited: bool = False
+    local: bool = False  # a local notice of Claude Code (claude_code.is_local_notice): never a call
 
 
 @dataclass
@@ -487,10 +490,11 @@ class _Nodes:
         self.role: list[str | None] = []
         self.utotal: list[int] = []
         self.stop: list[bool] = []  # has a stop_reason that counts (truthy)
+        self.local: list[bool] = []  # a local notice (model `<synthetic>`; only careful lines are)
 
     def add(self, uuid: str, parent: str | None, lparent: str | None, typ: str, boundary: bool, fi: int, line: int,
             is_msg: bool, msg_key: str | None, side: bool, tr: tuple[str, ...], tu: tuple[str, ...], src: int,
-            path: str, role: str | None, utotal: int, stop: bool) -> int:
+            path: str, role: str | None, utotal: int, stop: bool, local: bool = False) -> int:
         self.uuid.append(uuid)
         self.parent.append(parent)
         self.lparent.append(lparent)
@@ -508,6 +512,7 @@ class _Nodes:
         self.role.append(role)
         self.utotal.append(utotal)
         self.stop.append(stop)
+        self.local.append(local)
         return len(self.uuid) - 1
 
 
@@ -785,10 +790,10 @@ def _running_count(starts: pa.Array, keys: pa.Array) -> pa.Array:
 
 
 def _call_ranges(t: ThreadPlan) -> tuple[list[bool], list[int], list[int | None]]:
-    """`base.call_ranges` of a thread plan: assistant messages are calls; an inherited one starts a call
-    of the path but is reported by the thread that claimed it."""
+    """`base.call_ranges` of a thread plan: assistant messages are calls (local notices excepted); an
+    inherited one starts a call of the path but is reported by the thread that claimed it."""
     n = len(t.messages)
-    is_call = [m.role == "assistant" and not m.inherited for m in t.messages]
+    is_call = [m.role == "assistant" and not m.inherited and not m.local for m in t.messages]
     starts = [i for i in range(n) if is_call[i] or t.messages[i].inherited]
     first = [bisect.bisect_right(starts, i) for i in range(n)]
     last: list[int | None] = [None] * n
@@ -1361,15 +1366,16 @@ def _careful_object(b: _Batch, obj_of: Any, load: FileLoad, fi: int, line_no: in
         msg_key=(f"{msg.get('id')}|{o.get('requestId')}{conflict}" if t == "assistant" and msg.get("id")
                  else (uid if t == "assistant" else None)),
     )
-    src, role, utotal, stop = 0, None, -1, False
+    src, role, utotal, stop, local = 0, None, -1, False, False
     if node_obj.is_message:
         m = cc._message(node_obj, load.path)
         src = -len(b.slow_msgs) - 1
         b.slow_msgs.append(m)
-        role, utotal, stop = m.role, cc._usage_total(m.usage), bool(m.stop_reason)
+        role, utotal, stop, local = m.role, cc._usage_total(m.usage), bool(m.stop_reason), m.is_call is False
     node = nodes.add(uid, node_obj.parent, node_obj.logical_parent, t,
                      t == "system" and node_obj.subtype == "compact_boundary", fi, line_no, node_obj.is_message,
-                     node_obj.msg_key, bool(o.get("isSidechain")), tr_ids, tu_ids, src, load.path, role, utotal, stop)
+                     node_obj.msg_key, bool(o.get("isSidechain")), tr_ids, tu_ids, src, load.path, role, utotal, stop,
+                     local)
     by_uuid[uid] = node
     objs[node] = o
     return ("message" if node_obj.is_message else cc._kind(o)), node
@@ -1412,12 +1418,12 @@ def _threads(b: _Batch, session_id: str, files: list[_File], per_file: list[list
             first_own = next((n for n in entries if is_msg[n] and n not in covered), tip)
             covered.update(entries)
             msgs, compactions = thread_messages(nodes, entries, boundaries)
-            own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
-            for m in msgs:
-                if m.role == "assistant":
-                    m.inherited = m.msg_key in claimed
+            answers = [m for m in msgs if m.role == "assistant" and not m.local]
+            own = [m for m in answers if m.msg_key not in claimed]
+            for m in answers:
+                m.inherited = m.msg_key in claimed
             if not own and not first_thread and not (b.open_sidechains and main_file and side[tip]
-                                                     and cc.opens_sidechain([m.role for m in msgs])):
+                                                     and cc.opens_sidechain([m.role for m in msgs if not m.local])):
                 stats["branches_without_calls"] += 1
                 continue
             claimed.update(m.msg_key for m in own if m.msg_key)
@@ -1526,5 +1532,5 @@ def thread_messages(nodes: _Nodes, entries: list[int], boundaries: set[int]) -> 
             continue
         if ntype[n] == "assistant" and key:
             group_index[key] = len(msgs)
-        msgs.append(MessagePlan([n], n, n, nodes.role[n] or "", key, nodes.line[n]))
+        msgs.append(MessagePlan([n], n, n, nodes.role[n] or "", key, nodes.line[n], local=nodes.local[n]))
     return msgs, compactions

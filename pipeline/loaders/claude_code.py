@@ -49,6 +49,11 @@ from ctxreplay.pipeline.loaders.base import (
 FORMAT = "claude_code"
 
 MESSAGE_TYPES = {"user", "assistant"}
+LOCAL_MODEL = "<synthetic>"
+"""The model Claude Code names on the answers it writes itself: a failed request's notice ("Prompt
+is too long", a rate limit, an API error: `isApiErrorMessage` true, which Claude Code never sends
+again), and the "No response requested." it puts after a resumed session's last user message (sent
+with the next request, as any assistant turn). Neither is a call: no provider answered it."""
 KNOWN_OTHER = {
     "summary", "system", "attachment", "progress", "file-history-snapshot", "queue-operation",
     "last-prompt", "permission-mode", "custom-title", "tag", "agent-name", "pr-link",
@@ -238,11 +243,30 @@ def _tool_result_parts(b: dict[str, Any]) -> list[Block]:
     return parts
 
 
+def is_local_notice(node_type: str, model: Any) -> bool:
+    """An answer Claude Code wrote itself (model `<synthetic>`): no provider answered it, so it is no
+    call (`Message.is_call` False, never inherited)."""
+    return node_type == "assistant" and model == LOCAL_MODEL
+
+
+def _notice_blocks(o: dict[str, Any], m: dict[str, Any]) -> list[Block] | None:
+    """The blocks of a local notice Claude Code leaves out of what it sends (`isApiErrorMessage`
+    true: a failed request's notice), or None for any other message. The notice becomes one `empty`
+    block, which no target sends, with the recorded content (and the `error` kind) in its extra."""
+    if not (is_local_notice(o.get("type"), m.get("model")) and o.get("isApiErrorMessage") is True):
+        return None
+    extra: dict[str, Any] = {"content": m.get("content")}
+    if isinstance(o.get("error"), str):
+        extra["error"] = o["error"]
+    return [Block("empty", extra=extra)]
+
+
 def _message(node: Node, path: str) -> Message:
     o = node.obj
     m = o["message"]
     role = m.get("role") or o.get("type")
-    blocks = anthropic_content_blocks(m.get("content"))
+    muted = _notice_blocks(o, m)
+    blocks = anthropic_content_blocks(m.get("content")) if muted is None else muted
     if role == "user" and blocks and all(b.block_type == "tool_result" for b in blocks):
         role = "tool"
     return Message(
@@ -265,7 +289,8 @@ def _message(node: Node, path: str) -> Message:
         is_sidechain=bool(o.get("isSidechain")),
         is_meta=bool(o.get("isMeta")),
         is_compact_summary=bool(o.get("isCompactSummary")),
-        is_display_only=bool(o.get("isVisibleInTranscriptOnly")),
+        is_display_only=bool(o.get("isVisibleInTranscriptOnly")) or muted is not None,
+        is_call=False if is_local_notice(node.type, m.get("model")) else None,
     )
 
 
@@ -443,15 +468,17 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
             first_own = next((n for n in entries if n.is_message and n.uuid not in covered), tip)
             covered.update(n.uuid for n in entries)
             msgs, compactions = thread_messages(entries, compaction_at, files)
-            own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
-            for m in msgs:
-                if m.role == "assistant":
-                    # a request another thread reports stays a call of this path (its numbering and
-                    # the layers' state follow the path), but only its owner reports it
-                    m.inherited = m.msg_key in claimed
-                    m.is_call = not m.inherited
+            # local notices (is_call False from the start) are no call of any thread
+            roles = [m.role for m in msgs if m.is_call is not False]
+            answers = [m for m in msgs if m.role == "assistant" and m.is_call is not False]
+            own = [m for m in answers if m.msg_key not in claimed]
+            for m in answers:
+                # a request another thread reports stays a call of this path (its numbering and
+                # the layers' state follow the path), but only its owner reports it
+                m.inherited = m.msg_key in claimed
+                m.is_call = not m.inherited
             if not own and not first_thread and not (open_sidechains and main_file and tip.sidechain
-                                                     and opens_sidechain([m.role for m in msgs])):
+                                                     and opens_sidechain(roles)):
                 stats["branches_without_calls"] += 1
                 continue
             claimed.update(m.msg_key for m in own if m.msg_key)
