@@ -389,6 +389,21 @@ def test_a_new_user_turn_strips_the_thinking_of_the_turn_before(real_user: bool,
     assert row(s.run(Policy(strip_thinking=False)), 2)["sim_break_cause"] is None
 
 
+@pytest.mark.parametrize(("model", "keeps"), [
+    ("claude-opus-4-5-20251101", True), ("claude-opus-4-1-20250805", False), ("claude-opus-4-20250514", False),
+    ("claude-sonnet-4-6", True), ("claude-sonnet-4-5-20250929", False), ("claude-sonnet-4-20250514", False),
+    ("claude-haiku-4-5-20251001", False), ("claude-haiku-5-5", True), ("claude-fable-5", True),
+    ("claude-mythos-preview", True), ("claude-3-7-sonnet-20250219", False), ("anthropic/claude-opus-4-8", True),
+    ("gpt-5.4", False)])
+def test_which_models_keep_earlier_thinking(model: str, keeps: bool) -> None:
+    """Anthropic's extended-thinking page: Opus 4.5+ and Sonnet 4.6+ keep every earlier thinking block
+    by default, Sonnet 4.5 and earlier, Opus 4.1 and earlier and Haiku through 4.5 only the last
+    turn's; from the 5 generation on thinking is preserved (bound to its prefix)."""
+    from ctxreplay.pipeline.cost.providers import keeps_thinking
+
+    assert keeps_thinking(model) is keeps
+
+
 # ------------------------------------------------------------------------ compaction, layers, preamble
 
 

@@ -114,6 +114,9 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
         "_p_seg": pl.col("segment"),
     }
     r = r.with_columns(**{k: v.shift(1).over("thread_key") for k, v in prev.items()})
+    # the preamble (system, tools, what the agent injects) is at most the whole first request of its
+    # compaction segment: a read past that is inside the messages, whatever the fit's estimate says
+    r = r.with_columns(_pre=pl.min_horizontal("preamble_tokens", prompt.first().over("thread_key", "segment")))
     read = pl.col("recorded_cache_read_tokens")
     brk = pl.col("_p_cached").is_not_null() & (read < pl.col("_p_cached"))
     anthropic = pl.col("model").fill_null("").str.to_lowercase().str.contains("claude")
@@ -125,6 +128,7 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
     idle = pl.format("idle {} s > TTL {}", gap.round(0).cast(pl.Int64),
                      pl.when(pl.col("_p_ttl") >= TTL_1H_S).then(pl.lit("1h")).otherwise(pl.lit("5m")))
     switch = pl.format("{} -> {}", pl.col("_p_model"), pl.col("model"))
+    strip = pl.col("recorded_strip").fill_null(False) & anthropic & _col(c, "strips_thinking", pl.Boolean).fill_null(True)
     conds = [
         ("model_switch", pl.col("model").ne_missing(pl.col("_p_model")), switch),
         ("ttl_expiry", expired, idle),
@@ -133,14 +137,19 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
         # new turn changes no prefix there)
         # (not in a thread whose calibration found that its new turns keep the cache: it keeps its
         # thinking, pipeline/cost/calibrate.py `strips_thinking`)
-        ("thinking_strip", pl.col("recorded_strip").fill_null(False) & anthropic
-         & _col(c, "strips_thinking", pl.Boolean).fill_null(True), pl.lit(None, pl.String)),
-        ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,
-         pl.format("read {} <= preamble {}", read, pl.col("preamble_tokens"))),
+        ("thinking_strip", strip, pl.lit(None, pl.String)),
+        ("preamble", (read <= pl.col("_pre")) & anthropic, pl.format("read {} <= preamble {}", read, pl.col("_pre"))),
         # a step of the tool loop only appends to the previous request; reading exactly what that
         # request read means its own write was not kept (Anthropic says previous_message_not_found)
         ("eviction", anthropic & ~pl.col("_turn") & (read == pl.col("_p_read")) & (pl.col("_p_write") > 0),
          pl.format("read {} = the previous request's read: its write was not kept", read)),
+        # a new turn only appends the last answer and the user's message to the previous request;
+        # reading less, inside the messages, where no thinking was stripped, means the agent sent an
+        # earlier message changed: content it adds to a turn and drops at the next (a PostToolUse
+        # hook's additional context, on the corpus), which the transcript does not hold
+        ("messages_change", anthropic & pl.col("_turn") & ~strip & (read > pl.col("_pre")),
+         pl.format("a new turn read {} of the {} cached: an earlier message was sent changed", read,
+                   pl.col("_p_cached"))),
         ("best_effort", ~anthropic, pl.lit("automatic caching guarantees no hit")),
     ]
     cause = pl.lit("unexplained")
