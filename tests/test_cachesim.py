@@ -404,6 +404,23 @@ def test_which_models_keep_earlier_thinking(model: str, keeps: bool) -> None:
     assert keeps_thinking(model) is keeps
 
 
+@pytest.mark.parametrize(("thread_id", "reads_main"), [("sidechain-6340ddef", False), ("branch-12ab34cd", True)])
+def test_an_inline_sidechain_sends_a_system_prompt_of_its_own(thread_id: str, reads_main: bool) -> None:
+    """Claude Code 1.0.x writes its Task subagents into the main file as sidechains, each with its own
+    root and system prompt: their first request reads nothing of the main thread's (5c0375b4: the
+    first sidechain wrote 12,802 and read 0, 20 s after the main thread cached its system prompt),
+    while a branch of the main thread (a rewind) sends the main thread's."""
+    s = Scenario()
+    s.msg("m0", 500, real_user=True)
+    s.msg("ma0", 40)
+    s.msg("x0", 600, real_user=True)
+    s.msg("xa0", 40)
+    s.thread(SID, "main", [["m0"], ["m0", "ma0"]], [0], preamble_tokens=3000, system_tokens=3000)
+    key = s.thread(SID, thread_id, [["x0"], ["x0", "xa0"]], [20], preamble_tokens=3000, system_tokens=3000)
+    r = row(s.run(), 0, key)
+    assert r["sim_cache_read_tokens"] == (3000 if reads_main else 0)
+
+
 # ------------------------------------------------------------------------ compaction, layers, preamble
 
 

@@ -220,3 +220,15 @@ def test_a_compaction_agent_strips_as_its_main_thread() -> None:
     assert th["agent-acompact-1"]["strips_thinking"] is True       # its owner's
     assert th["agent-abc"]["strips_thinking"] is False             # a subagent: its own (Opus 4.6 keeps)
 
+
+def test_owners() -> None:
+    """Whose system prompt a thread sends: a subagent (a subagent file's thread, or an inline
+    sidechain of Claude Code 1.0.x, a Task subagent with a root of its own) its own; a compaction
+    agent or a branch its session's main thread's."""
+    t = pl.DataFrame({"session_id": SID, "thread_id": ["main", "agent-abc", "agent-acompact-1", "branch-12ab",
+                                                          "sidechain-6340ddef"]})
+    t = t.with_columns(thread_key=pl.when(pl.col("thread_id") == "main").then(pl.col("session_id"))
+                       .otherwise(pl.col("session_id") + "--" + pl.col("thread_id")))
+    got = dict(zip(t["thread_id"], t.select(calibrate.owner_expr()).to_series(), strict=True))
+    assert got == {"main": SID, "agent-abc": f"{SID}--agent-abc", "agent-acompact-1": SID, "branch-12ab": SID,
+                   "sidechain-6340ddef": f"{SID}--sidechain-6340ddef"}

@@ -100,10 +100,12 @@ def with_family(df: pl.DataFrame, col: str = "model", out: str = "family") -> pl
 
 
 def owner_expr() -> pl.Expr:
-    """Whose system prompt a thread sends (`owner_key`): a Claude Code subagent (`agent-<id>`) its
-    own (its thread_key); a compaction agent, a branch or a sidechain of a session the main
-    thread's (the session id)."""
-    sub = pl.col("thread_id").str.starts_with("agent-") & ~pl.col("thread_id").str.starts_with("agent-acompact")
+    """Whose system prompt a thread sends (`owner_key`): a Claude Code subagent its own (its
+    thread_key): a subagent file's thread (`agent-<id>`) or an inline sidechain (`sidechain-<id>`,
+    Claude Code 1.0.x writes its Task subagents into the main file, each with a root of its own);
+    a compaction agent or a branch of a session the main thread's (the session id)."""
+    sub = (pl.col("thread_id").str.starts_with("agent-") & ~pl.col("thread_id").str.starts_with("agent-acompact")) \
+        | pl.col("thread_id").str.starts_with("sidechain-")
     return pl.when(sub).then(pl.col("thread_key")).otherwise(pl.col("session_id"))
 
 
