@@ -17,13 +17,20 @@ holds, in this order:
 - `thinking_strip`: a user message that is not only tool results arrives while the turn before it
   holds thinking blocks: with extended thinking Anthropic strips them from the context, which
   changes the prefix from the first of them on (a documented provider rule; Anthropic models only;
-  not in a thread the calibration found keeps its thinking, `strips_thinking` false);
+  not in a thread that keeps its thinking, calibration `strips_thinking` false: Opus 4.5+ and
+  Sonnet 4.6+ keep it by default);
 - `preamble`: nothing above, and the read stops inside the preamble (before the first recorded
-  message): the system prompt or the tools changed, which only the usage shows (Anthropic);
+  message; at most the whole first request of its compaction segment): the system prompt or the
+  tools changed, which only the usage shows (Anthropic);
 - `eviction`: a step of the tool loop (no new user turn: the request only appends the answer and
   its tool results to the previous one) reads exactly what the previous request read: that
   request's own write was not kept (Anthropic; the server then says `previous_message_not_found`,
   typically after a request it diagnosed `unavailable`);
+- `messages_change`: a new user turn (it only appends the last answer and the user's message)
+  reads past the preamble but less than the previous request cached, and no strip holds: the
+  agent sent an earlier message changed, which the transcript does not show (Anthropic; Claude
+  Code drops a PostToolUse hook's additional context from the turn's tool results at the next
+  turn; the server says `messages_changed`);
 - `best_effort`: a provider with automatic caching (OpenAI, Gemini implicit, a router such as
   OpenRouter) missed: their caching is documented as best effort, with no guaranteed hit;
 - `unexplained`: none of these.

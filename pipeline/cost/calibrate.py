@@ -30,11 +30,16 @@ What the recorded usage also says about the preamble's structure (for the cache 
 - `tail_tokens`: the median recorded `input_tokens`, the few tokens after the last breakpoint;
 - `uses_cache`: False for a thread whose requests never read nor wrote the cache (an agent that
   sets no breakpoint);
-- `strips_thinking`: whether a new user turn after a turn with thinking makes the thread lose its
-  cached prefix (Anthropic strips such thinking blocks): True when at least half of such turns of
-  the recorded thread missed (same model and segment, within the TTL), False otherwise (Opus 4.5
-  and later keep the thinking by default; an agent may also re-warm the stripped prefix with a
-  side request), null without such a turn (the policy decides).
+- `strips_thinking`: whether a new user turn after a turn with thinking strips that thinking, so
+  that the thread loses its cached prefix from the first thinking block on. Anthropic documents it
+  per model (providers.keeps_thinking): Opus 4.5+ and Sonnet 4.6+ keep earlier thinking, older
+  models strip it. The recorded new turns after thinking (same model and segment, within the
+  TTL) are the evidence: one that read past the first thinking message of the turn before kept
+  it; one that read no further lost it, though on a model that keeps thinking only a loss inside
+  the messages counts (a fall into the preamble is as well a change of the system prompt). A
+  model that keeps thinking strips only in a thread where no new turn kept it and one lost it
+  inside the messages; another strips unless most of its thread's new turns kept it; a thread
+  without such a turn takes its model's default, a compaction agent its main thread's.
 
 Fitting on some sessions and applying to others (`fit(..., prior=...)`): what is pooled over
 sessions — the tokenizer ratio of each family (used by threads whose own ratio is not well
