@@ -77,7 +77,8 @@ class Writers:
                 # without the Arrow schema in the file, dictionary-encoded columns read back as strings
                 plain = name == "call_messages" or any(f.name in SHARED for f in schema)
                 w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=not plain,
-                                                       write_statistics=statistics_columns(schema))
+                                                       write_statistics=statistics_columns(schema),
+                                                       use_dictionary=dictionary_columns(schema))
                 if plain:  # no Arrow schema: the run id (and the schema's own metadata) go in as the file's
                     w.add_key_value_metadata(meta if name != "call_messages" else {RUN_ID_KEY: self.run_id.encode()})
             if table.num_rows or w.schema is None:
@@ -120,6 +121,13 @@ NO_STATISTICS = frozenset({"raw_line", "text", "signature", "tool_input", "image
 def statistics_columns(schema: pa.Schema) -> list[str]:
     """The columns of an output file that get Parquet statistics: all but NO_STATISTICS."""
     return [f.name for f in schema if f.name not in NO_STATISTICS]
+
+
+def dictionary_columns(schema: pa.Schema) -> list[str]:
+    """The columns of an output file written with Parquet dictionary encoding: all but the free-text
+    ones (a writer drops a column chunk's dictionary past 1 MB anyway, after copying a long text into
+    it); the SHARED ones, dictionaries in memory, keep theirs."""
+    return [f.name for f in schema if f.name not in NO_STATISTICS or f.name in SHARED]
 
 
 def _scalar_columns(t: pa.Table, first: list[str]) -> list[str]:
