@@ -374,3 +374,25 @@ def test_outputs_keep_no_statistics_of_free_text_columns(tmp_path: Path) -> None
                 assert any("DICTIONARY" in e for e in col.encodings) == (top == "raw_line"), (name, top, col.encodings)
             seen.add(top)
     assert {"text", "raw_line", "canonical_json", "session_id", "first_call"} <= seen
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB")
+def test_a_runs_peak_grows_by_few_copies_of_the_longest_line_read(tmp_path: Path) -> None:
+    """Issue 23, item 6: a whole run's peak memory grows by at most 6 copies of the longest line it
+    reads (the bound of bench/bench_memory.py is 4 copies + a batch's budget): runs reading a 20 MB and
+    an 80 MB tool result (tiktoken, --jobs 1) differ by under 6 x 60 MB. Before, they took about 10 more
+    copies per MB of line (a 50 MB line peaked at 0.89 GB, 200 MB at 2.4 GB); now about 5."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_memory
+
+    peaks = {}
+    for mb in (20, 80):
+        d = tmp_path / f"in{mb}"
+        bench_memory.tool_result_session(d, mb)
+        r = peak_rss_run(["run", str(d), "--out", str(tmp_path / f"o{mb}"), "--max-line-bytes", "128M", "-q",
+                          "--jobs", "1"])
+        assert r["rc"] == 0, r["stderr"]
+        peaks[mb] = r["peak_mb"]
+    per_mb = (peaks[80] - peaks[20]) / 60
+    assert per_mb < 6, f"{per_mb:.1f} MB of peak per MB of line ({peaks})"
