@@ -50,13 +50,18 @@ def _held(col: pa.Array | pa.ChunkedArray) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("engine", ["reference", "columnar"])
+@pytest.mark.parametrize("engine", ["reference", "columnar", "columnar-careful"])
 def test_a_line_is_held_once_whatever_its_blocks(tmp_path: Path, engine: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`columnar-careful`: the long line is read the careful way (over MAX_FAST_LINE) beside a fast
+    line, so the raw lines come from two sources; gathered from both as they were, the long line was
+    copied once per block (N copies)."""
     f = _write(tmp_path / "in", N)
-    if engine == "columnar":  # a small batch goes to the reference loader: take the columnar path anyway
+    if engine.startswith("columnar"):  # a small batch goes to the reference loader: take the columnar path anyway
         monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
-    res = load_paths([tmp_path / "in"], engine=engine)
+    if engine == "columnar-careful":
+        monkeypatch.setattr(cc_columnar, "MAX_FAST_LINE", 1000)
+    res = load_paths([tmp_path / "in"], engine=engine.removesuffix("-careful"))
     lines = f.read_text().splitlines()
     size = f.stat().st_size
     raw = res.blocks.column("raw_line")

@@ -781,3 +781,87 @@ def test_since_mode_session_keeps_whole_sessions_by_last_activity(tmp_path: Path
     res = CliRunner().invoke(main, ["report", str(f), "--since", "20260210", "--since-mode", "session", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["totals"]["output_tokens"] == 7
     assert "--since-mode" in CliRunner().invoke(main, ["report", "--help"]).stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# --max-line-bytes (issue 23, item 6): a line that may hold usage and is over the limit is skipped
+# and counted, never copied out of the file's map
+
+
+def _long_cc_line(n: int) -> str:
+    """An assistant line holding usage whose text makes it `n` bytes long."""
+    base = cc_line(SID_A, "msg_2", "req_2", 7, "2026-02-10T10:01:00.000Z")
+    o = json.loads(base)
+    o["message"]["content"][0]["text"] = ""
+    pad = n - len(json.dumps(o, separators=(",", ":")))
+    o["message"]["content"][0]["text"] = "y" * pad
+    line = json.dumps(o, separators=(",", ":"))
+    assert len(line) == n
+    return line
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_report_skips_and_counts_a_usage_line_over_max_line_bytes(tmp_path: Path, over: bool) -> None:
+    """A line of 300,000 bytes holding usage: read at --max-line-bytes 300000, and at 299999 left out
+    (its request not counted), listed in bad_lines with its line and length, counted in
+    lines_too_long, said on stderr; --strict exits 1 then."""
+    n = 300_000
+    f = write(tmp_path / "p" / f"{SID_A}.jsonl", [cc_line(SID_A, "msg_1", "req_1", 5, "2026-02-10T10:00:00.000Z"),
+                                                  _long_cc_line(n)])
+    limit = str(n - 1 if over else n)
+    res = CliRunner().invoke(main, ["report", str(f), "--json", "--max-line-bytes", limit, "--tz", "UTC"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["totals"]["requests"] == (1 if over else 2)
+    assert doc["lines_too_long"] == (1 if over else 0) and doc["max_line_bytes"] == int(limit)
+    if over:
+        (b,) = doc["bad_lines"]
+        assert (b["file"], b["line"]) == (str(f), 2)
+        assert f"a line of {n:,} bytes, over the limit of {n - 1:,} bytes (--max-line-bytes): not read" in b["reason"]
+        assert b["raw"].startswith('{"parentUuid"') and len(b["raw"]) == 200
+        assert "longer than --max-line-bytes (299,999 bytes): not read" in res.stderr
+    else:
+        assert doc["bad_lines"] == [] and "max-line-bytes" not in res.stderr
+    strict = CliRunner().invoke(main, ["report", str(f), "--strict", "--max-line-bytes", limit, "--tz", "UTC"])
+    assert strict.exit_code == (1 if over else 0)
+
+
+def test_report_line_limit_for_codex_openclaw_and_gemini_cli(tmp_path: Path, book: PriceBook) -> None:
+    """Every scanner takes the limit: a Codex token_count event, an OpenClaw message and a Gemini CLI
+    answer over it are not read (each counted once); the other lines are, as without a limit. A
+    Gemini CLI .json document is read whole: over the limit it is one line too long."""
+    from ctxreplay.pipeline.loaders.inputs import MAX_LINE_BYTES
+    from tests.geminikit import standard, tokens, write_json, write_jsonl
+
+    codex = codex_lines()
+    big = json.loads(codex[-1])
+    big["payload"]["info"]["pad"] = "z" * 5000
+    codex[-1] = json.dumps(big)
+    cf = write(tmp_path / "c" / "rollout-2026-01-01T10-00-00-x.jsonl", codex)
+    oc = oc_lines()
+    m4 = json.loads(oc[-1])
+    m4["message"]["content"][0]["text"] = "z" * 5000
+    oc[-1] = json.dumps(m4)
+    of = write(tmp_path / "o" / f"{OC_SID}.jsonl", oc)
+    gdir = tmp_path / "g" / ".gemini" / "tmp" / "proj" / "chats"
+    g = standard()
+    g.answer("z" * 5000, 100, tokens(10, 5))
+    gj = write_jsonl(gdir / "session-2026-03-01T09-00-5e551001.jsonl", g.records())
+    gd = write_json(gdir / "session-2026-03-01T09-00-5e551002.json", standard("00000000-2222-4222-8333-000000000009").document())
+    whole = {p: report([p], book) for p in (cf, of, gj, gd)}
+    longest = {p: max(len(x) for x in p.read_bytes().split(b"\n")) for p in (cf, of, gj)}
+    token = MAX_LINE_BYTES.set(4096)
+    try:
+        cut = {p: report([p], book) for p in (cf, of, gj, gd)}
+    finally:
+        MAX_LINE_BYTES.reset(token)
+    assert longest[cf] > 4096 and longest[of] > 4096
+    assert whole[cf]["totals"]["requests"] == 3 and cut[cf]["totals"]["requests"] == 2
+    assert whole[of]["totals"]["requests"] == 3 and cut[of]["totals"]["requests"] == 2
+    for p in (cf, of):
+        assert cut[p]["lines_too_long"] == 1 and [b["line"] for b in cut[p]["bad_lines"]] == [len(p.read_text().splitlines())]
+    assert longest[gj] > 4096 and cut[gj]["lines_too_long"] == 1
+    assert cut[gj]["totals"]["requests"] == whole[gj]["totals"]["requests"] - 1
+    assert gd.stat().st_size > 4096 and whole[gd]["totals"]["requests"] > 0
+    assert cut[gd]["totals"]["requests"] == 0 and cut[gd]["lines_too_long"] == 1
+    assert cut[gd]["bad_lines"][0]["reason"].startswith(f"a JSON document of {gd.stat().st_size:,} bytes")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -75,7 +76,9 @@ class Writers:
                 schema = table.schema.with_metadata(meta)
                 # without the Arrow schema in the file, dictionary-encoded columns read back as strings
                 plain = name == "call_messages" or any(f.name in SHARED for f in schema)
-                w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=not plain)
+                w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=not plain,
+                                                       write_statistics=statistics_columns(schema),
+                                                       use_dictionary=dictionary_columns(schema))
                 if plain:  # no Arrow schema: the run id (and the schema's own metadata) go in as the file's
                     w.add_key_value_metadata(meta if name != "call_messages" else {RUN_ID_KEY: self.run_id.encode()})
             if table.num_rows or w.schema is None:
@@ -105,6 +108,26 @@ class Writers:
             with contextlib.suppress(Exception):  # the run failed already; the staging dir is discarded
                 w.close()
         self.open = {}
+
+
+# free-text columns (a block's text, a line, a message's canonical JSON, ...): no min / max statistics.
+# They would prune nothing, and computing them copies a column chunk's smallest and largest values
+# on top of its page buffers: writing one 200 MB text took four copies of it with them, two without
+# (issue 23, item 6)
+NO_STATISTICS = frozenset({"raw_line", "text", "signature", "tool_input", "image_data", "extra_json",
+                           "canonical_json", "raw", "raw_base64", "replacement"})
+
+
+def statistics_columns(schema: pa.Schema) -> list[str]:
+    """The columns of an output file that get Parquet statistics: all but NO_STATISTICS."""
+    return [f.name for f in schema if f.name not in NO_STATISTICS]
+
+
+def dictionary_columns(schema: pa.Schema) -> list[str]:
+    """The columns of an output file written with Parquet dictionary encoding: all but the free-text
+    ones (a writer drops a column chunk's dictionary past 1 MB anyway, after copying a long text into
+    it); the SHARED ones, dictionaries in memory, keep theirs."""
+    return [f.name for f in schema if f.name not in NO_STATISTICS or f.name in SHARED]
 
 
 def _scalar_columns(t: pa.Table, first: list[str]) -> list[str]:
@@ -156,9 +179,15 @@ def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False) -> 
             continue
         # blocks, messages and call_messages: their keys are unique; decisions and quarantine: every column
         keys = _scalar_columns(t, first) if name in ("decisions", "quarantine") else first
-        out[name] = t.take(pc.sort_indices(t, sort_keys=[(k, "ascending", "at_end") for k in keys])) \
+        out[name] = _in_order(t, pc.sort_indices(t, sort_keys=[(k, "ascending", "at_end") for k in keys])) \
             if t.num_rows > 1 else t
     return out
+
+
+def _in_order(t: pa.Table, order: pa.Array) -> pa.Table:
+    """`t.take(order)`, or `t` itself when its rows are in that order already (a take copies every
+    value: a batch's texts once more while they are written)."""
+    return t if np.array_equal(order.to_numpy(), np.arange(len(order))) else t.take(order)
 
 
 @dataclass

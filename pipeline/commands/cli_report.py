@@ -70,6 +70,7 @@ WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", 
               help="Also write a self-contained HTML page of charts (no network needed to view it); "
                    "with --sim OUT: recorded vs simulated, the cache along each session, the breaks.")
 @follow_links_option()
+@max_line_bytes_option()
 @no_cache_option()
 def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str, since: str | None,
            until: str | None, since_mode: str, tz: str | None, json_: bool, strict: bool, wide: bool,
@@ -172,6 +173,11 @@ def _warnings(doc: dict[str, Any]) -> None:
         echo(f"ctxreplay report: {po['requests']} request(s) recorded only as agent_progress copies "
              f"(subagent file missing; {where}) are not counted: "
              f"{po['cost_usd']:.4f} USD; --count-progress-copies counts them", err=True)
+    if doc.get("lines_too_long"):
+        n = doc["lines_too_long"]
+        echo(f"ctxreplay report: {n} line(s) that may hold usage are longer than --max-line-bytes "
+             f"({doc['max_line_bytes']:,} bytes): not read, their usage left out (listed under bad_lines in --json); "
+             "a larger --max-line-bytes reads them", err=True)
     if doc["bad_lines"]:
         first = doc["bad_lines"][0]
         echo(f"ctxreplay report: {len(doc['bad_lines'])} line(s) holding usage could not be read and are "

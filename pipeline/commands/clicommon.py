@@ -206,8 +206,8 @@ def max_line_bytes_option() -> Decorator:
     return click.option("--max-line-bytes", type=ByteSize(), expose_value=False, callback=limit,
                         help="Longest transcript line read, in bytes (K, M, G: KiB, MiB, GiB; default 64M). A longer "
                              "line is not read but quarantined as line_too_long (its length and first 1024 bytes "
-                             "kept), so memory stays a few times this size; a .json file, read whole as one JSON "
-                             "document, is limited as one line.")
+                             "kept; report: listed under bad_lines), so memory stays a few times this size; a .json "
+                             "file, read whole as one JSON document, is limited as one line.")
 
 
 def no_cache_option() -> Decorator:

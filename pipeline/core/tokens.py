@@ -8,11 +8,14 @@ and are cached in DuckDB by sha256 of the text, so a re-run never tokenizes a te
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import math
+import re
+import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from importlib.resources import files
 from typing import Any
 
@@ -75,6 +78,17 @@ def chars4(texts: Iterable[str]) -> list[int]:
 # a text longer than this (characters) is counted on its own into a NumPy array of token ids: in a
 # list, each id is a Python int (about 36 bytes a token: a 50 MB tool result took 700 MB more)
 BIG_TEXT_CHARS = 1 << 20
+# a text of a column longer than this (bytes) is hashed and counted from its bytes where polars holds
+# them, a piece of about PIECE_BYTES at a time (`count_utf8`), never copied whole into a Python str
+# (issue 23, item 6: a 200 MB tool result had six copies of it alive while it was counted)
+BIG_TEXT_BYTES = 1 << 20
+PIECE_BYTES = 1 << 20
+# where o200k_base's pre-tokenizer always ends a piece: after a line break followed by an ASCII letter
+# or digit. Its pattern (tiktoken_ext.openai_public) puts a line break only in a run of whitespace
+# ending in line breaks (`\s*[\r\n]+`) or at the end of a run of punctuation (`[\r\n/]*`), and
+# neither goes on over a letter or a digit; every other alternative stops before a line break. So the
+# count of a text cut there is the sum of the counts of its pieces (tests/test_tokens.py checks it).
+_PIECE_END = re.compile(rb"\n(?=[A-Za-z0-9])")
 
 
 def tiktoken_counts(texts: list[str], threads: int = 2) -> list[int]:
@@ -91,6 +105,42 @@ def tiktoken_counts(texts: list[str], threads: int = 2) -> list[int]:
     return out
 
 
+def utf8_pieces(data: memoryview, size: int | None = None) -> Iterator[memoryview]:
+    """`data` (UTF-8) cut where o200k_base always ends a piece (`_PIECE_END`), into parts of at least
+    `size` bytes (default PIECE_BYTES; the last one shorter; a text with no such place is one part)."""
+    size = PIECE_BYTES if size is None else size
+    start, n = 0, len(data)
+    while n - start > size:
+        m = _PIECE_END.search(data, start + size - 1)
+        if m is None:
+            break
+        yield data[start:m.end()]
+        start = m.end()
+    yield data[start:]
+
+
+def count_utf8(data: memoryview, counter: str = TIKTOKEN_COUNTER, size: int | None = None) -> int:
+    """What `tiktoken_counts` (or chars4) gives the text whose UTF-8 bytes are `data`, a part of about
+    `size` bytes decoded at a time: the text is never held whole as a str."""
+    if counter == CHARS4_COUNTER:
+        chars = sum(len(codecs.decode(p, "utf-8")) for p in utf8_pieces(data, size))
+        return math.ceil(chars / 4)
+    enc = load_o200k()
+    return sum(len(enc.encode_to_numpy(codecs.decode(p, "utf-8"), allowed_special=set(), disallowed_special=()))
+               for p in utf8_pieces(data, size))
+
+
+def text_bytes(s: pl.Series, i: int) -> memoryview:
+    """The UTF-8 bytes of the text `s[i]` (not null) where polars holds them, without a copy (a
+    string view's buffer); a copy only for a layout polars does not use today."""
+    a = s.slice(i, 1).to_arrow(compat_level=pl.CompatLevel.newest())
+    if str(a.type) == "string_view":
+        length, _prefix, buf, offset = struct.unpack_from("<i4sii", a.buffers()[1], a.offset * 16)
+        if length > 12:  # longer strings live in a data buffer; shorter ones inside the view
+            return memoryview(a.buffers()[2 + buf])[offset:offset + length]
+    return memoryview(str(s[i]).encode("utf-8"))
+
+
 class TokenCounter:
     """Counts texts once: an in-memory map over a persistent DuckDB cache keyed by sha256."""
 
@@ -98,6 +148,7 @@ class TokenCounter:
         self.name = name
         self.cache = cache  # ctxreplay.pipeline.staging.ledger.Ledger or None
         self.by_text: dict[str, int] = {}
+        self.by_sha: dict[str, int] = {}  # counts of texts counted by their sha256 (`count_big`)
         self.counted = 0  # texts tokenized in this process
         self.cache_hits = 0
         # polars may evaluate several counting expressions of one plan at once (its in-memory
@@ -137,10 +188,45 @@ class TokenCounter:
                 self.cache.store_tokens(self.name, dict(zip(shas, counts)))
         return memo
 
+    def count_big(self, data: memoryview) -> int:
+        """The count of one text given as its UTF-8 bytes (a big text of a column: `text_bytes`),
+        known by its sha256 (`text_sha`'s, in this process and in the cache) and counted from its bytes
+        a piece at a time (`count_utf8`); no Python str of it is made or kept."""
+        sha = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            n = self.by_sha.get(sha)
+            if n is not None:
+                return n
+            if self.cache is not None:
+                found = self.cache.cached_tokens(self.name, [sha])
+                if sha in found:
+                    self.cache_hits += 1
+                    self.by_sha[sha] = found[sha]
+                    return found[sha]
+            n = count_utf8(data, self.name)
+            self.counted += 1
+            self.by_sha[sha] = n
+            if self.cache is not None:
+                self.cache.store_tokens(self.name, {sha: n})
+            return n
+
     def series_counter(self) -> Callable[[pl.Series], pl.Series]:
-        """For StageContext.count_tokens: a Series of texts → a Series of counts (null → 0)."""
+        """For StageContext.count_tokens: a Series of texts → a Series of counts (null: the empty text,
+        0). A text over BIG_TEXT_BYTES is counted from its bytes where they lie (`count_big`)."""
 
         def count(s: pl.Series) -> pl.Series:
+            if s.null_count():
+                self.count_many([""])  # a null is the empty text (0 tokens), counted as one as it always was
+            if s.dtype != pl.String:
+                return count_small(s)
+            big = (s.str.len_bytes() > BIG_TEXT_BYTES).fill_null(False)
+            if not big.any():
+                return count_small(s)
+            where = big.arg_true().to_list()
+            rest = count_small(s.zip_with(~big, pl.Series([None], dtype=pl.String).new_from_index(0, len(s))))
+            return rest.scatter(where, [self.count_big(text_bytes(s, i)) for i in where])
+
+        def count_small(s: pl.Series) -> pl.Series:
             unique = s.drop_nulls().unique()
             distinct = unique.to_list()
             memo = self.count_many(distinct)
@@ -179,13 +265,33 @@ def fast_token_estimate(chars: pl.Expr) -> pl.Expr:
     return (chars.cast(pl.Int64) + 3) // 4
 
 
+def _call_name() -> pl.Expr:
+    is_call = pl.col("block_type").is_in(["tool_use", "tool_call", "function_call", "server_tool_use"])
+    return pl.when(is_call).then(pl.col("tool_name"))
+
+
+def _has_more_than_text() -> pl.Expr:
+    """The row sends more than its text: a tool call's name, or a tool input."""
+    return _call_name().is_not_null() | pl.col("tool_input").is_not_null()
+
+
 def token_text_expr() -> pl.Expr:
     """What a block sends as text: its text, plus name and input for a tool call."""
-    is_call = pl.col("block_type").is_in(["tool_use", "tool_call", "function_call", "server_tool_use"])
     return pl.concat_str(
-        [pl.col("text"), pl.when(is_call).then(pl.col("tool_name")), pl.col("tool_input")],
+        [pl.col("text"), _call_name(), pl.col("tool_input")],
         separator=" ", ignore_nulls=True,
     ).fill_null("")
+
+
+def per_token_text(f: Callable[[pl.Expr], pl.Expr]) -> pl.Expr:
+    """`f` over what a block sends as text (`token_text_expr`, null where it is empty), without making
+    a column of those texts: a row that sends only its text gives `f(text)` itself. concat_str,
+    fill_null and when / then over the texts each copied every text, a 200 MB tool result included
+    (issue 23, item 6); only the rows that send more than their text are joined here."""
+    more = _has_more_than_text()
+    joined = pl.concat_str([pl.when(more).then(pl.col("text")), _call_name(), pl.col("tool_input")],
+                           separator=" ", ignore_nulls=True)
+    return pl.when(more).then(f(joined)).otherwise(f(pl.col("text")))
 
 
 def tokens_expr(text: pl.Expr, count: Callable[[pl.Series], pl.Series] | None) -> pl.Expr:
@@ -203,7 +309,11 @@ def is_image_expr() -> pl.Expr:
 def row_tokens_expr(count: Callable[[pl.Series], pl.Series] | None) -> pl.Expr:
     """Estimated tokens of one block row, the one estimate the replay and the layers share: its
     text (with a tool call's name and input), or for an image min(1600, ceil(w*h/750))."""
-    return pl.when(is_image_expr()).then(image_tokens_expr()).otherwise(tokens_expr(token_text_expr(), count)).cast(pl.Int64)
+    if count is None:
+        per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
+    else:  # the counter counts a null as the empty text (`series_counter`)
+        per_text = per_token_text(lambda t: t.map_batches(lambda s: count(s).cast(pl.Int64), return_dtype=pl.Int64))
+    return pl.when(is_image_expr()).then(image_tokens_expr()).otherwise(per_text).cast(pl.Int64)
 
 
 def row_tokens(blocks: pl.DataFrame, counter: TokenCounter) -> pl.Series:

@@ -422,7 +422,8 @@ class SessionsLoad:
 
     def blocks(self, threads: list[ThreadPlan] | None = None) -> pa.Table:
         """The blocks table (BLOCKS schema) of these threads (default: all of them), in their order,
-        with the thread ids they carry now."""
+        with the thread ids they carry now. Called once: it lets go of the careful path's texts as it
+        moves them into columns (a long line is then held once, not once in Python too)."""
         return self.batch.assemble(self.threads if threads is None else threads)
 
 
@@ -661,8 +662,13 @@ class _Batch:
                 raw_idx.append(n_text + slow_at.setdefault(s, len(slow_at)))
         raw = pl.Series("raw", raw_src)
         if slow_at:
-            slow_raw = [self.slow_msgs[-s - 1].raw_line for s in slow_at]
-            raw = pl.concat([raw, pl.Series("raw", slow_raw, pl.String)], rechunk=False)
+            slow_raw = pl.Series("raw", [self.slow_msgs[-s - 1].raw_line for s in slow_at], pl.String)
+            for s in slow_at:  # polars holds them now: the Python copies go (a long line's text once less)
+                self.slow_msgs[-s - 1].raw_line = ""
+            # one chunk: a gather over several copies a long string once per row it lands on (a careful
+            # line of N blocks would have had N copies of its text)
+            raw = pl.concat([raw, slow_raw], rechunk=True)
+            del slow_raw
         # a view per row into the lines' bytes: a line's blocks share them (BLOCKS: raw_line)
         cols["raw_line"] = raw.gather(pl.Series(raw_idx, dtype=pl.Int64)).to_arrow(
             compat_level=pl.CompatLevel.newest())
@@ -728,9 +734,14 @@ class _Batch:
             cols["image_bytes"] = [b64_decoded_len(d) if d is not None else None for d in cols["image_data"]]
         except (TypeError, ValueError, OverflowError) as exc:
             raise NeedsReference(str(exc)) from exc
+        slow = _strict_table(cols, _EB_SCHEMA)
+        del cols
+        for m in self.slow_msgs:  # Arrow holds them now: the Python copies go (a long text once less)
+            for b in m.blocks:
+                b.text = None
         # left in two chunks: `_gather` copies it into polars once (combining the chunks here copied the
         # fast rows' texts one more time)
-        return pa.concat_tables([self.fast_eb, _strict_table(cols, _EB_SCHEMA)])
+        return pa.concat_tables([self.fast_eb, slow])
 
 
 _USAGE_COLS = ["usage_input", "usage_output", "usage_cache_read", "usage_cache_write", "usage_cache_write_5m",

@@ -221,6 +221,10 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
         except OSError as exc:
             skipped.append(unreadable(f, exc))
     groups = claude_code.group_sessions(cc_files, cc_first)
+    # the first values of each file are for telling formats and sessions apart: let go of them before
+    # the files are read (a first line of 200 MB stayed parsed through the whole load)
+    cc_first.clear()
+    first = []
     columnar_load = None
     by_file: defaultdict[str, Counter[str]] = defaultdict(Counter)
     if columnar and groups and _batch_bytes(groups) < cc_columnar.SMALL_BATCH_BYTES:

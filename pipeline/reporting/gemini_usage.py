@@ -20,6 +20,7 @@ belongs to its parent's session. The project is the `~/.gemini/tmp/<project>` fo
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -58,6 +59,17 @@ def is_document(data: Any) -> bool:
 
 
 
+def _every_line(data: Any) -> Iterator[tuple[int, bytes]]:
+    start = 0
+    for line in bytes(data).split(b"\n"):
+        yield start, line
+        start += len(line) + 1
+
+
+def _line_no(data: Any, pos: int) -> int:
+    return bytes(data[:pos]).count(b"\n") + 1
+
+
 def _ids(path: str, meta: dict[str, Any]) -> tuple[str, str, str]:
     """(own session id, session the records belong to, project) of a file."""
     parts = path.replace("\\", "/").split("/")
@@ -76,10 +88,12 @@ def _ids(path: str, meta: dict[str, Any]) -> tuple[str, str, str]:
     return own, session, project
 
 
-def scan(path: str, data: Any) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], int]:
+def scan(path: str, data: Any, lines: Callable[[Any], Iterator[tuple[int, bytes]]] | None = None,
+         ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]], int]:
     """(records, bad lines, usage lines) of one Gemini CLI file.
 
-    Records have the layout of `ctxreplay.pipeline.reporting.report` (KEY ... SOURCE)."""
+    `lines(data)`: its (offset, line) pairs (the report's, which leaves out lines over --max-line-bytes);
+    default: every line. Records have the layout of `ctxreplay.pipeline.reporting.report` (KEY ... SOURCE)."""
     answers: dict[str, dict[str, Any]] = {}  # message id → its latest version that has tokens
     meta: dict[str, Any] = {}
     bad: list[dict[str, Any]] = []
@@ -101,17 +115,14 @@ def scan(path: str, data: Any) -> tuple[list[tuple[Any, ...]], list[dict[str, An
                 take(m)
         usage_lines = len(answers)
     else:
-        start = 0
-        raw = bytes(data)
-        for line in raw.split(b"\n"):
-            s = start
-            start += len(line) + 1
+        each = lines(data) if lines is not None else _every_line(data)
+        for s, line in each:
             if not line.strip():
                 continue
             try:
                 o = orjson.loads(line)
             except orjson.JSONDecodeError as exc:
-                bad.append({"file": path, "line": raw[:s].count(b"\n") + 1, "reason": f"not valid JSON: {exc}"[:200],
+                bad.append({"file": path, "line": _line_no(data, s), "reason": f"not valid JSON: {exc}"[:200],
                             "raw": line[:200].decode("utf-8", "replace")})
                 continue
             if not isinstance(o, dict):

@@ -44,7 +44,7 @@ from ctxreplay.pipeline.cost.prices import (
     price_with,
     request_usd,
 )
-from ctxreplay.pipeline.loaders.inputs import list_files, open_input
+from ctxreplay.pipeline.loaders.inputs import CHUNK_BYTES, list_files, max_line_bytes, open_input
 from ctxreplay.pipeline.reporting import gemini_usage
 from ctxreplay.pipeline.reporting.tokencount import token_count
 
@@ -92,6 +92,7 @@ class FileScan:
     records: list[tuple[Any, ...]]
     usage_lines: int = 0
     bad_lines: list[dict[str, Any]] = field(default_factory=list)
+    lines_too_long: int = 0  # lines over --max-line-bytes that may hold usage: not read (in bad_lines too)
 
 
 @dataclass
@@ -113,12 +114,16 @@ class Report:
     compat: str | None
     records: list[tuple[Any, ...]] = field(default_factory=list, repr=False)
     """The requests counted (one tuple each, fields KEY ... COST): what `--html` groups by day and model."""
+    lines_too_long: int = 0
+    """Lines over --max-line-bytes that may hold usage: not read (each in bad_lines too)."""
+    max_line_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"by": self.by, "rows": self.rows, "totals": self.totals, "genai_prices_version": self.genai_prices_version,
                 "prices": self.prices, "tz": self.tz, "since": self.since, "until": self.until, "compat": self.compat,
                 "progress_only": self.progress_only, "files": self.files, "usage_lines": self.usage_lines,
-                "requests": self.requests, "bad_lines": self.bad_lines, "warnings": self.warnings}
+                "requests": self.requests, "bad_lines": self.bad_lines, "lines_too_long": self.lines_too_long,
+                "max_line_bytes": self.max_line_bytes, "warnings": self.warnings}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,14 +166,18 @@ def discover(paths: Iterable[Path], skipped: list[dict[str, str]] | None = None)
 
 
 
-def _first_object(data: Any) -> Any:
-    """The first non-blank line's JSON object (None when it does not parse); reads nothing past it."""
+def _first_object(data: Any, limit: int | None = None) -> Any:
+    """The first non-blank line's JSON object (None when it does not parse, or when it is longer than
+    `limit` bytes: not read); reads nothing past it."""
+    limit = max_line_bytes(limit)
     pos = 0
     n = len(data)
     while pos < n:
         end = data.find(b"\n", pos)
         if end == -1:
             end = n
+        if end - pos > limit:
+            return None if not _blank(data, pos, end) else _first_object_after(data, end, limit)
         raw = data[pos:end]
         if raw.strip():
             try:
@@ -177,6 +186,29 @@ def _first_object(data: Any) -> Any:
                 return None
         pos = end + 1
     return None
+
+
+def _first_object_after(data: Any, end: int, limit: int) -> Any:
+    return _first_object(memoryview(data)[end + 1:], limit) if isinstance(data, bytes) else \
+        _first_object(data[end + 1:end + 1 + 2 * limit], limit)
+
+
+def _blank(data: Any, s: int, e: int) -> bool:
+    """Whether data[s:e] is nothing but whitespace, read a chunk at a time (never copied whole)."""
+    return all(not bytes(data[i:min(i + CHUNK_BYTES, e)]).strip() for i in range(s, e, CHUNK_BYTES))
+
+
+def _line_no(data: Any, pos: int) -> int:
+    """The 1-based number of the line that starts at `pos` (line breaks counted a chunk at a time)."""
+    return 1 + sum(bytes(data[i:min(i + CHUNK_BYTES, pos)]).count(b"\n") for i in range(0, pos, CHUNK_BYTES))
+
+
+def too_long(path: str, data: Any, s: int, e: int, limit: int, what: str = "a line") -> dict[str, Any]:
+    """The bad_lines entry of a line (or .json document) over --max-line-bytes: not read, its length
+    and first 200 bytes said."""
+    return {"file": path, "line": _line_no(data, s),
+            "reason": f"{what} of {e - s:,} bytes, over the limit of {limit:,} bytes (--max-line-bytes): not read",
+            "raw": bytes(data[s:s + 200]).decode("utf-8", "replace")}
 
 
 def _loads_line(line: bytes) -> list[Any]:
@@ -198,7 +230,7 @@ def _loads_line(line: bytes) -> list[Any]:
 
 
 def _bad(path: str, data: bytes, start: int, line: bytes, exc: Exception) -> dict[str, Any]:
-    return {"file": path, "line": data[:start].count(b"\n") + 1,
+    return {"file": path, "line": _line_no(data, start),
             "reason": f"not valid JSON: {exc}"[:200], "raw": line[:200].decode("utf-8", "replace")}
 
 
@@ -295,9 +327,13 @@ def _claude_record(o: dict[str, Any], session: str, project: str, compat: bool) 
             inp, out, cw5, cw1, cr, mods, web, recorded, "claude-code")
 
 
-def lines_holding(data: bytes, needle: bytes) -> Iterator[tuple[int, bytes]]:
+def lines_holding(data: bytes, needle: bytes, limit: int | None = None,
+                  long: list[tuple[int, int]] | None = None) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of every line of `data` that holds `needle`, each once, in order: the scanners
-    read only the lines that can hold usage (a search for the needle, not a split of the file)."""
+    read only the lines that can hold usage (a search for the needle, not a split of the file). A
+    line longer than `limit` bytes (default: --max-line-bytes) is not copied out: its (start, end)
+    goes to `long` instead."""
+    limit = max_line_bytes(limit)
     find, rfind = data.find, data.rfind
     pos = find(needle)
     while pos != -1:
@@ -305,20 +341,41 @@ def lines_holding(data: bytes, needle: bytes) -> Iterator[tuple[int, bytes]]:
         e = find(b"\n", pos)
         if e == -1:
             e = len(data)
-        yield s, data[s:e]
+        if e - s > limit:
+            if long is not None:
+                long.append((s, e))
+        else:
+            yield s, data[s:e]
         pos = find(needle, e)
 
 
-def _scan_claude(path: str, data: bytes, compat: bool) -> FileScan:
+def lines_of(data: Any, limit: int, long: list[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of every line of `data`, in order, but those over `limit` bytes, whose (start,
+    end) go to `long` (blank ones aside): no copy of the whole file, nor of a line over the limit."""
+    n, s = len(data), 0
+    while s <= n:
+        e = data.find(b"\n", s)
+        if e == -1:
+            e = n
+        if e - s > limit:
+            if not _blank(data, s, e):
+                long.append((s, e))
+        else:
+            yield s, data[s:e]
+        s = e + 1
+
+
+def _scan_claude(path: str, data: bytes, compat: bool, limit: int) -> FileScan:
     sid, project = _claude_ids(path)
     scan = FileScan(path, "claude-code", [])
+    long: list[tuple[int, int]] = []
     best: dict[Any, tuple[Any, ...]] = {}
     keyless: list[tuple[Any, ...]] = []
     # every Anthropic usage object has output_tokens: a long needle finds the lines fastest
     needle = b'"output_tokens"'
     loads = orjson.loads
     pending: list[dict[str, Any]] = []    # objects read before the session id is known (flat agent files)
-    for s, line in lines_holding(data, needle):
+    for s, line in lines_holding(data, needle, limit, long):
         if compat and b'"usage":{' not in line:   # ccusage reads only lines with these exact bytes
             continue
         try:
@@ -352,13 +409,14 @@ def _scan_claude(path: str, data: bytes, compat: bool) -> FileScan:
                 best[k] = rec
     # a line cut short before its output_tokens (`{"type":"assistant","message":{"usage":{"input_tokens":5`)
     # still held usage: it goes to bad_lines, never dropped silently
-    for s, line in lines_holding(data, b'"usage"'):
+    for s, line in lines_holding(data, b'"usage"', limit, long):
         if needle in line:
             continue                      # read above
         try:
             _loads_line(line)
         except ValueError as exc:
             scan.bad_lines.append(_bad(path, data, s, line, exc))
+    _take_long(scan, data, sorted(set(long)), limit)
     if pending:
         sid = sid or Path(path).name.split(".jsonl")[0]
         for o in pending:
@@ -375,9 +433,10 @@ def _iso_from_ms(v: Any) -> str:
     return ""
 
 
-def _scan_pi(path: str, data: bytes, header: dict[str, Any]) -> FileScan:
+def _scan_pi(path: str, data: bytes, header: dict[str, Any], limit: int) -> FileScan:
     """OpenClaw / pi: `usage = {input, output, cacheRead, cacheWrite, totalTokens, cost}` per message."""
     scan = FileScan(path, "openclaw", [])
+    long: list[tuple[int, int]] = []
     parts = path.replace("\\", "/").split("/")
     # the file name is the session id (`<uuid>.jsonl`, `.jsonl.deleted.<ts>`); the header id may differ
     m = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", parts[-1])
@@ -390,7 +449,7 @@ def _scan_pi(path: str, data: bytes, header: dict[str, Any]) -> FileScan:
         project = cwd if isinstance(cwd, str) and cwd else (parts[-2] if len(parts) >= 2 else "")
     best: dict[Any, tuple[Any, ...]] = {}
     keyless: list[tuple[Any, ...]] = []
-    for s, line in lines_holding(data, b'"usage"'):
+    for s, line in lines_holding(data, b'"usage"', limit, long):
         try:
             objs = _loads_line(line)
         except ValueError as exc:
@@ -419,14 +478,21 @@ def _scan_pi(path: str, data: bytes, header: dict[str, Any]) -> FileScan:
             rec = (key, PRIO_MAIN, inp + out + cr + cw, sid, project, ts, model, provider, inp, out, cw, 0, cr, (), 0,
                    None, "openclaw")
             _keep(best, rec, keyless)
+    _take_long(scan, data, long, limit)
     scan.records = [*best.values(), *keyless]
     return scan
 
 
-def _scan_codex(path: str, data: Any) -> FileScan:
+def _take_long(scan: FileScan, data: Any, long: list[tuple[int, int]], limit: int) -> None:
+    """Lines over the limit that may hold usage: in bad_lines (`too_long`), counted in lines_too_long."""
+    for s, e in long:
+        scan.bad_lines.append(too_long(scan.path, data, s, e, limit))
+    scan.lines_too_long += len(long)
+
+
+def _scan_codex(path: str, data: Any, limit: int) -> FileScan:
     """Codex rollout: `token_count` events, input includes the cached tokens; model from `turn_context`."""
     scan = FileScan(path, "codex", [])
-    data = bytes(data)
     sid = Path(path).name.split(".jsonl")[0]
     m = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", sid)
     sid = m.group(0) if m else sid
@@ -436,10 +502,8 @@ def _scan_codex(path: str, data: Any) -> FileScan:
     last_total: Any = None
     best: dict[Any, tuple[Any, ...]] = {}
     keyless: list[tuple[Any, ...]] = []
-    start = 0
-    for line in data.split(b"\n"):
-        s = start
-        start += len(line) + 1
+    long: list[tuple[int, int]] = []
+    for s, line in lines_of(data, limit, long):
         if not any(n in line for n in _CODEX_NEEDLES):
             continue
         try:
@@ -491,11 +555,12 @@ def _scan_codex(path: str, data: Any) -> FileScan:
                 rec = (key, PRIO_MAIN, inp + out + cached + written, sid, project, ts, model, provider,
                        inp, out, written, 0, cached, (), 0, None, "codex")
                 _keep(best, rec, keyless)
+    _take_long(scan, data, [(s, e) for s, e in long if any(data.find(n, s, e) != -1 for n in _CODEX_NEEDLES)], limit)
     scan.records = [*best.values(), *keyless]
     return scan
 
 
-def scan_file(path: str, compat: bool = False) -> FileScan:
+def scan_file(path: str, compat: bool = False, limit: int | None = None) -> FileScan:
     """Read one transcript file and return its usage records (one per request key)."""
     try:
         with open_input(path) as fh:  # never a FIFO or a device
@@ -506,36 +571,42 @@ def scan_file(path: str, compat: bool = False) -> FileScan:
         reason = f"cannot be read: {getattr(exc, 'strerror', None) or exc}"
         return FileScan(path, "unreadable", [], bad_lines=[{"file": path, "line": 0, "reason": reason, "raw": ""}])
     try:
-        return _scan_data(path, data, compat)
+        return _scan_data(path, data, compat, max_line_bytes(limit))
     finally:
         if size:
             data.close()
 
 
-def _scan_data(path: str, data: Any, compat: bool) -> FileScan:
-    first = _first_object(data)
-    if first is None and not data[:4096].strip() and not bytes(data).strip():
+def _scan_data(path: str, data: Any, compat: bool, limit: int) -> FileScan:
+    first = _first_object(data, limit)
+    if first is None and not data[:4096].strip() and _blank(data, 0, len(data)):
         return FileScan(path, "empty", [])
     if gemini_usage.is_header(first) or (first is None and gemini_usage.is_document(data)):
         scan = FileScan(path, gemini_usage.SOURCE, [])
-        scan.records, scan.bad_lines, scan.usage_lines = gemini_usage.scan(path, data)
+        if gemini_usage.is_document(data) and len(data) > limit:  # read whole: the limit is the document's
+            scan.bad_lines.append(too_long(path, data, 0, len(data), limit, "a JSON document"))
+            scan.lines_too_long += 1
+            return scan
+        long: list[tuple[int, int]] = []
+        scan.records, scan.bad_lines, scan.usage_lines = gemini_usage.scan(path, data, lambda d: lines_of(d, limit, long))
+        _take_long(scan, data, long, limit)
         return scan
     if isinstance(first, dict):
         if first.get("type") == "session" and "payload" not in first:
-            return _scan_pi(path, data, first)
+            return _scan_pi(path, data, first, limit)
         if isinstance(first.get("payload"), dict) and first.get("type") in (
                 "session_meta", "turn_context", "response_item", "event_msg", "compacted"):
-            return _scan_codex(path, data)
-    return _scan_claude(path, data, compat)
+            return _scan_codex(path, data, limit)
+    return _scan_claude(path, data, compat, limit)
 
 
 _PRICER: Pricer | None = None   # set by scan_files before forking: workers inherit it
 
 
-def _scan_many(args: tuple[list[str], bool]) -> tuple[list[FileScan], dict[str, Any] | None]:
+def _scan_many(args: tuple[list[str], bool, int]) -> tuple[list[FileScan], dict[str, Any] | None]:
     """Scan (and, with a pricer, price) files; returns the scans and the price lookups this process made."""
-    files, compat = args
-    scans = [scan_file(f, compat) for f in files]
+    files, compat, limit = args
+    scans = [scan_file(f, compat, limit) for f in files]
     pricer = _PRICER
     if pricer is None:
         return scans, None
@@ -552,6 +623,7 @@ def scan_files(files: list[str], *, compat: bool = False, workers: int | None = 
     the file was scanned; lookups the workers make reach `pricer.book` (and its disk cache).
     """
     global _PRICER
+    limit = max_line_bytes()  # the command's --max-line-bytes, handed to the workers
     sizes = []
     for f in files:
         try:
@@ -563,13 +635,13 @@ def scan_files(files: list[str], *, compat: bool = False, workers: int | None = 
     _PRICER = pricer
     try:
         if n == 1:
-            return _scan_many((files, compat))[0]
+            return _scan_many((files, compat, limit))[0]
         import multiprocessing as mp
 
         try:
             ctx = mp.get_context("fork")
         except ValueError:   # no fork on this platform: one process
-            return _scan_many((files, compat))[0]
+            return _scan_many((files, compat, limit))[0]
         bins: list[list[str]] = [[] for _ in range(n)]
         load = [0] * n
         for size, f in sorted(zip(sizes, files, strict=True), reverse=True):
@@ -578,8 +650,8 @@ def scan_files(files: list[str], *, compat: bool = False, workers: int | None = 
             load[i] += size
         # n - 1 children and this process share the bins: one fork and one result transfer fewer
         with ctx.Pool(n - 1) as pool:
-            pending = pool.map_async(_scan_many, [(b, compat) for b in bins[1:]], chunksize=1)
-            parts = [_scan_many((bins[0], compat)), *pending.get()]
+            pending = pool.map_async(_scan_many, [(b, compat, limit) for b in bins[1:]], chunksize=1)
+            parts = [_scan_many((bins[0], compat, limit)), *pending.get()]
     finally:
         _PRICER = None
     if pricer is not None:
@@ -859,6 +931,7 @@ def build_report(paths: list[Path], book: PriceBook, opts: ReportOptions) -> Rep
         usage_lines=sum(s.usage_lines for s in scans), requests=len(kept),
         bad_lines=[{"file": x["file"], "line": 0, "reason": x["reason"], "raw": ""} for x in skipped]
         + [b for s in scans for b in s.bad_lines], warnings=list(book.warnings),
+        lines_too_long=sum(s.lines_too_long for s in scans), max_line_bytes=max_line_bytes(),
         genai_prices_version=book.genai_prices_version, prices=book.source,
         tz=opts.tz or "local", since=since.isoformat() if since else None,
         until=until.isoformat() if until else None, compat=opts.compat, records=kept)

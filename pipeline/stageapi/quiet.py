@@ -29,8 +29,8 @@ from ctxreplay.pipeline.core.tokens import (
     TIKTOKEN_COUNTER,
     fast_token_estimate,
     is_image_expr,
+    per_token_text,
     row_tokens_expr,
-    token_text_expr,
 )
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult
 
@@ -62,9 +62,10 @@ def row_tokens_bound(ctx: StageContext) -> pl.Expr:
     least one byte), an image's cap. Another counter is asked (exact)."""
     if ctx.count_tokens is not None and ctx.token_counter_version not in (CHARS4_COUNTER, TIKTOKEN_COUNTER):
         return row_tokens_expr(ctx.count_tokens)
-    text = token_text_expr().fill_null("")
-    per_text = fast_token_estimate(text.str.len_chars()) if ctx.count_tokens is None \
-        or ctx.token_counter_version == CHARS4_COUNTER else text.str.len_bytes().cast(pl.Int64)
+    if ctx.count_tokens is None or ctx.token_counter_version == CHARS4_COUNTER:
+        per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
+    else:
+        per_text = per_token_text(lambda t: t.str.len_bytes().fill_null(0).cast(pl.Int64))
     return pl.when(is_image_expr()).then(pl.lit(IMAGE_MAX_TOKENS, pl.Int64)).otherwise(per_text).cast(pl.Int64)
 
 
