@@ -68,8 +68,7 @@ from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT_OPENAI as MISS
 from ctxreplay.pipeline.stageapi.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread, nonblank
 from ctxreplay.pipeline.stageapi.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
-from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 from ctxreplay.pipeline.targets import target_family
 from ctxreplay.schemas.blocks import CONTENT_COLUMNS
 from ctxreplay.schemas.decisions import DECISION_KEY
@@ -309,7 +308,8 @@ def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.
     return pl.concat([rows, ok_pairs, in_place])
 
 
-@stage("pairing", version=2, params=Pairing, requires=("sanitize",), live=LiveRule(live_start, live_step))
+@stage("pairing", version=2, params=Pairing, requires=("sanitize",), live=LiveRule(live_start, live_step),
+       quiet=Quiet(quiet_check))
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
 
@@ -319,8 +319,6 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     rewrites tool-call ids per target (`replace`/`tool_id`), re-attaches results without a call
     (`replace`/`reattached`) and trims result names (`replace`/`result_name`).
     """
-    if quiet(blocks, ledger, quiet_check(blocks, params, ctx)):
-        return unchanged(blocks)
     mode = resolve_id_mode(params.tool_id_mode, ctx.target)
     w = materialize(_working_frame(blocks))
     calls = materialize(_call_ids(_calls(w, params), mode, ctx.target))  # steps 1 and 7

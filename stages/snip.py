@@ -26,6 +26,7 @@ from ctxreplay.pipeline.core.blockops import (
     empty_decisions,
     new_rows,
     rehash,
+    sort_blocks,
     synthetic_id_expr,
 )
 from ctxreplay.pipeline.core.constants import (
@@ -53,11 +54,10 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, start_marks
-from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.quiet import ask, per_thread, request_tokens_bound
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 from ctxreplay.schemas.blocks import BLOCKS as _BLOCKS_ARROW
 from ctxreplay.schemas.check import conform
-from ctxreplay.stages.tombstone import quiet_check as tombstone_quiet_check
 
 SNIP_TEMPLATE = SNIP_MARKER_TEXT
 SNIP_RE = re.compile(SNIP_MARKER_RE)
@@ -363,6 +363,8 @@ def tombstone_dry_run(base: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     ref = ctx.peer("tombstone")
     if ref is None:
         return base
+    if ref.stage.quiet is not None and ask(base, [ref.stage.quiet.check(base, ref.params, ctx)])[0]:
+        return materialize(sort_blocks(base))  # the dry run clears nothing: the blocks as its plan leaves them
     return materialize(ref.stage.fn(base, ref.params, empty_decisions(), ctx).blocks)
 
 
@@ -538,7 +540,7 @@ def live_step(carry: LiveCarry | None, new: LiveRows, p: Snip, ctx: StageContext
     return Live.quiet(LiveCarry(tokens, dry))
 
 
-def quiet_check(params: Snip, ctx: StageContext) -> pl.Expr:
+def quiet_check(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> pl.Expr | pl.LazyFrame:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no snip marker yet, and every request of
     every thread (bounded by all its rows) within the high watermark, with the pipeline's tombstone
     quiet too (its dry run leaves the blocks as they are)."""
@@ -547,11 +549,19 @@ def quiet_check(params: Snip, ctx: StageContext) -> pl.Expr:
     hi = params.high_watermark * max(0, ctx.window_tokens - params.reserve_output_tokens)
     check = ~(pl.col("origin") == "snip").fill_null(False).any() & per_thread(request_tokens_bound(ctx) <= hi)
     ref = ctx.peer("tombstone")
-    return check if ref is None else check & tombstone_quiet_check(ref.params, ctx)
+    if ref is None:
+        return check
+    if ref.stage.quiet is None:
+        return pl.lit(False)
+    peer = ref.stage.quiet.check(blocks, ref.params, ctx)
+    if isinstance(peer, pl.Expr):
+        return check & peer
+    return pl.concat([blocks.select(check.fill_null(False)), peer.select(pl.first().fill_null(False).all())],
+                     how="horizontal").select(pl.all_horizontal(pl.all()))
 
 
 @stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),
-       rebuild=_ledger_markers, live=LiveRule(live_start, live_step))
+       rebuild=_ledger_markers, live=LiveRule(live_start, live_step), quiet=Quiet(quiet_check))
 def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Remove whole old middle turns when the request passes the high watermark.
 
@@ -564,8 +574,6 @@ def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageCon
     ledger's snips and rebuilds the marker first; a row changed under a recorded snip (a `conflict`)
     is still removed from that call; only later calls are decided afresh.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):
-        return unchanged(blocks)
     if not params.enabled:
         return StageResult(blocks, empty_decisions())
     redo = _resnip_conflicts(blocks, ledger)

@@ -9,18 +9,14 @@ decides something the stage (check on) decides the same.
 from __future__ import annotations
 
 import importlib
-import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import polars as pl
 import pytest
 
-from ctxreplay.pipeline.core.blockops import empty_decisions
 from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
 from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER, TokenCounter, row_tokens_expr
-from ctxreplay.pipeline.stageapi.quiet import quiet, request_tokens_bound, row_tokens_bound
+from ctxreplay.pipeline.stageapi.quiet import ask, request_tokens_bound, row_tokens_bound
 from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
 from ctxreplay.pipeline.staging.spec import resolve_params
 from ctxreplay.testkit import make_blocks, make_context, run_stage
@@ -51,27 +47,15 @@ def module(name: str) -> Any:
 
 
 def check(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageContext) -> bool:
-    p = resolve_params(get_stage(name), dict(params), where="test")
-    fn = module(name).quiet_check
-    args = (blocks, p, ctx) if len(inspect.signature(fn).parameters) == 3 else (p, ctx)  # a plan or an aggregate
-    return quiet(blocks, empty_decisions(), fn(*args))
+    st = get_stage(name)
+    assert st.quiet is not None and st.quiet.check is module(name).quiet_check
+    p = resolve_params(st, dict(params), where="test")
+    return ask(blocks, [st.quiet.check(blocks, p, ctx)])[0]
 
 
-@contextmanager
-def check_off(name: str) -> Iterator[None]:
-    """The stage's plan, its quick check bypassed."""
-    mod = module(name)
-    saved = mod.quiet
-    mod.quiet = lambda *a: False
-    try:
-        yield
-    finally:
-        mod.quiet = saved
-
-
-def outputs(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageContext,
+def outputs(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageContext, checks: bool = True,
             ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    res = run_stage(name, blocks, params, ctx=ctx)
+    res = run_stage(name, blocks, params, ctx=ctx, checks=checks)
     return res.blocks.collect(), res.decisions.collect()
 
 
@@ -80,8 +64,7 @@ def agrees(name: str, blocks: pl.LazyFrame, params: dict[str, Any], ctx: StageCo
     leaves the blocks as the quick path does; either way the stage decides what its plan decides."""
     is_quiet = check(name, blocks, params, ctx)
     fast_blocks, fast_dec = outputs(name, blocks, params, ctx)
-    with check_off(name):
-        plan_blocks, plan_dec = outputs(name, blocks, params, ctx)
+    plan_blocks, plan_dec = outputs(name, blocks, params, ctx, checks=False)
     assert fast_blocks.equals(plan_blocks)
     assert fast_dec.equals(plan_dec)
     if is_quiet:
@@ -129,11 +112,49 @@ def test_tombstone_idle_trigger_both_sides() -> None:
 
 
 def test_tombstone_results_too_short_to_clear_are_quiet_whatever_the_triggers() -> None:
-    idle = make_blocks(loops(6, size=50, idle_before=4))  # 6 results x 50 characters = 300
+    idle = make_blocks(loops(6, size=50, idle_before=4))  # 6 results of 50 characters, each before a user row
     params = {**TOMB, "trigger_tokens": 1}
-    assert agrees("tombstone", idle, {**params, "min_result_chars": 301}, CTX)
-    assert not agrees("tombstone", idle, {**params, "min_result_chars": 300}, CTX)
+    assert agrees("tombstone", idle, {**params, "min_result_chars": 51}, CTX)
     assert not agrees("tombstone", idle, {**params, "min_result_chars": 50}, CTX)
+    _, dec = outputs("tombstone", idle, {**params, "min_result_chars": 50}, CTX)
+    assert dec.filter(pl.col("action") == "tombstone").height > 0
+
+
+def one_loop(n: int, size: int = 2_000, user_after: int | None = None) -> list[dict[str, Any]]:
+    """One user row, then n tool loops in one tool loop (no user row between them), an idle gap
+    before the last; with `user_after`, a user row after that many loops."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "text": "start", "timestamp": 0}]
+    t = 10.0
+    for i in range(n):
+        if i == n - 1:
+            t += HOUR + 5
+        if i == user_after:
+            msgs.append({"role": "user", "text": "and now", "timestamp": t})
+        msgs.append({"role": "assistant", "timestamp": t, "blocks": [
+            {"type": "tool_use", "tool_use_id": f"toolu_{i}", "tool_name": "Read", "tool_input": {"p": i}}]})
+        msgs.append({"role": "user", "timestamp": t + 1, "blocks": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{i}", "tool_name": "Read", "text": "x" * size}]})
+        t += 10
+    msgs.append({"role": "assistant", "text": "done", "timestamp": t})
+    return msgs
+
+
+def test_tombstone_results_all_in_the_current_tool_loop_are_quiet_whatever_the_triggers() -> None:
+    params = {**TOMB, "trigger_tokens": 1}
+    assert agrees("tombstone", make_blocks(one_loop(8)), params, CTX)  # over both triggers, nothing eligible
+    # a user row after the first results: they leave the tool loop, and the plan clears them
+    later = make_blocks(one_loop(8, user_after=3))
+    assert not agrees("tombstone", later, params, CTX)
+    _, dec = outputs("tombstone", later, params, CTX)
+    assert dec.filter(pl.col("action") == "tombstone").height > 0
+    # the same user row before every result: the tool loop holds them all again
+    assert agrees("tombstone", make_blocks(one_loop(8, user_after=0)), params, CTX)
+    # a long result before the user row, the rest too short: one result is enough to be eligible
+    msgs = one_loop(8, size=50, user_after=3)
+    msgs[2]["blocks"][0]["text"] = "x" * 100
+    assert not agrees("tombstone", make_blocks(msgs), params, CTX)
+    msgs[2]["blocks"][0]["text"] = "x" * 99
+    assert agrees("tombstone", make_blocks(msgs), params, CTX)
 
 
 def test_tombstone_with_clearings_already_in_the_input_is_never_quiet() -> None:
