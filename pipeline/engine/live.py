@@ -230,7 +230,8 @@ def start_rules(positions: tuple[Position, ...], base: LiveThread, outs: dict[st
         rule = pos.stage.live
         if rule is None:
             continue
-        thread = base.with_blocks(outs[pos.name].filter(mine), pos.name)
+        out = outs[pos.name]  # the same frame for positions that left their input as it was
+        thread = base.with_blocks(base.measured("thread", lambda out=out: out.filter(mine), out), pos.name)
         try:
             carried[pos.name] = rule.start(thread, pos.params, pos.ctx)
         except Exception as exc:
