@@ -420,3 +420,20 @@ def test_sanitize_not_quiet_on_any_defect_it_repairs(defect: str) -> None:
     if defect != "escaped_key":  # (a key that only looks escaped in the text: the check is conservative)
         _, dec = outputs("sanitize", blocks, {}, CTX)
         assert dec.height > 0
+
+
+@pytest.mark.parametrize("mode", ["preserve", "strict", "strict9"])
+@pytest.mark.parametrize("target", ["anthropic", "openai-chat", "gemini"])
+def test_pairing_same_id_expression_never_claims_an_id_that_changes(mode: str, target: str) -> None:
+    import importlib
+
+    pairing = importlib.import_module("ctxreplay.stages.pairing")
+    ids = ["toolu_01ABCdef", "toolu_01", "call_abc123", "abc123XYZ", "abcdefghi", "abcdefgh", "a" * 40, "a" * 41,
+           "id with space", "id.dot", "ünïcode", "toolu_bad!", "x\n", "\x1c", " ", "", None, "-_-", "123456789"]
+    got = pl.DataFrame({"_cid": ids}, schema={"_cid": pl.String}).select(
+        pairing.same_id_expr(mode, target)).to_series().to_list()
+    for tid, same in zip(ids, got, strict=True):
+        keeps = tid is not None and bool(tid.strip()) and pairing.map_tool_id(tid, 0, mode, target) == tid
+        assert not same or keeps, (tid, mode, target)  # never "kept" where the id changes
+        if tid is not None and tid.isascii() and tid.isprintable() and tid.strip() == tid and tid:
+            assert bool(same) == keeps, (tid, mode, target)  # and exact on plain ids
