@@ -199,6 +199,29 @@ def test_snip_high_watermark_both_sides(tmp_path: Path) -> None:
     assert not at(over, 8).incremental and "high watermark" in (at(over, 8).full_pass_reason or "")
 
 
+@pytest.mark.parametrize("size", [24, 40])
+def test_snip_after_tombstone_cleared_bounds_its_request_unless_a_new_result_could_grow(tmp_path: Path,
+                                                                                       size: int) -> None:
+    # once tombstone has cleared (idle trigger at each user turn), snip's rule measures its own
+    # input (the tokens before its dry run of tombstone, which can only shorten the request) as
+    # long as no new result the dry run may clear is shorter than the placeholder (9 tokens): a
+    # 24-character result (6 tokens) is, a 40-character one (10 tokens) is not
+    s = build(12, size=2000, turn_every=4)
+    call_with_result(s, 50, "y" * size)
+    call_with_result(s, 51, "z" * 200)
+    sp = spec("tombstone.trigger_tokens = 0\ntombstone.keep_recent = 0\ntombstone.trigger_idle_seconds = 20\n"
+              "tombstone.min_result_chars = 20")
+    got = check(s.entries, sp, tmp_path)
+    fired = [r.call for r in got if r.decisions.height and r.decisions["stage"].str.starts_with("tombstone").any()]
+    assert fired
+    with_short, after = got[-2], got[-1]  # the requests holding the new results (the second after the first)
+    if size == 24:
+        assert not with_short.incremental and "shorter than the placeholder" in (with_short.full_pass_reason or "")
+    else:
+        assert with_short.incremental, with_short.full_pass_reason
+    assert after.incremental, after.full_pass_reason
+
+
 def test_tombstone_token_trigger_both_sides(tmp_path: Path) -> None:
     s = build(9, size=2000, turn_every=4)  # a user turn ends at call 4 (its results become clearable)
     base = ("tombstone.trigger_tokens = 10000000\ntombstone.clear_at_least_tokens = 1\ntombstone.keep_recent = 0\n"

@@ -190,14 +190,46 @@ def test_snip_high_watermark_both_sides(peers: dict[str, Any]) -> None:
     assert dec.filter(pl.col("action") == "snip").height > 0
 
 
-def test_snip_is_not_quiet_where_its_tombstone_dry_run_may_fire() -> None:
+def test_snip_is_quiet_where_its_tombstone_dry_run_can_only_shorten_requests() -> None:
     blocks = make_blocks(loops(8, size=2_000))
     b = bound(blocks)
     params = {"reserve_output_tokens": 0, "high_watermark": 1.0}
     tomb = {"trigger_idle_seconds": 0, "keep_recent": 1, "clear_at_least_tokens": 1, "min_result_chars": 100}
+    # tombstone quiet (its trigger over the bound), or not (its dry run clears): snip is quiet either way,
+    # since clearing a 2,000-character result only shortens the request
+    for trigger in (b, b // 3):
+        ctx = make_context(window_tokens=b, peers={"tombstone": {**tomb, "trigger_tokens": trigger}})
+        assert agrees("snip", blocks, params, ctx)
+        assert agrees("tombstone", blocks, {**tomb, "trigger_tokens": trigger}, ctx) == (trigger == b)
+    # one token over the watermark: not quiet, whatever the dry run
+    assert not agrees("snip", blocks, params,
+                      make_context(window_tokens=b - 1, peers={"tombstone": {**tomb, "trigger_tokens": b // 3}}))
+
+
+@pytest.mark.parametrize("longer", ["short_result", "clear_tool_inputs", "clear_thinking_keep"])
+def test_snip_is_not_quiet_where_its_tombstone_dry_run_may_lengthen_a_request(longer: str) -> None:
+    # a result it may clear whose tokens are under the placeholder's, or params whose replacements
+    # (a tool input's "{}", a thinking note) may be the longer: then only a quiet tombstone makes snip quiet
+    size = 12 if longer == "short_result" else 2_000
+    blocks = make_blocks(loops(8, size=size))
+    b = bound(blocks)
+    params = {"reserve_output_tokens": 0, "high_watermark": 1.0}
+    tomb: dict[str, Any] = {"trigger_idle_seconds": 0, "keep_recent": 1, "clear_at_least_tokens": 1,
+                            "min_result_chars": 10}
+    if longer == "clear_tool_inputs":
+        tomb["clear_tool_inputs"] = True
+    if longer == "clear_thinking_keep":
+        tomb["clear_thinking_keep"] = 1
     assert agrees("snip", blocks, params, make_context(window_tokens=b, peers={"tombstone": {**tomb, "trigger_tokens": b}}))
     assert not agrees("snip", blocks, params,
-                      make_context(window_tokens=b, peers={"tombstone": {**tomb, "trigger_tokens": b - 1}}))
+                      make_context(window_tokens=b, peers={"tombstone": {**tomb, "trigger_tokens": b // 3}}))
+    if longer == "short_result":  # results of 12 characters (3 tokens) become the placeholder (9): longer
+        idle = {**tomb, "trigger_tokens": 0, "trigger_idle_seconds": 1}  # (the idle trigger clears them)
+        _, dec = outputs("tombstone", blocks, idle, make_context(window_tokens=b))
+        assert dec.filter(pl.col("action") == "tombstone").height > 0
+        # the same results under min_result_chars: never cleared, and snip quiet again
+        assert agrees("snip", blocks, params, make_context(window_tokens=b, peers={
+            "tombstone": {**tomb, "min_result_chars": 13, "trigger_tokens": b // 3}}))
 
 
 def test_snip_with_a_marker_in_the_input_is_never_quiet() -> None:
