@@ -366,6 +366,14 @@ class _Run:
     answers: dict[int, bool] = field(default_factory=dict)  # position -> its check's answer, asked ahead
     sorted_out: pl.DataFrame | None = None  # the blocks a quiet position left in block order
     ahead: bool = True  # ask the checks of the positions ahead too (the last position was quiet)
+    _earlier: dict[str, pl.DataFrame] = field(default_factory=dict)
+
+    def earlier(self, name: str) -> pl.DataFrame:
+        """The ledger view of one position (read once per pass)."""
+        got = self._earlier.get(name)
+        if got is None:
+            got = self._earlier[name] = self.view.for_stage(name)
+        return got
     asked: dict[str, Any] = field(default_factory=lambda: {"queries": 0, "positions": 0, "seconds": 0.0})
 
 
@@ -410,7 +418,7 @@ def _ask_ahead(state: _Run, blocks: pl.DataFrame, ahead: list[tuple[Any, str]], 
     lazy = blocks.lazy()
     for k, (rs, name) in enumerate(ahead, start=first):
         st: RegisteredStage = rs.stage
-        if st.quiet is None or not st.is_builtin or state.view.for_stage(name).height:
+        if st.quiet is None or not st.is_builtin or state.earlier(name).height:
             break
         ctx = stage_context(state.ctx, rs, state.spec)
         key = (st.name, repr(rs.params), repr(ctx))
@@ -472,7 +480,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
 
     st: RegisteredStage = rs.stage
     t0, c0 = time.perf_counter(), profile.collects()
-    earlier = state.view.for_stage(name)
+    earlier = state.earlier(name)
     ctx = stage_context(state.ctx, rs, state.spec)
     skip = state.quarantined.get(st.name, set())
     failed: dict[str, StageFailed] = {}
