@@ -30,6 +30,7 @@ from ctxreplay.pipeline.core.blockops import (
     synthetic_id_expr,
 )
 from ctxreplay.pipeline.core.constants import (
+    CHARS4_COUNTER,
     CLEARED_TEXT,
     MESSAGE_OVERHEAD_TOKENS,
     NO_CALL,
@@ -39,6 +40,7 @@ from ctxreplay.pipeline.core.constants import (
     SNIP_MARKER_TEXT,
     THREAD,
     VERSION_KEY,
+    chars4_tokens,
     polars_format,
 )
 from ctxreplay.pipeline.core.tokens import is_image_expr
@@ -608,12 +610,16 @@ def _dry_run_shrinks(blocks: pl.LazyFrame, tomb: Any, ctx: StageContext) -> pl.L
     min_result_chars, or an image) with a row under the placeholder's tokens."""
     if getattr(tomb, "clear_tool_inputs", True) or getattr(tomb, "clear_thinking_keep", None) != "all":
         return None
-    placeholder = text_tokens([CLEARED_TEXT], ctx)[0]
+    exact = ctx.count_tokens is None or ctx.token_counter_version == CHARS4_COUNTER  # the fast estimate
+    placeholder = chars4_tokens(len(CLEARED_TEXT)) if exact else text_tokens([CLEARED_TEXT], ctx)[0]
     results = blocks.filter(pl.col("block_type") == "tool_result").select(
-        *BLOCK_KEY, _tok=row_tokens_expr(ctx), _len=pl.col("text").str.len_chars().fill_null(0).cast(pl.Int64),
-        _img=is_image_expr().fill_null(False))
+        *BLOCK_KEY, "text", "block_type", "part_type", "tool_name", "tool_input", "image_width", "image_height",
+        _len=pl.col("text").str.len_chars().fill_null(0).cast(pl.Int64), _img=is_image_expr().fill_null(False))
     may_clear = (pl.col("_len").sum().over(BLOCK_KEY) >= tomb.min_result_chars) | pl.col("_img").any().over(BLOCK_KEY)
-    return results.select(_q=~(may_clear & (pl.col("_tok") < placeholder)).fill_null(True).any())
+    # only the rows of results it may clear are counted (the fast estimate needs no counter)
+    rows = results.filter(may_clear.fill_null(True)).select(_tok=row_tokens_expr(
+        StageContext() if exact else ctx))
+    return rows.select(_q=~(pl.col("_tok") < placeholder).fill_null(True).any())
 
 
 @stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),

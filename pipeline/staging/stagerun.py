@@ -412,6 +412,7 @@ def _ask_ahead(state: _Run, blocks: pl.DataFrame, ahead: list[tuple[Any, str]], 
     often needs the next: asking ahead there would ask most checks twice)."""
     from ctxreplay.pipeline.stageapi.quiet import ask
 
+    t0, c0 = time.perf_counter(), profile.collects()  # (building a check may run a query: counted with them)
     todo: list[tuple[int, pl.Expr | pl.LazyFrame]] = []
     same: dict[int, int] = {}  # position -> the earlier position asked the same check (pairing#2)
     seen: dict[tuple[str, str, str], int] = {}
@@ -436,7 +437,6 @@ def _ask_ahead(state: _Run, blocks: pl.DataFrame, ahead: list[tuple[Any, str]], 
             break
     if not todo:
         return
-    t0, c0 = time.perf_counter(), profile.collects()
     try:
         answers = ask(lazy, [c for _, c in todo])
     except Exception:  # noqa: BLE001  (one check fails to run: each position asks its own, and names itself)
