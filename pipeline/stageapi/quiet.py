@@ -31,7 +31,6 @@ from ctxreplay.pipeline.core.constants import (
 )
 from ctxreplay.pipeline.core.tokens import (
     IMAGE_MAX_TOKENS,
-    TIKTOKEN_COUNTER,
     fast_token_estimate,
     is_image_expr,
     row_tokens_expr,
@@ -88,14 +87,14 @@ def per_thread(expr: pl.Expr) -> pl.Expr:
 
 
 def row_tokens_bound(ctx: StageContext) -> pl.Expr:
-    """At least the tokens `row_tokens_expr(ctx.count_tokens)` gives a row, without tokenizing:
-    chars/4 exactly for the fast counter, the text's UTF-8 bytes for tiktoken (a token holds at
-    least one byte), an image's cap. Another counter is asked (exact)."""
-    if ctx.count_tokens is not None and ctx.token_counter_version not in (CHARS4_COUNTER, TIKTOKEN_COUNTER):
+    """At least the tokens `row_tokens_expr(ctx.count_tokens)` gives a row: chars/4 exactly for the
+    fast counter, without asking it; any other counter (tiktoken) is asked, exact: it counts each
+    distinct text once per run (a batch's texts are counted before its stages, for the recorded
+    facts; the engine's at the pass or step that brought them), so the check looks them up."""
+    if ctx.count_tokens is not None and ctx.token_counter_version != CHARS4_COUNTER:
         return row_tokens_expr(ctx.count_tokens)
     text = token_text_expr().fill_null("")
-    per_text = fast_token_estimate(text.str.len_chars()) if ctx.count_tokens is None \
-        or ctx.token_counter_version == CHARS4_COUNTER else text.str.len_bytes().cast(pl.Int64)
+    per_text = fast_token_estimate(text.str.len_chars())
     return pl.when(is_image_expr()).then(pl.lit(IMAGE_MAX_TOKENS, pl.Int64)).otherwise(per_text).cast(pl.Int64)
 
 
