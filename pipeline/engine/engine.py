@@ -26,7 +26,9 @@ Work per call: when the new entries only extend the main thread of a Claude Code
 stage decides anything about them (each stage's own live rule says: `@stage(live=...)`,
 pipeline/engine/live.py), the live path
 makes their rows and appends them to the kept replay state, with no pass; otherwise the stages run
-over the whole session (columnar, with the ledger's frozen decisions: correct, not incremental).
+over the whole session (columnar, with the ledger's frozen decisions: correct, not incremental),
+over the kept rows and the live path's new ones when it could read the new lines, else over what
+the loaders read from the spool again.
 The replay shapes only the pending call, never the calls before it (their requests are frozen).
 bench/bench_engine.py measures what a call costs on both paths.
 
