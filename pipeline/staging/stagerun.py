@@ -10,7 +10,10 @@ For each stage, in the spec's order:
    seen there); the stage gets the conflict rows in its ledger view and decides the block afresh.
    `--strict` runs fail on conflicts.
 2. **Run** the stage (built-ins in-process; plug-ins in a worker process with a time budget, see
-   pipeline/staging/isolation.py), check what it returns against the schemas.
+   pipeline/staging/isolation.py), check what it returns against the schemas. A stage with a quick
+   check (`@stage(quiet=...)`, ctxreplay.pipeline.stageapi.quiet) and no earlier decision is asked
+   it first; where it holds, its plan does not run and it decides nothing. The checks of
+   consecutive positions are asked in one query over the same rows (`_ask_ahead`).
 3. **Reconcile** its decisions with the ledger: decisions for a thread's pending call are
    provisional (applied, never frozen); the others are new (to write), already in the ledger
    (reused), or clash with the ledger's outcome for the same key (`conflict`, `ledger_mismatch`).
@@ -366,6 +369,8 @@ class _Run:
     answers: dict[int, bool] = field(default_factory=dict)  # position -> its check's answer, asked ahead
     sorted_out: pl.DataFrame | None = None  # the blocks a quiet position left in block order
     ahead: bool = True  # ask the checks of the positions ahead too (the last position was quiet)
+    # the checks asked ahead: queries, positions asked, seconds (and collects when counted)
+    asked: dict[str, Any] = field(default_factory=lambda: {"queries": 0, "positions": 0, "seconds": 0.0})
     _earlier: dict[str, pl.DataFrame] = field(default_factory=dict)
 
     def earlier(self, name: str) -> pl.DataFrame:
@@ -374,7 +379,6 @@ class _Run:
         if got is None:
             got = self._earlier[name] = self.view.for_stage(name)
         return got
-    asked: dict[str, Any] = field(default_factory=lambda: {"queries": 0, "positions": 0, "seconds": 0.0})
 
 
 def run_stages(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext,
