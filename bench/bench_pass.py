@@ -4,9 +4,10 @@ Generates a Claude Code session of --calls calls (bench_replay.generate: tool ca
 loads it once, then runs the stages (pipeline/staging/stagerun.run_stages, as the batch runner and the
 engine's full pass do) --repeat times and prints, per pass: wall ms (min and median), CPU ms (polars'
 threads added up; less disturbed by other processes on a shared machine), the number of polars
-plans collected (every collect, eager operations included), and each stage's seconds. With
---compare, the same again with the stages' quick "nothing to do" checks off
-(ctxreplay.pipeline.stageapi.quiet): every stage runs its whole plan, as before the checks.
+plans collected (every collect, eager operations included: pipeline/core/profile.py), and each
+stage position's milliseconds and collects (medians; `quiet`: its quick check held, its plan did not
+run), the checks asked together apart. With --compare, the same again with the stages' quick
+"nothing to do" checks off (`run_stages(checks=False)`): every stage runs its whole plan.
 
     python bench/bench_pass.py [--calls 10] [--preset default] [--repeat 15] [--compare]
 """
@@ -14,14 +15,10 @@ plans collected (every collect, eager operations included), and each stage's sec
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,66 +27,53 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import polars as pl
-import polars.lazyframe.engine as polars_engine
 from bench_replay import generate
 
 from ctxreplay.pipeline.assembly.replay import call_counts
+from ctxreplay.pipeline.core import profile
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER, TIKTOKEN_COUNTER, TokenCounter
 from ctxreplay.pipeline.loaders.load import load_paths
 from ctxreplay.pipeline.stageapi.registry import StageContext
 from ctxreplay.pipeline.staging.spec import load_spec
 from ctxreplay.pipeline.staging.stagerun import CallMap, LedgerView, run_stages
 
-COLLECTS = Counter[str]()
 
-
-def _count_collects() -> None:
-    """Count every plan polars runs (its engines' `collect`: lazy collects and eager operations)."""
-    for cls in [v for v in vars(polars_engine).values() if isinstance(v, type) and "collect" in vars(v)]:
-        orig = cls.collect
-
-        def counted(self: Any, *a: Any, _orig: Any = orig, **k: Any) -> Any:
-            COLLECTS["all"] += 1
-            return _orig(self, *a, **k)
-
-        cls.collect = counted  # type: ignore[method-assign]
-
-
-@contextmanager
-def checks_off(spec: Any) -> Iterator[None]:
-    """The stages' quick checks off: each runs its whole plan."""
-    mods = {importlib.import_module(rs.stage.module) for rs in spec.stages}
-    saved = {m: m.quiet for m in mods if hasattr(m, "quiet")}
-    for m in saved:
-        m.quiet = lambda *a: False
-    try:
-        yield
-    finally:
-        for m, q in saved.items():
-            m.quiet = q
-
-
-def time_passes(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext, repeat: int) -> dict[str, Any]:
-    run_stages(blocks, spec, view, ctx)  # warm-up: imports, regex caches, the token memo
-    walls, cpus, collects, stages = [], [], [], Counter[str]()
-    for _ in range(repeat):
-        COLLECTS.clear()
-        w, c = time.perf_counter(), time.process_time()
-        res = run_stages(blocks, spec, view, ctx)
-        walls.append(time.perf_counter() - w)
-        cpus.append(time.process_time() - c)
-        collects.append(COLLECTS["all"])
-        for o in res.outcomes:
-            stages[o.name] += o.stats.seconds / repeat
+def time_passes(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext, repeat: int,
+                checks: bool = True) -> dict[str, Any]:
+    run_stages(blocks, spec, view, ctx, checks=checks)  # warm-up: imports, regex caches, the token memo
+    walls, cpus, collects = [], [], []
+    stages: dict[str, list[tuple[float, int, bool]]] = {}
+    asked: list[tuple[float, int]] = []
+    with profile.counting():
+        for _ in range(repeat):
+            c0 = profile.collects()
+            w, c = time.perf_counter(), time.process_time()
+            res = run_stages(blocks, spec, view, ctx, checks=checks)
+            walls.append(time.perf_counter() - w)
+            cpus.append(time.process_time() - c)
+            collects.append(profile.collects() - c0)
+            for o in res.outcomes:
+                stages.setdefault(o.name, []).append((o.stats.seconds, o.stats.collects or 0, o.stats.quiet))
+            asked.append((res.checks["seconds"], res.checks.get("collects", 0)))
     return {"wall_min": min(walls) * 1e3, "wall_med": statistics.median(walls) * 1e3,
             "cpu_med": statistics.median(cpus) * 1e3, "collects": statistics.median(collects),
-            "decisions": sum(o.stats.decisions for o in res.outcomes), "stages": stages}
+            "decisions": sum(o.stats.decisions for o in res.outcomes), "stages": stages, "asked": asked,
+            "queries": res.checks["queries"]}
 
 
 def show(label: str, r: dict[str, Any]) -> None:
     print(f"{label:>12}: wall {r['wall_min']:6.1f} ms min, {r['wall_med']:6.1f} ms median; cpu {r['cpu_med']:6.1f} ms "
           f"median; {r['collects']:.0f} polars collects per pass; {r['decisions']} decisions")
-    print(" " * 14 + "stages (ms): " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in r["stages"].items()))
+    parts = []
+    for name, runs in r["stages"].items():
+        ms = statistics.median(x[0] for x in runs) * 1e3
+        n = statistics.median(x[1] for x in runs)
+        parts.append(f"{name} {ms:.0f} ms/{n:.0f}" + (" quiet" if all(x[2] for x in runs) else ""))
+    print(" " * 14 + "stages (ms/collects): " + ", ".join(parts))
+    if r["queries"]:
+        ms = statistics.median(x[0] for x in r["asked"]) * 1e3
+        n = statistics.median(x[1] for x in r["asked"])
+        print(" " * 14 + f"quick checks asked together: {r['queries']} queries, {ms:.0f} ms/{n:.0f}")
 
 
 def main() -> None:
@@ -111,13 +95,11 @@ def main() -> None:
     counter = TokenCounter(TIKTOKEN_COUNTER if a.tiktoken else CHARS4_COUNTER)
     ctx = StageContext(target="anthropic", window_tokens=spec.window_tokens, count_tokens=counter.series_counter(),
                        token_counter_version=counter.name, supports_images=True)
-    _count_collects()
     print(f"preset {a.preset}, {a.calls}-call session ({blocks.height} rows), {len(spec.stages)} stage positions, "
           f"{a.repeat} passes")
     show("checks on", time_passes(blocks, spec, LedgerView(calls), ctx, a.repeat))
     if a.compare:
-        with checks_off(spec):
-            show("checks off", time_passes(blocks, spec, LedgerView(calls), ctx, a.repeat))
+        show("checks off", time_passes(blocks, spec, LedgerView(calls), ctx, a.repeat, checks=False))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ from ctxreplay.pipeline.staging.spec import load_spec
 SID = "9b1f0000-0000-4000-8000-00000000beef"
 
 
-def generate(path: Path, calls: int) -> None:
-    """A Claude Code session with `calls` requests: prompt, then tool call / result turns."""
+def generate(path: Path, calls: int, turns: int = 0) -> None:
+    """A Claude Code session with `calls` requests: prompt, then tool call / result turns. With
+    `turns`, every `turns`-th answer is a text and the user writes again (a new tool loop starts):
+    the results before it can then be cleared. Two lines per call either way (answer, then result
+    or user message)."""
     gen = SessionLines(SID)
     lines, entry = gen.lines, gen.entry
 
@@ -43,11 +46,15 @@ def generate(path: Path, calls: int) -> None:
                  "cache_creation_input_tokens": 60}
         tid = f"toolu_bench_{k:06d}"
         last = k == calls - 1
+        turn = bool(turns) and k % turns == turns - 1 and not last
         block = ({"type": "text", "text": "All steps are done."} if last else
+                 {"type": "text", "text": f"Step {k} is done."} if turn else
                  {"type": "tool_use", "id": tid, "name": "Bash", "input": {"command": f"run step {k}"}})
         entry("assistant", {"id": f"msg_bench_{k:06d}", "role": "assistant", "model": "claude-sonnet-4-5",
                             "content": [block], "usage": usage}, 2 * k + 1, requestId=f"req_bench_{k:06d}")
-        if not last:
+        if turn:
+            entry("user", {"role": "user", "content": f"Good. Go on with step {k + 1}."}, 2 * k + 2)
+        elif not last:
             out = f"step {k} output\n" + ("log line with some detail\n" * (5 + k % 7))
             entry("user", {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": out}]},
                   2 * k + 2)

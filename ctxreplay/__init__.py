@@ -4,6 +4,8 @@ This module is the stable API for plug-in stages and for the engine; everything 
 `ctxreplay.pipeline` may change between releases. A plug-in stage needs:
 
 - `stage`, `StageContext`, `StageResult`, `StageRef`: declare a stage and read its context;
+- `Quiet`: the stage's optional quick check (`@stage(quiet=...)`), blocks on which it decides
+  nothing, proved by one small query so that a pass skips its plan (docs/writing-a-stage.md);
 - `LiveRule`, `Live`, `LiveThread`, `LiveRows`: the stage's optional live rule (`@stage(live=...)`),
   what it decides at the new calls of a live session without a pass (docs/writing-a-stage.md);
 - `marks` (and its functions re-exported here: `start_marks`, `mark_drop`, `mark_replace`,
@@ -37,7 +39,7 @@ _HOME = {
                      "SpecError", "StageFailed"], "ctxreplay.errors"),
     **dict.fromkeys(["Insert", "alive", "conflicted", "cover_end", "finish", "mark_drop", "mark_replace", "mark_replace_from",
                      "next_message_first_call", "start_marks", "text_row"], "ctxreplay.pipeline.stageapi.marks"),
-    **dict.fromkeys(["StageContext", "StageRef", "StageResult", "stage"], "ctxreplay.pipeline.stageapi.registry"),
+    **dict.fromkeys(["Quiet", "StageContext", "StageRef", "StageResult", "stage"], "ctxreplay.pipeline.stageapi.registry"),
     **dict.fromkeys(["Live", "LiveRows", "LiveRule", "LiveThread"], "ctxreplay.pipeline.stageapi.live"),
     "Engine": "ctxreplay.pipeline.engine.engine",
 }
@@ -46,7 +48,7 @@ _MODULES = {"marks": "ctxreplay.pipeline.stageapi.marks", "testkit": "ctxreplay.
 
 __all__ = [
     "CtxReplayError", "Engine", "InputError", "Insert", "LedgerError", "Live", "LiveRows", "LiveRule", "LiveThread",
-    "LockError", "NothingToDo", "OutputError",
+    "LockError", "NothingToDo", "OutputError", "Quiet",
     "SpecError", "StageContext", "StageFailed", "StageRef", "StageResult", "__version__", "alive", "conflicted",
     "cover_end", "errors", "finish", "mark_drop", "mark_replace", "mark_replace_from", "marks", "next_message_first_call",
     "stage", "start_marks", "testkit", "text_row",

@@ -81,18 +81,20 @@ def make_blocks(messages: Iterable[Mapping[str, Any]], **kw: Any) -> pl.LazyFram
 
 
 def run_stage(name: str, blocks: pl.LazyFrame, params: Mapping[str, Any] | None = None, *,
-              ledger: pl.LazyFrame | None = None, ctx: StageContext | None = None) -> StageResult:
+              ledger: pl.LazyFrame | None = None, ctx: StageContext | None = None, checks: bool = True) -> StageResult:
     """Run one stage as the runner runs it, in-process: the frozen decisions among `ledger` (earlier
-    decisions of this stage, STAGE_DECISION columns) re-applied first, then the stage; both outputs
-    checked against their schemas (a failure is a `StageFailed`). The decisions returned are the
-    re-applied ones, the conflicts and the stage's own."""
+    decisions of this stage, STAGE_DECISION columns) re-applied first, then the stage (its quick
+    check first, `@stage(quiet=...)`; `checks=False`: its plan, whatever the check says, to test
+    one against the other); both outputs checked against their schemas (a failure is a
+    `StageFailed`). The decisions returned are the re-applied ones, the conflicts and the stage's own."""
     from ctxreplay.pipeline.staging.stagerun import reapply_and_run
 
     st = get_stage(name)
     p = resolve_params(st, dict(params or {}), where=f"test ({name})")
     earlier = conform(ledger, STAGE_DECISION).collect(engine=POLARS_ENGINE) if ledger is not None else \
         pl.DataFrame(schema=polars_schema(STAGE_DECISION))
-    out, decisions = reapply_and_run(st, blocks.lazy().collect(engine=POLARS_ENGINE), p, earlier, ctx or StageContext(), name, 1)
+    out, decisions = reapply_and_run(st, blocks.lazy().collect(engine=POLARS_ENGINE), p, earlier, ctx or StageContext(),
+                                     name, 1, quiet=None if checks else False)
     return StageResult(out.lazy(), decisions.lazy())
 
 

@@ -32,8 +32,10 @@ def _polars_schema(declared: pa.Schema) -> pl.Schema:
 
 def check_frame(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema, *, where: str) -> None:
     """Raise SchemaMismatch unless the frame has exactly the declared columns and types (any order)."""
-    expected = polars_schema(declared)
+    expected = _polars_schema(declared)  # read only: no copy
     actual = frame.collect_schema() if isinstance(frame, pl.LazyFrame) else frame.schema
+    if actual == expected:
+        return
     missing = [c for c in expected.names() if c not in actual]
     extra = [c for c in actual.names() if c not in expected]
     wrong = [
@@ -48,7 +50,7 @@ def check_frame(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema, *, wher
 
 def conform(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema) -> pl.LazyFrame:
     """Select and cast to the declared columns and order (missing columns raise)."""
-    expected = polars_schema(declared)
+    expected = _polars_schema(declared)  # read only: no copy
     lf = frame.lazy() if isinstance(frame, pl.DataFrame) else frame
     return lf.select([pl.col(n).cast(t) for n, t in expected.items()])
 

@@ -58,8 +58,7 @@ from ctxreplay.pipeline.stageapi.marks import (
     mark_replace_from,
     start_marks,
 )
-from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 
 SIDES = (1800, 1600, 1400, 1200, 1000, 800)
 QUALITIES = (85, 75, 65, 55, 45, 35)
@@ -447,13 +446,14 @@ def live_step(carry: int, new: LiveRows, params: Images, ctx: StageContext) -> L
     return Live.quiet(carry)
 
 
-def quiet_check(params: Images, ctx: StageContext) -> pl.Expr:
+def quiet_check(blocks: pl.LazyFrame, params: Images, ctx: StageContext) -> pl.Expr:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no image row, so nothing to measure, cap,
     omit or make stale."""
     return ~((pl.col("block_type") == "image") | (pl.col("part_type") == "image")).fill_null(False).any()
 
 
-@stage("images", version=1, params=Images, encoder_version=ENCODER_VERSION, live=LiveRule(live_start, live_step))
+@stage("images", version=1, params=Images, encoder_version=ENCODER_VERSION, live=LiveRule(live_start, live_step),
+       quiet=Quiet(quiet_check))
 def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap, re-encode or omit images (user, assistant and tool-result images); replace images of old
     turns when a request holds too many.
@@ -463,8 +463,6 @@ def images(blocks: pl.LazyFrame, params: Images, ledger: pl.LazyFrame, ctx: Stag
     `image_input_unsupported`. Measured width, height and byte size are filled in for every image
     decoded; that alone is not a decision.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):
-        return unchanged(blocks)
     is_image = (
         ((pl.col("block_type") == "image") | ((pl.col("block_type") == "tool_result") & (pl.col("part_type") == "image")))
         & (pl.col("role") != "system")

@@ -29,8 +29,7 @@ from ctxreplay.pipeline.stageapi.marks import (
     start_marks,
     text_row,
 )
-from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 
 HEADER_BASE = INTER_SESSION_HEADER
 EXPLANATION = INTER_SESSION_EXPLANATION
@@ -127,12 +126,12 @@ def live_step(carry: None, new: LiveRows, params: InterSession, ctx: StageContex
     return Live.quiet()
 
 
-def quiet_check(params: InterSession, ctx: StageContext) -> pl.Expr:
+def quiet_check(blocks: pl.LazyFrame, params: InterSession, ctx: StageContext) -> pl.Expr:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no user row routed from another session."""
     return ~((pl.col("role") == "user") & (pl.col("provenance_kind") == "inter_session")).fill_null(False).any()
 
 
-@stage("inter_session", version=1, params=InterSession, live=LiveRule(live_start, live_step))
+@stage("inter_session", version=1, params=InterSession, live=LiveRule(live_start, live_step), quiet=Quiet(quiet_check))
 def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Prepend the inter-session header (and v2 explanation) to user rows routed from elsewhere.
 
@@ -140,8 +139,6 @@ def inter_session(blocks: pl.LazyFrame, params: InterSession, ledger: pl.LazyFra
     before its first block (`insert`); an envelope found elsewhere in the row is moved to the top
     (`move_envelope`). A row whose first text block already starts with it is left alone.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):
-        return unchanged(blocks)
     w = _envelope_facts(start_marks(blocks), params)
     todo = pl.col("_target") & pl.col("_msg_has_text") & ~pl.col("_msg_at_top")
     move = todo & pl.col("_msg_elsewhere")

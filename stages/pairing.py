@@ -68,8 +68,7 @@ from ctxreplay.pipeline.core.constants import MISSING_RESULT_TEXT_OPENAI as MISS
 from ctxreplay.pipeline.stageapi.calls import BLOCK_KEY, THREAD, TOOL_CALL_TYPES, materialize, open_max
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread, nonblank
 from ctxreplay.pipeline.stageapi.marks import Insert, alive, finish, mark_drop, mark_replace, start_marks
-from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 from ctxreplay.pipeline.targets import target_family
 from ctxreplay.schemas.blocks import CONTENT_COLUMNS
 from ctxreplay.schemas.decisions import DECISION_KEY
@@ -158,6 +157,23 @@ def _map_ids_expr(mode: str, target: str) -> pl.Expr:
                           for r in s.to_list()], dtype=pl.String)
 
     return pl.struct(i=pl.col("_cid"), o=pl.col("_occ")).map_batches(fn, return_dtype=pl.String)
+
+
+def same_id_expr(mode: str, target: str) -> pl.Expr:
+    """`map_tool_id(_cid, 0, mode, target) == _cid` without calling it per row: True only where the
+    first occurrence keeps its id (null for a blank id, as the plan has it). Conservative where
+    Python and polars read a string differently (an id of unusual whitespace, a line break before
+    the end): False there, and the plan decides."""
+    cid = pl.col("_cid")
+    anthropic_like = _family(target) == "anthropic"
+    if mode == "preserve":
+        same = cid.str.contains(ANTHROPIC_TOOL_ID_PATTERN) if anthropic_like else cid.str.contains("[!-~]")
+    else:
+        native = (cid.str.starts_with("toolu_") & cid.str.contains(ANTHROPIC_TOOL_ID_PATTERN)) if anthropic_like \
+            else pl.lit(False)
+        n = cid.str.len_chars()
+        same = native | (cid.str.contains("^[A-Za-z0-9]+$") & ((n <= 40) if mode == "strict" else (n == 9)))
+    return pl.when(cid.is_null() | (cid.str.strip_chars() == "")).then(None).otherwise(same)
 
 
 def _collision_expr(mode: str) -> pl.Expr:
@@ -281,7 +297,7 @@ def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.
         msg_key=pl.col("msg_key").first(), order_key=pl.col("order_key").min(), _cid=pl.col("tool_use_id").first(),
         _fc=pl.col("first_call").min(),
     ).with_columns(_occ=pl.lit(0, pl.Int64)).with_columns(
-        _same=_map_ids_expr(mode, ctx.target) == pl.col("_cid"),
+        _same=same_id_expr(mode, ctx.target),
         _n=pl.len().over([*THREAD, "_cid"]),
         _crank=pl.col("block_pos").rank("dense").over(MSG).cast(pl.Int64),
         _m=pl.len().over(MSG).cast(pl.Int64),
@@ -297,19 +313,26 @@ def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.
     ).fill_null(False).all())
     # in place: results in call order, and no other row between the assistant row and its last slot
     # (from the frame's first row: the stage takes any of them; in place from the first is in place from any)
-    frames = pairs.filter(pl.col("msg_key").is_not_null()).group_by(MSG).agg(
-        _a=pl.col("order_key").min(),
-        _ordered=(pl.col("_rpos").sort_by("_crank").diff().drop_nulls() > 0).fill_null(False).all(),
-        _span_end=pl.col("_rok").max() + pl.col("_m").first(),
-    )
-    others = blocks.filter(~is_result).group_by(*THREAD, "order_key").agg(_n=pl.len())
-    frames = _count_upto(frames, others, at="_a", out="_cum_a")
-    frames = _count_upto(frames, others, at="_span_end", out="_cum_l")
-    in_place = frames.select(_q=(pl.col("_ordered") & (pl.col("_cum_l") == pl.col("_cum_a"))).fill_null(False).all())
-    return pl.concat([rows, ok_pairs, in_place])
+    framed = pairs.filter(pl.col("msg_key").is_not_null())
+    # in call order: along each frame's calls (by block), each result after the one before (where
+    # every call has its result, which ok_pairs requires); shifts over the sorted calls, no per-frame sort
+    by_call = framed.select(*MSG, "_crank", "_rpos").sort([*MSG, "_crank"])
+    same_frame = pl.all_horizontal([pl.col(c) == pl.col(c).shift(1) for c in MSG]).fill_null(False)
+    ordered = by_call.select(_q=(~same_frame | (pl.col("_rpos") > pl.col("_rpos").shift(1))).fill_null(True).all())
+    frames = framed.group_by(MSG).agg(_a=pl.col("order_key").min(),
+                                      _span_end=pl.col("_rok").max() + pl.col("_m").first())
+    # no other row after the frame's up to its last slot: the next order_key of a row that is not a
+    # result comes after the span (one as-of lookup: both sides sorted by the key, so by thread too)
+    others = blocks.filter(~is_result).select(*THREAD, _next="order_key").unique().sort("_next")
+    nxt = frames.sort("_a").join_asof(others, left_on="_a", right_on="_next", by=THREAD, strategy="forward",
+                                      allow_exact_matches=False, check_sortedness=False)
+    clear = pl.col("_span_end").is_not_null() & (pl.col("_next").is_null() | (pl.col("_next") > pl.col("_span_end")))
+    in_place = nxt.select(_q=clear.fill_null(False).all())
+    return pl.concat([rows, ok_pairs, ordered, in_place])
 
 
-@stage("pairing", version=2, params=Pairing, requires=("sanitize",), live=LiveRule(live_start, live_step))
+@stage("pairing", version=2, params=Pairing, requires=("sanitize",), live=LiveRule(live_start, live_step),
+       quiet=Quiet(quiet_check))
 def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Pair every tool call with exactly one result, right after it, in call order.
 
@@ -319,8 +342,6 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     rewrites tool-call ids per target (`replace`/`tool_id`), re-attaches results without a call
     (`replace`/`reattached`) and trims result names (`replace`/`result_name`).
     """
-    if quiet(blocks, ledger, quiet_check(blocks, params, ctx)):
-        return unchanged(blocks)
     mode = resolve_id_mode(params.tool_id_mode, ctx.target)
     w = materialize(_working_frame(blocks))
     calls = materialize(_call_ids(_calls(w, params), mode, ctx.target))  # steps 1 and 7

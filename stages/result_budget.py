@@ -23,8 +23,7 @@ from ctxreplay.pipeline.core.constants import TRUNCATION_MARKER_RE as MARKER_RE
 from ctxreplay.pipeline.stageapi.calls import materialize, visible_at
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import finish, mark_replace, start_marks
-from ctxreplay.pipeline.stageapi.quiet import quiet, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 
 MARKER_FIXED_CHARS = 20  # "\n…" + " chars truncated…\n"; plus the digits of the count
 SPILL_WRAPPER_CHARS = 160  # upper bound of the <persisted-output …> wrapper around a preview
@@ -277,7 +276,7 @@ def quiet_check(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -
 
 
 @stage("result_budget", version=1, params=ResultBudget, requires=("pairing",), frozen=("truncate", "spill"),
-       spilled_texts=spilled_texts, live=LiveRule(live_start, live_step))
+       spilled_texts=spilled_texts, live=LiveRule(live_start, live_step), quiet=Quiet(quiet_check))
 def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Cap tool results: head and tail around `…<n> chars truncated…`, or spill to the store.
 
@@ -289,6 +288,4 @@ def result_budget(blocks: pl.LazyFrame, params: ResultBudget, ledger: pl.LazyFra
     (reason `max_result_chars` or `aggregate`); the runner re-applies the ledger's decisions first
     (frozen), and a result already cut is never cut again.
     """
-    if quiet(blocks, ledger, quiet_check(blocks, params, ctx)):
-        return unchanged(blocks)
     return plan(blocks, params, ctx)

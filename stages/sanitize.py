@@ -39,7 +39,7 @@ from typing import Literal
 import orjson
 import polars as pl
 
-from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, empty_decisions, sort_blocks
+from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, sort_blocks
 from ctxreplay.pipeline.core.constants import (
     FAILED_TURN_TEXT,
     MAGIC_STRING_PATTERN,
@@ -67,8 +67,7 @@ from ctxreplay.pipeline.stageapi.marks import (
     start_marks,
     text_row,
 )
-from ctxreplay.pipeline.stageapi.quiet import quiet
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 from ctxreplay.pipeline.targets import (
     ANTHROPIC_RESULT_PART_TYPES,
     PORTABLE_BLOCK_TYPES,
@@ -266,7 +265,7 @@ def live_step(carry: LiveCarry, new: LiveRows, p: Sanitize, ctx: StageContext) -
     return Live.quiet(LiveCarry(has_thinking, unsettled_tail(new.frame)))
 
 
-def quiet_check(params: Sanitize, ctx: StageContext) -> pl.Expr:
+def quiet_check(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> pl.Expr:
     """Nothing to do but the usage columns (ctxreplay.pipeline.stageapi.quiet): no row any sub-step
     drops, replaces or inserts for. No null, blank or placeholder block, no row the row filter takes,
     no item the target cannot carry, no thinking but native signed thinking kept as it is, every tool
@@ -303,7 +302,13 @@ def quiet_check(params: Sanitize, ctx: StageContext) -> pl.Expr:
     return ~pl.any_horizontal([f.fill_null(False) for f in flags]).any()
 
 
-@stage("sanitize", version=2, params=Sanitize, live=LiveRule(live_start, live_step))  # the first layer: it needs no other
+def quiet_blocks(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> pl.LazyFrame:
+    """Where the check holds: the blocks in block order with the usage columns filled (sub-step 8)."""
+    return normalized_usage(sort_blocks(blocks)).select(BLOCK_SCHEMA.names())
+
+
+@stage("sanitize", version=2, params=Sanitize, live=LiveRule(live_start, live_step),  # the first layer: it needs no other
+       quiet=Quiet(quiet_check, quiet_blocks))
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
     thinking policy, invalid tool calls, non-model tool-result fields, magic strings.
@@ -312,8 +317,6 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     sub-step; kept signed thinking is byte-identical; raw columns never change. Normalised usage
     (sub-step 8) fills the u_* and usage_stale columns; it changes no block content.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):  # normalised usage all the same (sub-step 8)
-        return StageResult(normalized_usage(sort_blocks(blocks)).select(BLOCK_SCHEMA.names()), empty_decisions())
     family = target_family(ctx.target)
     w = start_marks(blocks)
 

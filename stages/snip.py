@@ -26,9 +26,12 @@ from ctxreplay.pipeline.core.blockops import (
     empty_decisions,
     new_rows,
     rehash,
+    sort_blocks,
     synthetic_id_expr,
 )
 from ctxreplay.pipeline.core.constants import (
+    CHARS4_COUNTER,
+    CLEARED_TEXT,
     MESSAGE_OVERHEAD_TOKENS,
     NO_CALL,
     PART_KEY,
@@ -37,9 +40,12 @@ from ctxreplay.pipeline.core.constants import (
     SNIP_MARKER_TEXT,
     THREAD,
     VERSION_KEY,
+    chars4_tokens,
     polars_format,
 )
+from ctxreplay.pipeline.core.tokens import is_image_expr
 from ctxreplay.pipeline.stageapi.calls import (
+    BLOCK_KEY,
     call_grid,
     firing_epoch,
     forward_by_call,
@@ -53,11 +59,10 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, start_marks
-from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.quiet import ask, per_thread, request_tokens_bound
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 from ctxreplay.schemas.blocks import BLOCKS as _BLOCKS_ARROW
 from ctxreplay.schemas.check import conform
-from ctxreplay.stages.tombstone import quiet_check as tombstone_quiet_check
 
 SNIP_TEMPLATE = SNIP_MARKER_TEXT
 SNIP_RE = re.compile(SNIP_MARKER_RE)
@@ -363,6 +368,8 @@ def tombstone_dry_run(base: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     ref = ctx.peer("tombstone")
     if ref is None:
         return base
+    if ref.stage.quiet is not None and ask(base, [ref.stage.quiet.check(base, ref.params, ctx)])[0]:
+        return materialize(sort_blocks(base))  # the dry run clears nothing: the blocks as its plan leaves them
     return materialize(ref.stage.fn(base, ref.params, empty_decisions(), ctx).blocks)
 
 
@@ -489,17 +496,20 @@ def _resnip_conflicts(blocks: pl.LazyFrame, ledger: pl.LazyFrame) -> StageResult
 class LiveCarry:
     """What snip carries between live steps: the pending call's request tokens after its dry run of
     the pipeline's tombstone, and that peer's own live carry over the dry run's output (so that the
-    peer's rule says whether the dry run clears at the new calls)."""
+    peer's rule says whether the dry run clears at the new calls); or, with `bound`, the tokens
+    before the dry run, which bound those after it while the dry run can only shorten requests."""
 
     tokens: int
     dry: Any = None
     why: str | None = None  # a full pass at the next step, and why
+    bound: bool = False  # `tokens` are before the dry run (it can only shorten them: `_dry_run_shrinks`)
 
 
 def live_start(thread: LiveThread, params: Snip, ctx: StageContext) -> LiveCarry | None:
     """While snip has not fired in the thread, the request it measures is its input after its dry
     run of tombstone: as long as no later position decided anything, this position's output (the
-    dry run clears nothing more than the real stage did); else the dry run's output."""
+    dry run clears nothing more than the real stage did); else the dry run's output, or, when that
+    dry run can only shorten requests, this position's output again as a bound (no dry run)."""
     if not params.enabled:
         return None
     if thread.own_decisions.height:
@@ -507,6 +517,9 @@ def live_start(thread: LiveThread, params: Snip, ctx: StageContext) -> LiveCarry
     ref = ctx.peer("tombstone")
     blocks = thread.blocks
     if ref is not None and thread.decisions.filter(pl.col("stage").is_in(thread.later_positions())).height:
+        shrinks = _dry_run_shrinks(blocks.lazy(), ref.params, ctx)
+        if shrinks is not None and bool(shrinks.collect(engine=POLARS_ENGINE).item()):
+            return LiveCarry(thread.request_tokens(blocks), bound=True)
         out = tombstone_dry_run(blocks.lazy(), ctx).collect(engine=POLARS_ENGINE)
         assert isinstance(out, pl.DataFrame)
         blocks = out
@@ -520,7 +533,8 @@ def live_start(thread: LiveThread, params: Snip, ctx: StageContext) -> LiveCarry
 
 def live_step(carry: LiveCarry | None, new: LiveRows, p: Snip, ctx: StageContext) -> Live:
     """Quiet while the request stays at or under the high watermark and the dry run of tombstone
-    clears nothing at the new calls (that stage's own rule says)."""
+    clears nothing at the new calls (that stage's own rule says); with a bound (the tokens before
+    the dry run), while the new rows hold no result the dry run could make longer."""
     if carry is None:
         return Live.quiet(None)
     if carry.why:
@@ -528,8 +542,13 @@ def live_step(carry: LiveCarry | None, new: LiveRows, p: Snip, ctx: StageContext
     tokens = carry.tokens + new.request_tokens
     if tokens > p.high_watermark * max(0, ctx.window_tokens - p.reserve_output_tokens):
         return Live.full_pass("the request passes snip's high watermark")
-    dry = None
     ref = ctx.peer("tombstone")
+    if carry.bound:
+        if ref is not None and _lengthens(new, ref.params, ctx):
+            return Live.full_pass(f"snip's dry run of {ref.stage.name}: a new result it may clear is shorter "
+                                  f"than the placeholder")
+        return Live.quiet(LiveCarry(tokens, bound=True))
+    dry = None
     if ref is not None and ref.stage.live is not None:
         ans = ref.stage.live.step(carry.dry, new, ref.params, ctx)
         if not ans.is_quiet:
@@ -538,20 +557,73 @@ def live_step(carry: LiveCarry | None, new: LiveRows, p: Snip, ctx: StageContext
     return Live.quiet(LiveCarry(tokens, dry))
 
 
-def quiet_check(params: Snip, ctx: StageContext) -> pl.Expr:
+def _lengthens(new: LiveRows, tomb: Any, ctx: StageContext) -> bool:
+    """Whether a new tool result could be made longer by the dry run of tombstone (params `tomb`):
+    one it may clear (all its text at least min_result_chars, or an image) with a row under the
+    placeholder's tokens (`_dry_run_shrinks` on the new rows)."""
+    placeholder = text_tokens([CLEARED_TEXT], ctx)[0]
+    blocks: dict[tuple[Any, Any], list[tuple[int, int, bool]]] = {}
+    for r, tok in zip(new.rows, new.tokens, strict=True):
+        if r["block_type"] == "tool_result":
+            image = r["block_type"] == "image" or r["part_type"] == "image"
+            blocks.setdefault((r["entry_id"], r["block_pos"]), []).append(
+                (tok, len(r["text"]) if isinstance(r["text"], str) else 0, image))
+    for parts in blocks.values():
+        may_clear = sum(n for _, n, _ in parts) >= tomb.min_result_chars or any(img for _, _, img in parts)
+        if may_clear and any(tok < placeholder for tok, _, _ in parts):
+            return True
+    return False
+
+
+def quiet_check(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> pl.Expr | pl.LazyFrame:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no snip marker yet, and every request of
-    every thread (bounded by all its rows) within the high watermark, with the pipeline's tombstone
-    quiet too (its dry run leaves the blocks as they are)."""
+    every thread (bounded by all its rows) within the high watermark after the dry run of the
+    pipeline's tombstone: either that stage is quiet too (its dry run leaves the blocks as they
+    are), or its dry run can only make requests shorter (`_dry_run_shrinks`), so the bound before
+    it holds after it."""
     if not params.enabled:
         return pl.lit(True)
     hi = params.high_watermark * max(0, ctx.window_tokens - params.reserve_output_tokens)
     check = ~(pl.col("origin") == "snip").fill_null(False).any() & per_thread(request_tokens_bound(ctx) <= hi)
     ref = ctx.peer("tombstone")
-    return check if ref is None else check & tombstone_quiet_check(ref.params, ctx)
+    if ref is None:
+        return check
+    own = blocks.select(check.fill_null(False))
+    shrinks = _dry_run_shrinks(blocks, ref.params, ctx)
+    if ref.stage.quiet is None:
+        return own if shrinks is None else pl.concat([own, shrinks], how="horizontal").select(pl.all_horizontal(pl.all()))
+    peer = ref.stage.quiet.check(blocks, ref.params, ctx)
+    peer_plan = blocks.select(peer.fill_null(False)) if isinstance(peer, pl.Expr) else \
+        peer.select(pl.first().fill_null(False).all())
+    parts = [own, peer_plan] if shrinks is None else [own, peer_plan, shrinks]
+    both = pl.concat(parts, how="horizontal")
+    names = both.collect_schema().names()
+    peer_or_shrinks = pl.col(names[1]) if shrinks is None else (pl.col(names[1]) | pl.col(names[2]))
+    return both.select(pl.col(names[0]) & peer_or_shrinks)
+
+
+def _dry_run_shrinks(blocks: pl.LazyFrame, tomb: Any, ctx: StageContext) -> pl.LazyFrame | None:
+    """A one-row plan that holds when the pipeline's tombstone (params `tomb`), dry-run, can make no
+    request longer; None when its params could whatever the rows (it clears tool inputs or
+    thinking, whose replacements may be the longer). It only replaces a result's visible parts by
+    the placeholder: longer only for a result it may clear (all its text at least
+    min_result_chars, or an image) with a row under the placeholder's tokens."""
+    if getattr(tomb, "clear_tool_inputs", True) or getattr(tomb, "clear_thinking_keep", None) != "all":
+        return None
+    exact = ctx.count_tokens is None or ctx.token_counter_version == CHARS4_COUNTER  # the fast estimate
+    placeholder = chars4_tokens(len(CLEARED_TEXT)) if exact else text_tokens([CLEARED_TEXT], ctx)[0]
+    results = blocks.filter(pl.col("block_type") == "tool_result").select(
+        *BLOCK_KEY, "text", "block_type", "part_type", "tool_name", "tool_input", "image_width", "image_height",
+        _len=pl.col("text").str.len_chars().fill_null(0).cast(pl.Int64), _img=is_image_expr().fill_null(False))
+    may_clear = (pl.col("_len").sum().over(BLOCK_KEY) >= tomb.min_result_chars) | pl.col("_img").any().over(BLOCK_KEY)
+    # only the rows of results it may clear are counted (the fast estimate needs no counter)
+    rows = results.filter(may_clear.fill_null(True)).select(_tok=row_tokens_expr(
+        StageContext() if exact else ctx))
+    return rows.select(_q=~(pl.col("_tok") < placeholder).fill_null(True).any())
 
 
 @stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),
-       rebuild=_ledger_markers, live=LiveRule(live_start, live_step))
+       rebuild=_ledger_markers, live=LiveRule(live_start, live_step), quiet=Quiet(quiet_check))
 def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Remove whole old middle turns when the request passes the high watermark.
 
@@ -564,8 +636,6 @@ def snip(blocks: pl.LazyFrame, params: Snip, ledger: pl.LazyFrame, ctx: StageCon
     ledger's snips and rebuilds the marker first; a row changed under a recorded snip (a `conflict`)
     is still removed from that call; only later calls are decided afresh.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):
-        return unchanged(blocks)
     if not params.enabled:
         return StageResult(blocks, empty_decisions())
     redo = _resnip_conflicts(blocks, ledger)

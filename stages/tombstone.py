@@ -46,8 +46,8 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, mark_replace_from, start_marks
-from ctxreplay.pipeline.stageapi.quiet import per_thread, quiet, request_tokens_bound, unchanged
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
+from ctxreplay.pipeline.stageapi.quiet import per_thread, request_tokens_bound
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 
 
 def _default_tools() -> dict[str, tuple[str, ...]]:
@@ -663,8 +663,10 @@ def _idle(p: Tombstone, new: LiveRows) -> str | None:
 
 
 def live_start(thread: LiveThread, params: Tombstone, ctx: StageContext) -> Measure:
-    """The live rule carries the Measure of the pending call over the blocks this position left."""
-    return measure(thread, params.min_result_chars)
+    """The live rule carries the Measure of the pending call over the blocks this position left
+    (measured once for snip's dry run and this position, when they see the same rows)."""
+    return thread.measured(f"tombstone.measure@{params.min_result_chars}",
+                           lambda: measure(thread, params.min_result_chars))
 
 
 def live_step(m: Measure, new: LiveRows, p: Tombstone, ctx: StageContext) -> Live:
@@ -688,26 +690,36 @@ def forced(params: Tombstone) -> Tombstone:
     return dataclasses.replace(params, trigger_tokens=1, clear_at_least_tokens=0)
 
 
-def quiet_check(params: Tombstone, ctx: StageContext) -> pl.Expr:
+def quiet_check(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> pl.Expr:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no result cleared already, and in every
-    thread either no result could be eligible (all results' text together under min_result_chars,
-    no image) or no trigger can fire: every request within trigger_tokens (bounded by all the
-    thread's rows) and no two of its rows trigger_idle_seconds apart. A firing needs both."""
+    thread either no result could ever be eligible or no trigger can fire. A firing needs both.
+
+    Eligible needs a result long enough (its text, all versions and parts, at least
+    min_result_chars) or holding an image, outside the current tool loop: before the latest real
+    user message (a user message without a tool result) that its call sees; so no such result
+    before the thread's last user row means none is ever eligible. No trigger: every request
+    within trigger_tokens (bounded by all the thread's rows) and no two of its rows
+    trigger_idle_seconds apart."""
     result = (pl.col("block_type") == "tool_result").fill_null(False)
     done = (result & (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).fill_null(False).any()
-    size = pl.when(result).then(pl.col("text").str.len_chars()).cast(pl.Int64).sum()
-    few = (size < params.min_result_chars) & ~(result & is_image_expr().fill_null(False)).any()
+    size = pl.when(result).then(pl.col("text").str.len_chars()).otherwise(0).fill_null(0).cast(pl.Int64).sum()
+    image = (result & is_image_expr().fill_null(False)).any()
+    candidate = result & ((size.over(BLOCK_KEY) >= params.min_result_chars) | image.over(BLOCK_KEY))
+    user = (pl.col("role") == "user").fill_null(False) & ~result.any().over([*THREAD, "msg_key"])
+    last_user = pl.when(user).then(pl.col("order_key")).max().over(THREAD)
+    in_loop = ~(candidate & (pl.col("order_key") < last_user)).fill_null(False).any()
     calm = pl.lit(True)
     if params.trigger_tokens > 0:
         calm = calm & (request_tokens_bound(ctx) <= params.trigger_tokens)
     if params.trigger_idle_seconds > 0:
         span = (pl.col("timestamp").max() - pl.col("timestamp").min()).dt.total_seconds()
         calm = calm & (span < max(params.trigger_idle_seconds, 1)).fill_null(True)
-    return ~done & per_thread(few | calm)
+    return ~done & per_thread(in_loop | calm)
 
 
 @stage("tombstone", version=1, params=Tombstone, requires=("pairing",),
-       frozen=("tombstone", "clear_input", "replace", "drop"), live=LiveRule(live_start, live_step), compact=forced)
+       frozen=("tombstone", "clear_input", "replace", "drop"), live=LiveRule(live_start, live_step), compact=forced,
+       quiet=Quiet(quiet_check))
 def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clear the content of old tool results; ids, names, positions and is_error stay.
 
@@ -722,8 +734,6 @@ def tombstone(blocks: pl.LazyFrame, params: Tombstone, ledger: pl.LazyFrame, ctx
     matches its content (a `conflict` in the ledger view) is cleared afresh from the same call and
     in the same epoch (the position in time is what was decided); only later calls are decided.
     """
-    if quiet(blocks, ledger, quiet_check(params, ctx)):
-        return unchanged(blocks)
     redo = conflicted(ledger, "tombstone").filter(pl.col("part_pos") == 0).select(
         *THREAD, "entry_id", "block_pos", kind=pl.lit("result"), clear_call="from_call",
         epoch=pl.col("cache_epoch").cast(pl.Int32), reason="reason")

@@ -336,21 +336,28 @@ def test_a_builtin_stage_that_fails_stops_the_run_as_a_bug_9(tmp_path: Path, mon
     import dataclasses
     import tempfile
 
-    from ctxreplay.pipeline.stageapi.registry import STAGES
+    from ctxreplay.pipeline.stageapi.registry import STAGES, load_stages
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    st = STAGES["sanitize"]
+    st = load_stages()["sanitize"]
 
     def broken(blocks, params, ledger, ctx):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setitem(STAGES, "sanitize", dataclasses.replace(st, fn=broken))
-    r = _run("run", CC_SAMPLE, "--preset", "minimal", "--out", tmp_path / "o", "--fast-tokens")
-    assert r.exit_code == 2
-    assert _no_traceback(r).startswith("ctxreplay: stage 'sanitize' (#1, from ctxreplay.stages.sanitize) failed with "
-                                       "ZeroDivisionError: division by zero. Nothing was written; this is a bug in "
-                                       "ctxreplay; please report it")
-    assert not (tmp_path / "o" / "current").exists()
+    from ctxreplay.pipeline.stageapi.registry import Quiet
+
+    def broken_check(blocks, params, ctx):
+        raise ZeroDivisionError("division by zero")
+
+    # the stage itself (its quick check off: on the sample it would hold, and the stage not run), then its check
+    for fn, quiet in ((broken, None), (st.fn, Quiet(broken_check))):
+        monkeypatch.setitem(STAGES, "sanitize", dataclasses.replace(st, fn=fn, quiet=quiet))
+        r = _run("run", CC_SAMPLE, "--preset", "minimal", "--out", tmp_path / "o", "--fast-tokens")
+        assert r.exit_code == 2
+        assert _no_traceback(r).startswith("ctxreplay: stage 'sanitize' (#1, from ctxreplay.stages.sanitize) failed "
+                                           "with ZeroDivisionError: division by zero. Nothing was written; this is a "
+                                           "bug in ctxreplay; please report it")
+        assert not (tmp_path / "o" / "current").exists()
 
 
 def test_an_unexpected_exception_is_an_internal_error_with_a_traceback_file_8(

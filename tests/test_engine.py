@@ -145,6 +145,23 @@ def test_restart_and_resume_give_identical_requests(tmp_path: Path) -> None:
     assert after.filter(pl.col("seq") < before).height == before
 
 
+def test_token_counts_reach_the_ledger_by_close_and_a_restart_counts_nothing_again(tmp_path: Path) -> None:
+    # the counts are a cache written with the next decisions, 5,000 at a time, or at close(): not
+    # at every pass; a new engine on the ledger finds every text of the session counted
+    s = session(4)
+    with _open(tmp_path) as eng:
+        live_hashes(eng, s)
+        counted = eng.counter.counted
+    assert counted > 0
+    ledger = Ledger(tmp_path / "ledger.duckdb", read_only=True)
+    stored = ledger.con.execute("SELECT count(*) FROM token_cache").fetchall()[0][0]
+    ledger.close()
+    assert stored == counted
+    with _open(tmp_path) as eng:
+        live_hashes(eng, s)
+        assert eng.counter.counted == 0 and eng.counter.cache_hits == counted
+
+
 def test_resume_in_one_go_after_a_restart_gives_the_same_pending_request(tmp_path: Path) -> None:
     s = session()
     with _open(tmp_path) as eng:

@@ -124,6 +124,54 @@ def test_a_full_pass_after_live_steps_extends_the_kept_state(tmp_path: Path) -> 
     assert got[-1].incremental  # and the next call is a live step again
 
 
+@pytest.mark.parametrize("rules", [True, False])
+def test_a_full_pass_after_lines_the_live_path_followed_loads_nothing_again(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          rules: bool) -> None:
+    # a step whose new lines only extend the main thread needs a full pass when a stage decides at
+    # the new calls (tombstone's idle trigger at every user turn) or when no rule is asked: that
+    # pass appends the rows the live path made to the kept rows, which are what a load gives
+    import polars as pl
+
+    import ctxreplay.pipeline.engine.engine as engine_module
+
+    loads: list[int] = []
+    real = engine_module.load_paths
+
+    def counted(*a: Any, **k: Any) -> Any:
+        loads.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine_module, "load_paths", counted)
+    s = build(16, size=2000, turn_every=4)
+    sp = spec("tombstone.trigger_tokens = 0\ntombstone.keep_recent = 0\ntombstone.trigger_idle_seconds = 20")
+    key = ["thread_id", "order_key", "block_pos", "part_pos", "first_call", "entry_id"]
+    full_without_load = 0
+    with Engine.open(sp, tmp_path / "e.duckdb", token_counter=CHARS4_COUNTER) as eng:
+        eng.ask_rules = rules
+        for i, e in enumerate(s.entries):
+            if e["type"] == "assistant" and i:
+                before = len(loads)
+                r = eng.assemble(SID, model=e["message"]["model"])
+                sess = eng._sessions[SID]
+                assert sess.last is not None
+                (f,) = sess.files.values()  # every line ingested so far (a live step writes none to the spool)
+                copy = tmp_path / "copy" / f.path.name
+                copy.parent.mkdir(exist_ok=True)
+                copy.write_bytes(b"".join(ln + b"\n" for ln in f.lines))
+                fresh = pl.from_arrow(real([copy.parent], open_sidechains=True).blocks)
+                assert isinstance(fresh, pl.DataFrame)
+                kept = sess.last.rows.drop("source_file").sort(key)
+                assert kept.equals(fresh.drop("source_file").sort(key)), r.call
+                if r.call > 3:  # the format is sniffed from a file's first entries: until then it is loaded
+                    assert len(loads) == before, (r.call, r.full_pass_reason)
+                    full_without_load += not r.incremental
+            eng.ingest(SID, [e])
+    assert full_without_load >= (2 if rules else 10)
+    got = check(s.entries, sp, tmp_path / "batch")  # and the requests are the batch replay's
+    assert any(not r.incremental and "tombstone" in (r.full_pass_reason or "") for r in got)
+
+
 # ------------------------------------------------------------------------------------- thresholds
 
 
@@ -149,6 +197,29 @@ def test_snip_high_watermark_both_sides(tmp_path: Path) -> None:
     over = check(s.entries, spec(base.replace("1000000", str(t - 1))), tmp_path / "over")
     assert at(under, 8).incremental
     assert not at(over, 8).incremental and "high watermark" in (at(over, 8).full_pass_reason or "")
+
+
+@pytest.mark.parametrize("size", [24, 40])
+def test_snip_after_tombstone_cleared_bounds_its_request_unless_a_new_result_could_grow(tmp_path: Path,
+                                                                                       size: int) -> None:
+    # once tombstone has cleared (idle trigger at each user turn), snip's rule measures its own
+    # input (the tokens before its dry run of tombstone, which can only shorten the request) as
+    # long as no new result the dry run may clear is shorter than the placeholder (9 tokens): a
+    # 24-character result (6 tokens) is, a 40-character one (10 tokens) is not
+    s = build(12, size=2000, turn_every=4)
+    call_with_result(s, 50, "y" * size)
+    call_with_result(s, 51, "z" * 200)
+    sp = spec("tombstone.trigger_tokens = 0\ntombstone.keep_recent = 0\ntombstone.trigger_idle_seconds = 20\n"
+              "tombstone.min_result_chars = 20")
+    got = check(s.entries, sp, tmp_path)
+    fired = [r.call for r in got if r.decisions.height and r.decisions["stage"].str.starts_with("tombstone").any()]
+    assert fired
+    with_short, after = got[-2], got[-1]  # the requests holding the new results (the second after the first)
+    if size == 24:
+        assert not with_short.incremental and "shorter than the placeholder" in (with_short.full_pass_reason or "")
+    else:
+        assert with_short.incremental, with_short.full_pass_reason
+    assert after.incremental, after.full_pass_reason
 
 
 def test_tombstone_token_trigger_both_sides(tmp_path: Path) -> None:

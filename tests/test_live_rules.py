@@ -213,6 +213,21 @@ def test_a_quiet_rule_means_no_decision_in_a_full_pass(stage: str, lines: list[b
     assert not bad, "\n".join(bad)
 
 
+# snip's rule after tombstone has cleared (its tokens then bound those after its dry run of tombstone):
+# both stages' thresholds low, so that tombstone clears in most sessions and snip fires in some
+SNIP_BESIDE_TOMBSTONE = STAGE_SPECS["snip"] + "\n" + STAGE_SPECS["tombstone"]
+
+
+@settings(max_examples=examples(1), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(lines=sessions())
+@example(lines=rich_session())
+def test_a_quiet_snip_rule_beside_a_tombstone_that_clears_means_no_snip(lines: list[bytes]) -> None:
+    with tempfile.TemporaryDirectory(prefix="ctxreplay-rules-") as d:
+        _, bad = walk(lines, spec(SNIP_BESIDE_TOMBSTONE), Path(d), SID)
+    assert not bad, "\n".join(bad)
+
+
 # ------------------------------------------------------------------------------------------ corpus
 
 

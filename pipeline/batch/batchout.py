@@ -214,6 +214,7 @@ class Totals:
     aliases: dict[str, str] = field(default_factory=dict)  # cache edits: message sha256 -> the one it replaces
     # the batches' new ledger rows (rows, stage, stage_version, config_digest), queued at the end
     new_decisions: list[tuple[pl.DataFrame, str, int, str]] = field(default_factory=list)
+    profile: dict[str, Any] | None = None  # with `run --profile`: the passes' figures summed (merge_profile)
 
     def add(self, b: BatchResult) -> None:
         ld = b.loaded
@@ -237,6 +238,8 @@ class Totals:
         self.call_message_rows += rs["request_store"]["call_message_rows"]
         self.token_conflicts += rs["request_store"]["token_conflicts"]
         self.seconds.update(r.seconds)
+        if r.profile is not None:
+            self.profile = merge_profile(self.profile, r.profile)
 
     def add_store(self, tables: dict[str, pa.Table], applied: pl.DataFrame, calls: pl.DataFrame) -> None:
         """A batch's request store into the cache simulation's (each batch once), without the
@@ -279,6 +282,16 @@ def _add_to_sim(st: Any, messages: pa.Table, call_messages: pa.Table) -> None:
     ids = st.ids
     for key, slot, first, last, sha in zip(*rc, strict=True):
         st.add_span(key, slot, first, last, ids[sha])
+
+
+def merge_profile(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    """Two passes' profiles (StagesResult.profile, with phases and passes) summed key by key."""
+    if a is None:
+        return b
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge_profile(a.get(k), v) if isinstance(v, dict) else a.get(k, 0) + v
+    return out
 
 
 def merge_stats(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ctxreplay.errors import InputError, OutputError, internal_error
 from ctxreplay.pipeline.assembly.replay import call_counts, call_skeleton
 from ctxreplay.pipeline.assembly.replayall import replay_all
 from ctxreplay.pipeline.batch.batches import Group
-from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.core import crashpoints, profile
 from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.core.tokens import TokenCounter, text_sha
 from ctxreplay.pipeline.core.words import plural
@@ -61,6 +61,7 @@ class Env:
     earlier: Callable[[list[str]], pl.DataFrame]
     counter: TokenCounter
     progress: Progress | None = None
+    profile: bool = False  # count the polars collects of each phase and stage position (`run --profile`)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class BatchOutputs:
     replay_stats: dict[str, Any]
     applied: pl.DataFrame
     seconds: dict[str, float] = field(default_factory=dict)
+    profile: dict[str, Any] | None = None  # with Env.profile: the pass's figures (StagesResult.profile + phases)
 
 
 class BatchCounter(TokenCounter):
@@ -172,11 +174,18 @@ def _group_part(loaded: LoadResult, g: Group) -> LoadResult:
 
 def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
     """Load, run the stages and replay one batch (see the module docstring)."""
+    if not env.profile:
+        return _run_batch(index, groups, env)
+    with profile.counting():
+        return _run_batch(index, groups, env)
+
+
+def _run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
     from ctxreplay.pipeline.cost.cachesim import answer_times
     from ctxreplay.pipeline.cost.calibrate import recorded_facts
 
     say = env.progress or (lambda s: None)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), profile.collects()
     loaded, parts, blocks = load_batch(groups, say)
     if not any(ld.lines for ld in loaded.loads) and not loaded.quarantine:
         loaded.blocks = empty_table(BLOCKS)
@@ -184,17 +193,17 @@ def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
     skeleton = call_skeleton(blocks)
     counts = call_counts(blocks)
     calls = CallMap.from_blocks(blocks, counts)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), profile.collects()
     counter = env.counter
     recorded = recorded_facts(blocks, counter.series_counter())
     # rows no call ever sees (compacted away before any call) leave the table now
     blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
     staged = _stages(blocks, env, calls, say)
     del blocks
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), profile.collects()
     final = to_arrow(staged.blocks, BLOCKS, where="on write (blocks)")
     calls_df, violations, replay_stats = _replay(final, skeleton, env, counts, say)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), profile.collects()
     facts = recorded.join(answer_times(pl.from_arrow(final)),  # type: ignore[arg-type]
                           on=["session_id", "thread_id", "call"], how="left")
     applied = staged.applied
@@ -208,6 +217,10 @@ def run_batch(index: int, groups: list[Group], env: Env) -> BatchResult:
         calls_df, facts, [(o.new, o.name, o.stage.version, o.config_digest) for o in staged.outcomes],
         staged.spills, staged.stats(), list(staged.failures), violations, replay_stats, applied,
         {"load": t1 - t0, "stages": t2 - t1, "replay": t3 - t2})
+    if env.profile:  # (the recorded facts are counted with the stages: they run between t1 and the stages)
+        out.profile = {**staged.profile(), "passes": 1, "phases": {
+            "load": {"seconds": t1 - t0, "collects": c1 - c0}, "stages": {"seconds": t2 - t1, "collects": c2 - c1},
+            "replay": {"seconds": t3 - t2, "collects": c3 - c2}}}
     return BatchResult(index, loaded, out, [_group_facts(lr, out) for lr in parts])
 
 

@@ -77,6 +77,8 @@ class RunOptions:
     engine: str = "local"
     # with engine "ray": the cluster to join (ray.init(address=)); None starts a local Ray
     address: str | None = None
+    # count the polars collects of every pipeline pass and time its stage positions: summary["profile"]
+    profile: bool = False
 
 
 @dataclass
@@ -181,7 +183,7 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
     try:
         counter = BatchCounter(opts.token_counter, cache=ledger)
         env = Env(spec, target_name, staging, opts.out_dir, opts.all_calls, opts.validate,
-                  lambda sessions: ledger.earlier_all(spec.sha256, sessions), counter, opts.progress)
+                  lambda sessions: ledger.earlier_all(spec.sha256, sessions), counter, opts.progress, opts.profile)
         totals = Totals(skipped=list(skipped))
         shown = opts.display
         if shown is not None:
@@ -220,6 +222,8 @@ def _run_staged(paths: list[Path], spec: PipelineSpec, opts: RunOptions, target_
                                     dict(totals.seconds), counter))
         summary.update(run_id=run_id, stale_outputs_removed=stale, cache_sim=cache_sim, groups=plan_.counts(),
                        request_store=totals.request_store or writers.request_store(totals))
+        if opts.profile:
+            summary["profile"] = profile_summary(totals.profile)
         crashpoints.phase("ledger")
         _queue_decisions(totals, ledger, spec)
         ledger.commit_run({
@@ -355,6 +359,23 @@ def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
     totals.request_store = before.get("request_store")
     calls = pl.read_parquet(staging / "calls.parquet")
     return calls, before.get("cache_sim", {}), pl.read_parquet(staging / "decisions.parquet")
+
+
+def profile_summary(p: dict[str, Any] | None) -> dict[str, Any]:
+    """summary["profile"] (`run --profile`): the pipeline passes run (one per batch; none when every
+    group was reused); per stage position, in the pipeline's order, its seconds, polars collects and
+    the passes where its quick check held; the checks asked together; the totals of the stages and
+    each phase's seconds and collects."""
+    if p is None:
+        return {"passes": 0, "stages": [], "checks": {}, "phases": {}, "totals": {"seconds": 0.0, "collects": 0}}
+    stages = [{"position": k, "seconds": round(v["seconds"], 4), "collects": v["collects"], "quiet": v["quiet"]}
+              for k, v in p["stages"].items()]
+    checks = {k: round(v, 4) if isinstance(v, float) else v for k, v in p["checks"].items()}
+    total_s = sum(v["seconds"] for v in p["stages"].values()) + p["checks"]["seconds"]
+    total_n = sum(v["collects"] for v in p["stages"].values()) + p["checks"]["collects"]
+    return {"passes": p["passes"], "stages": stages, "checks": checks,
+            "phases": {k: {"seconds": round(v["seconds"], 4), "collects": v["collects"]} for k, v in p["phases"].items()},
+            "totals": {"seconds": round(total_s, 4), "collects": total_n}}
 
 
 def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, totals: Totals, env: Env) -> None:

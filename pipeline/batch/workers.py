@@ -75,14 +75,14 @@ def init(state: tuple[Any, ...]) -> None:
     """A worker's Env, from the state the parent handed it (called by workerboot.boot, once the
     worker ignores Ctrl-C and dies with its parent)."""
     global _ENV
-    spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens, max_line = state
+    spec, target, staging, out_dir, all_calls, validate, earlier, counter_name, tokens, max_line, profile = state
     MAX_LINE_BYTES.set(max_line)  # the command's --max-line-bytes (a context variable does not cross processes)
 
     def earlier_of(s: list[str]) -> pl.DataFrame:
         return earlier.filter(pl.col("session_id").is_in(s))
 
     _ENV = Env(spec, target, staging, out_dir, all_calls, validate, earlier_of,
-               BatchCounter(counter_name, SnapshotCache(tokens)), None)
+               BatchCounter(counter_name, SnapshotCache(tokens)), None, profile)
 
 
 def _work(job: Job) -> tuple[BatchResult, dict[str, int], int, int]:
@@ -110,7 +110,7 @@ def worker_state(env: Env, ledger: Any) -> tuple[Any, ...] | None:
     tokens = dict(ledger.con.execute("SELECT sha256, tokens FROM token_cache WHERE counter = ?",
                                      [env.counter.name]).fetchall())
     return (env.spec, env.target, env.staging, env.out_dir, env.all_calls, env.validate, earlier,
-            env.counter.name, tokens, MAX_LINE_BYTES.get())
+            env.counter.name, tokens, MAX_LINE_BYTES.get(), env.profile)
 
 
 def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterator[BatchResult]:

@@ -212,13 +212,15 @@ def main() -> None:
               "Ray with --jobs CPUs, or the cluster of --address); the outputs are the same.")
 @click.option("--address", metavar="HOST:PORT", help="With --engine ray: join this Ray cluster (HOST:PORT of its "
               "head node); inputs and --out must then be on a shared path.")
+@click.option("--profile", is_flag=True, help="Also print what each pipeline pass cost: per stage position its "
+              "time and polars collects, the quick checks, the totals (summary.json: profile).")
 @follow_links_option()
 @max_line_bytes_option()
 @no_cache_option()
 def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None, out_dir: Path,
         ledger_path: Path | None, target: str | None, all_calls: bool, json_: bool, strict: bool, fast_tokens: bool,
         quiet: bool, batch_bytes: int | None, jobs: int | None, full: bool, engine: str,
-        address: str | None) -> None:
+        address: str | None, profile: bool) -> None:
     """Load transcripts, apply the pipeline, replay every call; write outputs and the ledger.
 
     PATHS are files or directories (searched recursively). Without PATHS: $CLAUDE_CONFIG_DIR/projects
@@ -253,6 +255,7 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
     if address and engine != "ray":
         raise ArgumentError(f"--address {address} joins a Ray cluster: it needs --engine ray")
     opts.engine, opts.address = engine, address
+    opts.profile = profile
     if batch_bytes:
         opts.batch_bytes = batch_bytes
     result = do_run(chosen, spec, opts)
@@ -261,6 +264,8 @@ def run(paths: tuple[Path, ...], pipeline_file: Path | None, preset: str | None,
         click.echo(orjson.dumps(s, option=orjson.OPT_SORT_KEYS).decode())
     elif not quiet:
         echo(_human(s))
+        if profile:
+            echo(_profile(s["profile"]))
     if strict and result.found_problems:
         if not json_:
             failed = len(s.get("stage_failures") or [])
@@ -316,6 +321,27 @@ def _human(s: dict[str, Any]) -> str:
     lines.append(f"  wrote {s['out_dir']}/calls.parquet, requests/, summary.json (run {s['run_id']}); "
                  f"ledger {s['ledger']}")
     lines.append(f"  took {s['seconds']:.2f} s")
+    return "\n".join(lines)
+
+
+def _profile(p: dict[str, Any]) -> str:
+    """`run --profile`: the stage positions' time and polars collects over the passes run."""
+    n = p["passes"]
+    if not n:
+        return "profile: no pipeline pass (every session group's outputs were reused; --full runs them again)"
+    head = f"profile: {plural(n, 'pipeline pass', 'pipeline passes')} (one per batch); time and polars collects in all"
+    lines = [head + ", per stage position:"]
+    width = max([len("quick checks"), *(len(v["position"]) for v in p["stages"])])
+    lines.append(f"  {'position':<{width}}  {'ms':>9}  {'collects':>8}  quiet")
+    for v in p["stages"]:
+        lines.append(f"  {v['position']:<{width}}  {v['seconds'] * 1e3:9.1f}  {v['collects']:8,}  {v['quiet']} of {n}")
+    c = p["checks"]
+    lines.append(f"  {'quick checks':<{width}}  {c['seconds'] * 1e3:9.1f}  {c['collects']:8,}  "
+                 f"({plural(c['positions'], 'position')} asked in {plural(c['queries'], 'query', 'queries')})")
+    t = p["totals"]
+    lines.append(f"  {'stages, total':<{width}}  {t['seconds'] * 1e3:9.1f}  {t['collects']:8,}")
+    lines.append("  phases: " + ", ".join(f"{k} {v['seconds'] * 1e3:.0f} ms ({v['collects']:,} collects)"
+                                         for k, v in p["phases"].items()))
     return "\n".join(lines)
 
 

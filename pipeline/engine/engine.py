@@ -26,7 +26,9 @@ Work per call: when the new entries only extend the main thread of a Claude Code
 stage decides anything about them (each stage's own live rule says: `@stage(live=...)`,
 pipeline/engine/live.py), the live path
 makes their rows and appends them to the kept replay state, with no pass; otherwise the stages run
-over the whole session (columnar, with the ledger's frozen decisions: correct, not incremental).
+over the whole session (columnar, with the ledger's frozen decisions: correct, not incremental),
+over the kept rows and the live path's new ones when it could read the new lines, else over what
+the loaders read from the spool again.
 The replay shapes only the pending call, never the calls before it (their requests are frozen).
 bench/bench_engine.py measures what a call costs on both paths.
 
@@ -96,6 +98,7 @@ CREATE TABLE IF NOT EXISTS engine_usage (
 """
 
 Entry = Mapping[str, Any] | str | bytes
+TOKEN_FLUSH = 5_000  # token counts waiting for a commit before one is made for them alone
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,7 @@ class _Pass:
     """One run of load + stages over a session: what the replay and the results read."""
 
     loaded: LoadResult
+    rows: pl.DataFrame  # the loader's rows of the spool (before any stage), live steps' rows appended
     blocks: pl.DataFrame  # the final block versions (sorted for replay)
     skeleton: pl.DataFrame
     counts: dict[tuple[str, str], int]
@@ -252,6 +256,9 @@ class _Session:
     # the last step's answers of the live rules: (the pending call before the step, position ->
     # None for quiet or the reason); None when the step was refused before the rules were asked
     asked: tuple[int, dict[str, str | None]] | None = None
+    # the rows the live path made for the last step's lines when a stage still needed a full pass:
+    # that pass appends them to the kept rows instead of loading the spool again
+    follow: LiveRows | None = None
 
 
 def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
@@ -320,6 +327,7 @@ class Engine:
             self._lock.release()
             raise
         self.counter = TokenCounter(token_counter, cache=self.ledger)
+        self._resolved: dict[str, Any] | None = None  # spec.resolved(), what the ledger's commits write
         self._spool = Path(tempfile.mkdtemp(prefix="ctxreplay-engine-"))
         # an engine dropped without close() still leaves no spool behind
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._spool), True)
@@ -332,7 +340,10 @@ class Engine:
         names = position_names(spec.stages)
         self._positions = tuple(livepath.Position(n, rs.stage, rs.params, stage_context(self._ctx, rs, spec))
                                 for n, rs in zip(names, spec.stages, strict=True))
-        self.live_path = True  # False: every step is a full pass (tests compare both)
+        self.live_path = True  # False: every step is a full pass, the spool loaded again (tests compare both)
+        # False: no stage's live rule is asked, every step is a full pass over the rows the live path
+        # made (what a step costs when a stage decides something; bench/bench_engine.py)
+        self.ask_rules = True
 
     # ------------------------------------------------------------------ life cycle
 
@@ -364,7 +375,11 @@ class Engine:
             return
         self._closed = True
         try:
-            self.ledger.close()
+            try:
+                if self.ledger._pending_tokens:  # the token counts not written yet (a cache: see _tokens_due)
+                    self._commit()
+            finally:
+                self.ledger.close()
         finally:
             self._lock.release()
             self._cleanup()
@@ -466,18 +481,26 @@ class Engine:
         if reason is None:
             assert s.last is not None
             return s.last
+        follow = s.follow if spec is None and not freeze_pending else None
+        s.follow = None
+        new_lines = False
         for f in s.files.values():
             if f.written < len(f.lines):
+                new_lines = True
                 f.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(f.path, "ab") as fh:
                     fh.write(b"".join(ln + b"\n" for ln in f.lines[f.written:]))
                 f.written = len(f.lines)
-        # open_sidechains: an inline sidechain's first request can be assembled as soon as its first
-        # user line is in, before its answer makes it a thread of the batch replay
-        loaded = load_paths([s.dir], open_sidechains=True) if s.files else LoadResult(empty_table(BLOCKS), [])
-        blocks = pl.from_arrow(loaded.blocks)
-        assert isinstance(blocks, pl.DataFrame)
-        check_frame(blocks, BLOCKS, where="on load")
+        kept = self._kept_rows(s.last, new_lines, follow)
+        if kept is not None:
+            loaded, blocks = kept
+        else:
+            # open_sidechains: an inline sidechain's first request can be assembled as soon as its first
+            # user line is in, before its answer makes it a thread of the batch replay
+            loaded = load_paths([s.dir], open_sidechains=True) if s.files else LoadResult(empty_table(BLOCKS), [])
+            blocks = pl.from_arrow(loaded.blocks)
+            assert isinstance(blocks, pl.DataFrame)
+            check_frame(blocks, BLOCKS, where="on load")
         loaded_blocks = blocks
         skeleton = call_skeleton(blocks)
         counts = call_counts(blocks)
@@ -517,11 +540,11 @@ class Engine:
                                      stage_version=o.stage.version, config_digest=o.config_digest)
             written.append(rows.drop("call_key", strict=False).with_columns(stage=pl.lit(o.name)))
         self._write_spills(staged.spills)
-        if staged.failures or new or self.ledger._pending_tokens:
-            self.ledger.commit_run(None, self.spec.resolved(), spec_sha256=self.spec.sha256)
+        if staged.failures or new or self._tokens_due():
+            self._commit()
         final = staged.blocks.sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call",
                                     "entry_id"])
-        p = _Pass(loaded, final, skeleton, counts, staged, new,
+        p = _Pass(loaded, loaded_blocks, final, skeleton, counts, staged, new,
                   {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2},
                   pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame(), reason)
         s.facts = None
@@ -537,6 +560,23 @@ class Engine:
         s.last, s.dirty = p, False
         return p
 
+    @staticmethod
+    def _kept_rows(last: _Pass | None, new_lines: bool, follow: LiveRows | None
+                   ) -> tuple[LoadResult, pl.DataFrame] | None:
+        """The loader's rows of the spool without loading it again (None: load it): the last pass's
+        when no line came since (a compaction's second pass), or those with the rows the live path
+        made for the new lines (it followed them: they only extend the main thread, read the way
+        the loader reads them, and the loader gives every earlier row as before)."""
+        if last is None or (new_lines and follow is None):
+            return None
+        rows = last.rows
+        if follow is not None:
+            add = follow.frame.select([c for c in rows.columns if c in follow.frame.columns])
+            if add.schema != rows.schema:
+                return None
+            rows = pl.concat([rows, add])
+        return last.loaded, rows
+
     def _commit_pending(self, p: _Pass, facts: livepath.ThreadFacts, new: LiveRows) -> int:
         """Freeze the decisions the last pass made for the call it left pending, as the next pass
         would: that call is answered now (the new rows start with its answer), so no row it sees can
@@ -551,9 +591,21 @@ class Engine:
                 rows = rows.drop("is_provisional").sort(DECISION_KEY).with_columns(call_key=pl.lit(key, pl.String))
                 n += self.ledger.stage(rows, spec_sha256=self.spec.sha256, stage=o.name,
                                        stage_version=o.stage.version, config_digest=o.config_digest)
-        if n:
-            self.ledger.commit_run(None, self.spec.resolved(), spec_sha256=self.spec.sha256)
+        if n or self._tokens_due():
+            self._commit()
         return n
+
+    def _tokens_due(self) -> bool:
+        """Whether the token counts made since the last commit are many enough to write now. They
+        are a cache (a text is counted again when its count is lost): written with the next
+        decisions, when this many are waiting, or at close(), not at every pass."""
+        return sum(t.num_rows for t in self.ledger._pending_tokens) >= TOKEN_FLUSH
+
+    def _commit(self) -> None:
+        """Write what the ledger holds queued (decisions, token counts, the spec) in one transaction."""
+        if self._resolved is None:
+            self._resolved = self.spec.resolved()
+        self.ledger.commit_run(None, self._resolved, spec_sha256=self.spec.sha256)
 
     def _main_session(self, s: _Session, sessions: list[str]) -> str | None:
         """The session whose main thread the live path follows: a session of one transcript file."""
@@ -566,7 +618,7 @@ class Engine:
         pass when they only extend the main thread and no stage decides anything about them.
         Returns None when it did, else why a full pass is needed (the scan reads the new lines
         either way, so it stays level with the spool)."""
-        s.asked = None
+        s.asked = s.follow = None
         if len(s.files) != 1:
             return "a session of several transcript files"
         f = next(iter(s.files.values()))
@@ -586,6 +638,9 @@ class Engine:
         new = livepath.new_rows(nodes, facts, self.counter)
         if isinstance(new, str):
             return new
+        s.follow = new  # a full pass, if a stage needs one, appends these rows instead of loading again
+        if not self.ask_rules:
+            return "the live rules are off"
         t1 = time.perf_counter()
         why, carried = livepath.step_rules(self._positions, facts, new)
         s.asked = (facts.calls, dict(facts.answers))
@@ -598,6 +653,11 @@ class Engine:
             p.blocks = pl.concat([p.blocks, new.frame.select(p.blocks.columns)])
         except (pl.exceptions.PolarsError, KeyError):
             p.blocks = pl.concat([p.blocks, new.frame], how="diagonal_relaxed")
+        try:
+            p.rows = pl.concat([p.rows, new.frame.select(p.rows.columns)])
+        except (pl.exceptions.PolarsError, KeyError):
+            p.rows = pl.concat([p.rows, new.frame], how="diagonal_relaxed")
+        s.follow = None
         p.skeleton = pl.concat([p.skeleton, call_skeleton(new.frame)], how="diagonal_relaxed")
         p.counts[key] = new.calls
         p.new_decisions, p.full_pass_reason = committed, None

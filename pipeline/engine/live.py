@@ -1,8 +1,9 @@
 """The engine's live path: a call appended without a pipeline pass (docs/engine.md, "What a call costs").
 
-A pipeline pass (load the session's spool, run every stage with the ledger's view) costs about as
-much as replaying the session whole, and a third of it is fixed (the stages' polars plans). The usual
-live step is smaller than that: the answer to the last request, and the tool results or user message
+A pipeline pass (every stage over the whole session with the ledger's view) costs ~10 to 20 % of
+replaying the session whole (bench/bench_engine.py: the stages' quick checks, and the plans of the
+stages that decide), and more when the spool must be loaded again. The usual live step is smaller
+than that: the answer to the last request, and the tool results or user message
 that follow it, appended at the end of the main thread of a Claude Code session; and in most calls
 no stage decides anything about them. This module recognises such a step and gives the engine the
 rows the batch loader would have added, so that the request is shaped from the kept replay state
@@ -13,7 +14,8 @@ plus those rows, with no pass:
   with the loader's own `build_thread`: a step is live when that thread is the last step's with
   the new message entries appended;
 - `new_rows` turns the appended message entries into block rows with the loader's own code
-  (`thread_messages`, `threads_to_blocks`), at the positions and call numbers the whole file gives them;
+  (`thread_messages`, `threads_to_blocks`), at the positions and call numbers the whole file gives
+  them (a full pass that a stage's rule asks for appends them to the rows it keeps: no load);
 - each stage says itself whether it decides anything at the new calls: its live rule
   (`@stage(live=LiveRule(start, step))`, ctxreplay.pipeline.stageapi.live) starts from what the
   last full pass left (`start_rules`) and answers each step from what it carried (`step_rules`).
@@ -230,7 +232,8 @@ def start_rules(positions: tuple[Position, ...], base: LiveThread, outs: dict[st
         rule = pos.stage.live
         if rule is None:
             continue
-        thread = base.with_blocks(outs[pos.name].filter(mine), pos.name)
+        out = outs[pos.name]  # the same frame for positions that left their input as it was
+        thread = base.with_blocks(base.measured("thread", lambda out=out: out.filter(mine), out), pos.name)
         try:
             carried[pos.name] = rule.start(thread, pos.params, pos.ctx)
         except Exception as exc:

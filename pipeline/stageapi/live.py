@@ -80,6 +80,19 @@ class LiveThread:
     blocks: pl.DataFrame
     decisions: pl.DataFrame
     count_tokens: Callable[[pl.Series], pl.Series] | None = field(default=None, repr=False)
+    # what the rules measured on one frame, shared by the positions that see the same one (a
+    # position that decided nothing leaves its input as it is): (name, id of the frame) -> (frame, value)
+    _memo: dict[tuple[str, int], tuple[pl.DataFrame, Any]] = field(default_factory=dict, repr=False, compare=False)
+
+    def measured(self, name: str, compute: Callable[[], Any], blocks: pl.DataFrame | None = None) -> Any:
+        """`compute()`, a figure of `blocks` (default: this thread's), computed once per frame
+        for all the positions that see it after one full pass (`name` says which figure)."""
+        b = self.blocks if blocks is None else blocks
+        key = (name, id(b))
+        got = self._memo.get(key)
+        if got is None or got[0] is not b:
+            got = self._memo[key] = (b, compute())
+        return got[1]
 
     @property
     def own_decisions(self) -> pl.DataFrame:
@@ -97,7 +110,8 @@ class LiveThread:
     def row_tokens(self, blocks: pl.DataFrame | None = None) -> pl.Series:
         """Each row's tokens as the stages and the replay estimate them (ctx.count_tokens)."""
         b = self.blocks if blocks is None else blocks
-        return b.select(row_tokens_expr(self.count_tokens)).to_series().rename("tokens")
+        return self.measured("row_tokens", lambda: b.select(row_tokens_expr(self.count_tokens)).to_series()
+                             .rename("tokens"), b)
 
     def visible(self, blocks: pl.DataFrame | None = None) -> pl.DataFrame:
         """The rows the pending call's request holds."""
@@ -109,12 +123,19 @@ class LiveThread:
         """The pending call's request tokens, as ctxreplay.pipeline.stageapi.calls.request_tokens
         counts them: the rows it holds plus an overhead per message."""
         b = self.blocks if blocks is None else blocks
-        rows = int(self.visible(b).select(row_tokens_expr(self.count_tokens)).to_series().sum() or 0)
-        msgs = b.group_by("msg_key").agg(
-            first=pl.col("first_call").min(),
-            last=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()))
-        n = msgs.filter((pl.col("first") <= self.call) & (pl.col("last").is_null() | (pl.col("last") > self.call)))
-        return rows + MESSAGE_OVERHEAD_TOKENS * n.height
+
+        def count() -> int:
+            call = self.call
+            seen = (pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call))
+            t = b.select("msg_key", "first_call", "last_call", _t=self.row_tokens(b))
+            rows = int(t.filter(seen).get_column("_t").sum() or 0)
+            msgs = t.group_by("msg_key").agg(
+                first=pl.col("first_call").min(),
+                last=pl.when(pl.col("last_call").is_null().any()).then(None).otherwise(pl.col("last_call").max()))
+            n = msgs.filter((pl.col("first") <= call) & (pl.col("last").is_null() | (pl.col("last") > call)))
+            return rows + MESSAGE_OVERHEAD_TOKENS * n.height
+
+        return int(self.measured(f"request_tokens@{self.call}", count, b))
 
 
 @dataclass(frozen=True)

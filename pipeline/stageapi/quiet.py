@@ -4,8 +4,11 @@ A pipeline pass pays a fixed cost per stage whatever the input's size: a stage's
 joins, windows and marks, and polars plans and runs each of them even on a session of ten calls
 (~50 ms a stage, ~0.4 s a pass). Most passes decide little: a short session trips no token
 trigger, holds no image, no inter-session row, no oversized result. A stage that can prove from a
-few aggregates that its plan would decide nothing returns the blocks as its plan would have left
-them (sorted, unchanged) and no decision, at the cost of one small query.
+few aggregates that its plan would decide nothing declares it (`@stage(quiet=Quiet(check))`,
+ctxreplay.pipeline.stageapi.registry.Quiet); the runner asks the check first and, where it holds,
+takes the blocks as the plan would have left them (sorted, unchanged) and no decision, at the cost
+of one small query. The checks of consecutive positions are asked in one query (`ask`): a quiet
+position leaves the rows as they were, so the next position's check reads the same rows.
 
 The check must be conservative: `quiet` only where the stage's plan decides nothing and changes no
 row (tests/test_stage_quiet.py runs each stage's check against its plan on both sides of every
@@ -14,6 +17,8 @@ runs its plan.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import polars as pl
 
@@ -26,23 +31,48 @@ from ctxreplay.pipeline.core.constants import (
 )
 from ctxreplay.pipeline.core.tokens import (
     IMAGE_MAX_TOKENS,
-    TIKTOKEN_COUNTER,
     fast_token_estimate,
     is_image_expr,
     per_token_text,
     row_tokens_expr,
 )
-from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult
+from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult
+
+
+def plans(blocks: pl.LazyFrame, checks: list[pl.Expr | pl.LazyFrame]) -> pl.LazyFrame:
+    """One plan of one row that answers every check (column `_q<i>` for check i): the aggregates
+    in one select over the blocks, each plan of its own reduced to whether all its values hold."""
+    exprs = {f"_q{i}": c.fill_null(False).all() for i, c in enumerate(checks) if isinstance(c, pl.Expr)}
+    parts = [blocks.select(**exprs)] if exprs else []
+    for i, c in enumerate(checks):
+        if isinstance(c, pl.LazyFrame):
+            col = c.collect_schema().names()[0]
+            parts.append(c.select(pl.col(col).fill_null(False).all().alias(f"_q{i}")))
+    return pl.concat(parts, how="horizontal").select([f"_q{i}" for i in range(len(checks))])
+
+
+def ask(blocks: pl.LazyFrame, checks: list[pl.Expr | pl.LazyFrame]) -> list[bool]:
+    """Each check's answer over the blocks, in one query."""
+    if not checks:
+        return []
+    return [bool(v) for v in plans(blocks, checks).collect(engine=POLARS_ENGINE).row(0)]
+
+
+def stage_check(q: Quiet, blocks: pl.LazyFrame, params: Any, ctx: StageContext) -> pl.Expr | pl.LazyFrame:
+    """The stage's check over these blocks."""
+    return q.check(blocks, params, ctx)
+
+
+def quiet_blocks(q: Quiet, blocks: pl.LazyFrame, params: Any, ctx: StageContext) -> pl.LazyFrame:
+    """What the stage returns where its check holds."""
+    return sort_blocks(blocks) if q.blocks is None else q.blocks(blocks, params, ctx)
 
 
 def quiet(blocks: pl.LazyFrame, ledger: pl.LazyFrame, check: pl.Expr | pl.LazyFrame) -> bool:
-    """True when the stage's ledger view is empty and `check` holds: a boolean aggregate over the
-    blocks (one value), or a plan of its own (one boolean column; every value must hold). One
-    query for both."""
-    own = check.select(_q=pl.col(check.collect_schema().names()[0]).fill_null(False)) \
-        if isinstance(check, pl.LazyFrame) else blocks.select(_q=check.fill_null(False))
-    q = pl.concat([ledger.select(_q=pl.len() == 0), own])
-    return bool(q.select(pl.col("_q").all()).collect(engine=POLARS_ENGINE).item())
+    """True when the stage's ledger view is empty and `check` holds (one query for both)."""
+    own = plans(blocks, [check])
+    q = pl.concat([ledger.select(_q0=pl.len() == 0), own])
+    return bool(q.select(pl.col("_q0").all()).collect(engine=POLARS_ENGINE).item())
 
 
 def unchanged(blocks: pl.LazyFrame) -> StageResult:
@@ -57,15 +87,13 @@ def per_thread(expr: pl.Expr) -> pl.Expr:
 
 
 def row_tokens_bound(ctx: StageContext) -> pl.Expr:
-    """At least the tokens `row_tokens_expr(ctx.count_tokens)` gives a row, without tokenizing:
-    chars/4 exactly for the fast counter, the text's UTF-8 bytes for tiktoken (a token holds at
-    least one byte), an image's cap. Another counter is asked (exact)."""
-    if ctx.count_tokens is not None and ctx.token_counter_version not in (CHARS4_COUNTER, TIKTOKEN_COUNTER):
+    """At least the tokens `row_tokens_expr(ctx.count_tokens)` gives a row: chars/4 exactly for the
+    fast counter, without asking it; any other counter (tiktoken) is asked, exact: it counts each
+    distinct text once per run (a batch's texts are counted before its stages, for the recorded
+    facts; the engine's at the pass or step that brought them), so the check looks them up."""
+    if ctx.count_tokens is not None and ctx.token_counter_version != CHARS4_COUNTER:
         return row_tokens_expr(ctx.count_tokens)
-    if ctx.count_tokens is None or ctx.token_counter_version == CHARS4_COUNTER:
-        per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
-    else:
-        per_text = per_token_text(lambda t: t.str.len_bytes().fill_null(0).cast(pl.Int64))
+    per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
     return pl.when(is_image_expr()).then(pl.lit(IMAGE_MAX_TOKENS, pl.Int64)).otherwise(per_text).cast(pl.Int64)
 
 

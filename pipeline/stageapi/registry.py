@@ -8,9 +8,10 @@ The contract in one place:
 - `StageResult`: what a stage returns.
 - `@stage(...)`: the registration, with the stage's dependencies (`requires`, `reads`) and the
   hooks the runner calls for it (`frozen` actions it re-applies from the ledger, `rebuild` of
-  inserted rows, `spilled_texts`, `encoder_version`), its `live` rule (what it decides at the new
-  calls of a live session: ctxreplay.pipeline.stageapi.live) and its `compact` params (the live
-  engine's forced compaction).
+  inserted rows, `spilled_texts`, `encoder_version`), its `quiet` check (blocks on which it decides
+  nothing, proved by one small query: the runner then skips its plan), its `live` rule (what it
+  decides at the new calls of a live session: ctxreplay.pipeline.stageapi.live) and its `compact`
+  params (the live engine's forced compaction).
 
 Built-in stage names belong to ctxreplay: a plug-in that registers one of them (or a name another
 plug-in holds) is refused with a message naming both packages.
@@ -125,6 +126,23 @@ class Stage(Protocol):
                  ctx: StageContext) -> StageResult: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """A stage's "nothing to decide" check (`@stage(quiet=Quiet(check))`).
+
+    `check(blocks, params, ctx)` returns a boolean aggregate over the blocks (an expression giving
+    one value) or a plan of its own (a LazyFrame of one boolean column, every value must hold):
+    True only where the stage's plan would decide nothing and change no row but what `blocks` does.
+    `blocks(blocks, params, ctx)` is what the stage returns then (None: the blocks as they are, in
+    the block order of `finish`). The runner asks the check before the stage, when the stage has no
+    earlier decision in its ledger view, and skips the stage where it holds; the checks of
+    consecutive positions are asked in one query. A check must be conservative: "not quiet" is
+    always right (the plan runs), "quiet" must be proved (tests/test_stage_quiet.py)."""
+
+    check: Callable[[pl.LazyFrame, Any, StageContext], pl.Expr | pl.LazyFrame]
+    blocks: Callable[[pl.LazyFrame, Any, StageContext], pl.LazyFrame] | None = None
+
+
 SpilledTexts = Callable[[pl.LazyFrame, pl.LazyFrame], pl.LazyFrame]
 """(blocks the stage received, its decisions) -> (sha256, text) of every spilled text to store."""
 Rebuild = Callable[[pl.LazyFrame, pl.LazyFrame, pl.LazyFrame], tuple[pl.LazyFrame, pl.LazyFrame]]
@@ -160,6 +178,8 @@ class RegisteredStage:
     compact: Callable[[Any], Any] | None = None
     """params -> the params of a forced compaction (`Engine.compact(force=True)`: the stage run
     now with its triggers at their minimum); None: the stage takes no part in one."""
+    quiet: Quiet | None = None
+    """Blocks on which the stage decides nothing, proved by one small query (None: its plan always runs)."""
 
     @property
     def is_builtin(self) -> bool:
@@ -229,7 +249,7 @@ def _describe_owner(module: str) -> str:
 def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = (), reads: tuple[str, ...] = (),
           frozen: tuple[str, ...] = (), rebuild: Rebuild | None = None, spilled_texts: SpilledTexts | None = None,
           encoder_version: str | None = None, live: LiveRule | None = None,
-          compact: Callable[[Any], Any] | None = None) -> Callable[[Stage], Stage]:
+          compact: Callable[[Any], Any] | None = None, quiet: Quiet | None = None) -> Callable[[Stage], Stage]:
     """Register a stage function under `name` (see `RegisteredStage` for the keywords).
 
     Refuses a params class that is not a dataclass, and a name that another package registered
@@ -240,6 +260,9 @@ def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = 
     if live is not None and not isinstance(live, LiveRule):
         raise StageRegistrationError(f"stage '{name}': live must be a LiveRule(start, step) "
                                      f"(ctxreplay.LiveRule), got {type(live).__name__}")
+    if quiet is not None and not isinstance(quiet, Quiet):
+        raise StageRegistrationError(f"stage '{name}': quiet must be a Quiet(check) (ctxreplay.Quiet), got "
+                                     f"{type(quiet).__name__}")
 
     def register(fn: Stage) -> Stage:
         module = getattr(fn, "__module__", "") or ""
@@ -252,7 +275,7 @@ def stage(name: str, *, version: int, params: type, requires: tuple[str, ...] = 
                                  built_in=held.module.startswith(CORE_MODULE_PREFIX))
         STAGES[name] = RegisteredStage(
             name, version, params, fn, (fn.__doc__ or "").strip(), module, tuple(requires), tuple(reads),
-            tuple(frozen), rebuild, spilled_texts, encoder_version, live, compact)
+            tuple(frozen), rebuild, spilled_texts, encoder_version, live, compact, quiet)
         return fn
 
     return register

@@ -13,6 +13,7 @@ thinking_policy = "keep_signed"
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
@@ -54,7 +55,7 @@ class ResolvedStage:
                 d.pop(f.name, None)
         return _jsonable(d)
 
-    @property
+    @functools.cached_property
     def config_digest(self) -> str:
         """sha256 of what decides the stage's output: name, version, params, and the version of any
         encoder it depends on (the registration's `encoder_version`, e.g. Pillow for images), so an
@@ -103,8 +104,9 @@ class PipelineSpec:
                       for s in self.stages],
         }
 
-    @property
+    @functools.cached_property
     def sha256(self) -> str:
+        """The hash of `resolved()` (once per spec: a spec never changes)."""
         return sha256_hex(canonical_json(self.resolved()))
 
 

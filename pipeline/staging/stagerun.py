@@ -10,7 +10,10 @@ For each stage, in the spec's order:
    seen there); the stage gets the conflict rows in its ledger view and decides the block afresh.
    `--strict` runs fail on conflicts.
 2. **Run** the stage (built-ins in-process; plug-ins in a worker process with a time budget, see
-   pipeline/staging/isolation.py), check what it returns against the schemas.
+   pipeline/staging/isolation.py), check what it returns against the schemas. A stage with a quick
+   check (`@stage(quiet=...)`, ctxreplay.pipeline.stageapi.quiet) and no earlier decision is asked
+   it first; where it holds, its plan does not run and it decides nothing. The checks of
+   consecutive positions are asked in one query over the same rows (`_ask_ahead`).
 3. **Reconcile** its decisions with the ledger: decisions for a thread's pending call are
    provisional (applied, never frozen); the others are new (to write), already in the ledger
    (reused), or clash with the ledger's outcome for the same key (`conflict`, `ledger_mismatch`).
@@ -26,6 +29,7 @@ new decisions and spilled texts after, so this runs per batch, in any process.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -36,19 +40,21 @@ import orjson
 import polars as pl
 
 from ctxreplay.errors import CtxReplayError, StageFailed
-from ctxreplay.pipeline.core import crashpoints
+from ctxreplay.pipeline.core import crashpoints, profile
 from ctxreplay.pipeline.core.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
 from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
 from ctxreplay.pipeline.stageapi.registry import RegisteredStage, StageContext, StageRef, StageResult
 from ctxreplay.pipeline.staging.invoke import invoke_inline, stage_raised
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
-from ctxreplay.schemas.check import conform, polars_schema
+from ctxreplay.schemas.check import SchemaMismatch, check_frame, conform, polars_schema
 from ctxreplay.schemas.decisions import DECISION_KEY, STAGE_DECISION
 
 DECISION_SCHEMA = polars_schema(STAGE_DECISION)
 BLOCK_SCHEMA = polars_schema(BLOCKS)
 NO_DECISIONS = pl.DataFrame(schema=DECISION_SCHEMA)  # shared, never changed: a frame from a schema costs ~0.3 ms
+NO_MARKED = pl.DataFrame(schema={**DECISION_SCHEMA, "is_provisional": pl.Boolean})  # no decision applied
+NO_KEYED = pl.DataFrame(schema={**DECISION_SCHEMA, "call_key": pl.String})  # no decision to write
 CALL_KEYS_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "call_key": pl.String}
 PENDING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32}
 STAGE_FAILED = "stage_failed"
@@ -74,14 +80,15 @@ class CallMap:
         call of some thread of the session (its own, or history it shares with another thread).
         A thread whose count of such messages is not its number of calls gets no keys (its
         decisions are then keyed by thread name and call, as before call keys)."""
+        b = blocks.lazy()
         if pending is None:
-            n = blocks.group_by(THREAD).agg(pending_call=pl.col("first_call").max().cast(pl.Int32))
+            n = b.group_by(THREAD).agg(pending_call=pl.col("first_call").max().cast(pl.Int32))
         else:
             n = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": c} for (s, t), c in pending.items()],
-                             schema=PENDING_SCHEMA)
-        call_msgs = blocks.filter(pl.col("is_call")).select("session_id", "msg_key").unique()
+                             schema=PENDING_SCHEMA).lazy()
+        call_msgs = b.filter(pl.col("is_call")).select("session_id", "msg_key").unique()
         starts = (
-            blocks.group_by([*THREAD, "msg_key"]).agg(_order=pl.col("order_key").min())
+            b.group_by([*THREAD, "msg_key"]).agg(_order=pl.col("order_key").min())
             .join(call_msgs, on=["session_id", "msg_key"], how="semi")
             .sort([*THREAD, "_order", "msg_key"])
             .with_columns(call=pl.int_range(pl.len(), dtype=pl.Int32).over(THREAD))
@@ -89,7 +96,9 @@ class CallMap:
         complete = starts.group_by(THREAD).agg(_n=pl.len().cast(pl.Int32)).join(n, on=THREAD).filter(
             pl.col("_n") == pl.col("pending_call")).select(THREAD)
         keys = starts.join(complete, on=THREAD, how="semi").select(*THREAD, "call", call_key="msg_key")
-        return cls(keys=keys.cast(CALL_KEYS_SCHEMA), pending=n.select(list(PENDING_SCHEMA)).cast(PENDING_SCHEMA))  # type: ignore[arg-type]
+        pend = n.select(list(PENDING_SCHEMA)).cast(PENDING_SCHEMA) if pending is None else n  # type: ignore[arg-type]
+        return cls(keys=keys.cast(CALL_KEYS_SCHEMA).collect(engine=POLARS_ENGINE),  # type: ignore[arg-type]
+                   pending=pend.collect(engine=POLARS_ENGINE))
 
     def with_keys(self, decisions: pl.DataFrame) -> pl.DataFrame:
         """`decisions` with the `call_key` of their (thread, from_call) (null where none)."""
@@ -143,12 +152,17 @@ class StageStats:
     by_reason: dict[str, int]
     seconds: float
     failed_sessions: int = 0
+    collects: int | None = None  # polars plans run at this position, when counted (pipeline/core/profile.py)
+    quiet: bool = False  # its quick check held: its plan did not run
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("decisions", "new_decisions", "reused_decisions",
-                                              "provisional_decisions", "conflicts", "by_reason", "seconds")}
+                                              "provisional_decisions", "conflicts", "by_reason")}
+        out["seconds"] = round(self.seconds, 3)
         if self.failed_sessions:
             out["failed_sessions"] = self.failed_sessions
+        if self.collects is not None:
+            out["collects"] = self.collects
         return out
 
 
@@ -190,6 +204,9 @@ class StagesResult:
     outcomes: tuple[StageOutcome, ...]
     failures: tuple[StageFailure, ...]
     spills: pl.DataFrame
+    # the quick checks asked ahead, several positions in one query (`_ask_ahead`): queries,
+    # positions asked, seconds, and polars collects when counted; not in any position's figures
+    checks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def applied(self) -> pl.DataFrame:
@@ -207,6 +224,13 @@ class StagesResult:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {o.name: o.stats.as_dict() for o in self.outcomes}
+
+    def profile(self) -> dict[str, Any]:
+        """What `ctxreplay run --profile` shows of this pass: per position its seconds, polars
+        collects (when counted) and whether its quick check held; the checks asked together."""
+        return {"stages": {o.name: {"seconds": o.stats.seconds, "collects": o.stats.collects or 0,
+                                    "quiet": int(o.stats.quiet)} for o in self.outcomes},
+                "checks": {"queries": 0, "positions": 0, "seconds": 0.0, "collects": 0, **self.checks}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,26 +365,98 @@ class _Run:
     outcomes: list[StageOutcome] = field(default_factory=list)
     failures: list[StageFailure] = field(default_factory=list)
     spills: list[pl.DataFrame] = field(default_factory=list)
+    checks: bool = True  # ask the stages' quick checks
+    answers: dict[int, bool] = field(default_factory=dict)  # position -> its check's answer, asked ahead
+    sorted_out: pl.DataFrame | None = None  # the blocks a quiet position left in block order
+    ahead: bool = True  # ask the checks of the positions ahead too (the last position was quiet)
+    # the checks asked ahead: queries, positions asked, seconds (and collects when counted)
+    asked: dict[str, Any] = field(default_factory=lambda: {"queries": 0, "positions": 0, "seconds": 0.0})
+    _earlier: dict[str, pl.DataFrame] = field(default_factory=dict)
+
+    def earlier(self, name: str) -> pl.DataFrame:
+        """The ledger view of one position (read once per pass)."""
+        got = self._earlier.get(name)
+        if got is None:
+            got = self._earlier[name] = self.view.for_stage(name)
+        return got
 
 
 def run_stages(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext,
                progress: Progress | None = None,
-               observe: Callable[[str, pl.DataFrame], None] | None = None) -> StagesResult:
+               observe: Callable[[str, pl.DataFrame], None] | None = None, checks: bool = True) -> StagesResult:
     """Run every stage of `spec` in order over `blocks` (see the module docstring). `observe`, when
     given, is called with each position's name and the blocks it leaves (the live engine measures
-    what a stage saw and did)."""
-    state = _Run(spec, view, ctx, progress)
-    for i, (rs, name) in enumerate(zip(spec.stages, position_names(spec.stages), strict=True), start=1):
+    what a stage saw and did). `checks=False`: no stage's quick check is asked (every plan runs;
+    tests and benchmarks compare both)."""
+    state = _Run(spec, view, ctx, progress, checks=checks)
+    names = position_names(spec.stages)
+    n = len(spec.stages)
+    for i, (rs, name) in enumerate(zip(spec.stages, names, strict=True), start=1):
         if progress:
-            progress(f"stage {i}/{len(spec.stages)}: {name}")
+            progress(f"stage {i}/{n}: {name}")
         crashpoints.point("stage")
+        if checks and i not in state.answers:
+            _ask_ahead(state, blocks, list(zip(spec.stages, names, strict=True))[i - 1:], i)
         blocks = _run_position(state, blocks, rs, name, i)
         if observe is not None:
             observe(name, blocks)
         crashpoints.point("stage")
     spills = pl.concat(state.spills).unique("sha256", maintain_order=True) if state.spills else \
         pl.DataFrame(schema={"sha256": pl.String, "text": pl.String})
-    return StagesResult(blocks, tuple(state.outcomes), tuple(state.failures), spills)
+    return StagesResult(blocks, tuple(state.outcomes), tuple(state.failures), spills, dict(state.asked))
+
+
+def _ask_ahead(state: _Run, blocks: pl.DataFrame, ahead: list[tuple[Any, str]], first: int) -> None:
+    """Ask, in one query over `blocks`, the quick checks of the positions from `first` on while
+    each can be asked here: a built-in stage with a check and no earlier decision in its ledger
+    view. A quiet position leaves the rows as they are, so the checks after it read the same rows;
+    the run stops after a position whose quiet output is not its input (sanitize fills the usage
+    columns). The answers after the first "not quiet" are dropped (its plan changes the rows), so
+    after a position whose plan ran, only the next one is asked (a batch that needed one plan
+    often needs the next: asking ahead there would ask most checks twice)."""
+    from ctxreplay.pipeline.stageapi.quiet import ask
+
+    t0, c0 = time.perf_counter(), profile.collects()  # (building a check may run a query: counted with them)
+    todo: list[tuple[int, pl.Expr | pl.LazyFrame]] = []
+    same: dict[int, int] = {}  # position -> the earlier position asked the same check (pairing#2)
+    seen: dict[tuple[str, str, str], int] = {}
+    lazy = blocks.lazy()
+    for k, (rs, name) in enumerate(ahead, start=first):
+        st: RegisteredStage = rs.stage
+        if st.quiet is None or not st.is_builtin or state.earlier(name).height:
+            break
+        ctx = stage_context(state.ctx, rs, state.spec)
+        key = (st.name, repr(rs.params), repr(ctx))
+        if key in seen:
+            same[k] = seen[key]
+        else:
+            seen[key] = k
+            try:
+                todo.append((k, st.quiet.check(lazy, rs.params, ctx)))
+            except CtxReplayError:
+                raise
+            except Exception as exc:  # the check is the stage's code
+                raise stage_raised(st, name, k, exc) from exc
+        if st.quiet.blocks is not None or not state.ahead:
+            break
+    if not todo:
+        return
+    try:
+        answers = ask(lazy, [c for _, c in todo])
+    except Exception:  # noqa: BLE001  (one check fails to run: each position asks its own, and names itself)
+        return
+    asked = state.asked
+    asked["queries"] += 1
+    asked["positions"] += len(todo)
+    asked["seconds"] += time.perf_counter() - t0
+    if profile.active():
+        asked["collects"] = asked.get("collects", 0) + profile.collects() - c0
+    got = dict(zip((k for k, _ in todo), answers, strict=True))
+    for k in sorted([*got, *same]):
+        q = got[k] if k in got else got[same[k]]
+        state.answers[k] = q
+        if not q:
+            break
 
 
 def position_names(stages: Any) -> list[str]:
@@ -387,31 +483,43 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
     from ctxreplay.pipeline.staging.isolation import run_isolated
 
     st: RegisteredStage = rs.stage
-    t0 = time.perf_counter()
-    earlier = state.view.for_stage(name)
+    t0, c0 = time.perf_counter(), profile.collects()
+    earlier = state.earlier(name)
     ctx = stage_context(state.ctx, rs, state.spec)
     skip = state.quarantined.get(st.name, set())
     failed: dict[str, StageFailed] = {}
-    if st.is_builtin:
-        out, decisions = reapply_and_run(st, blocks, rs.params, earlier, ctx, name, position)
+    known = state.answers.pop(position, None)
+    if known is not True:  # its plan may change the rows: the answers asked ahead no longer hold
+        state.answers.clear()
+    if known is True and st.quiet is not None and st.quiet.blocks is None and blocks is state.sorted_out:
+        out, decisions = blocks, NO_DECISIONS  # quiet after a quiet position: already in block order
+    elif st.is_builtin:
+        out, decisions = reapply_and_run(st, blocks, rs.params, earlier, ctx, name, position,
+                                         quiet=known if state.checks else False)
     else:
         out, decisions, failed = run_isolated(st, blocks, rs.params, earlier, ctx, name, position,
                                               budget=rs.time_budget_seconds, skip=skip,
-                                              run=reapply_and_run)
+                                              run=functools.partial(reapply_and_run,
+                                                                    quiet=None if state.checks else False))
         _record_failures(state, st, name, position, failed, skip)
         decisions = pl.concat([decisions, _failed_decisions(blocks, failed | dict.fromkeys(skip))])
     if st.spilled_texts is not None and decisions.height and decisions.filter(pl.col("action") == "spill").height:
         state.spills.append(st.spilled_texts(blocks.lazy(), decisions.lazy()).select("sha256", "text").collect(engine=POLARS_ENGINE))
-    if decisions.height or earlier.height:
-        marked = mark_provisional(decisions, state.view.calls.pending)
-        new, conflicts, reused = reconcile(marked, earlier)
-    else:  # nothing decided, nothing in the ledger: nothing to reconcile
-        marked = decisions.with_columns(is_provisional=pl.lit(False))
-        new, conflicts, reused = decisions, 0, 0
+    if known is True and st.quiet is not None and st.quiet.blocks is None:
+        state.sorted_out = out
+    state.ahead = known is True
+    counted = profile.collects() - c0 if profile.active() else None
+    if not decisions.height and not earlier.height:  # nothing decided, nothing in the ledger: nothing to reconcile
+        stats = StageStats(0, 0, 0, 0, 0, {}, time.perf_counter() - t0, len(failed) + len(skip),
+                           counted, known is True)
+        state.outcomes.append(StageOutcome(name, position, st, rs.config_digest, NO_MARKED, NO_KEYED, stats))
+        return out
+    marked = mark_provisional(decisions, state.view.calls.pending)
+    new, conflicts, reused = reconcile(marked, earlier)
     by_reason = Counter(f"{a}:{r}" for a, r in decisions.select("action", "reason").iter_rows())
     stats = StageStats(decisions.height, new.height, reused, int(marked["is_provisional"].sum()),
                        conflicts + int((decisions["action"] == "conflict").sum()), dict(sorted(by_reason.items())),
-                       round(time.perf_counter() - t0, 3), len(failed) + len(skip))
+                       time.perf_counter() - t0, len(failed) + len(skip), counted, known is True)
     state.outcomes.append(StageOutcome(name, position, st, rs.config_digest, marked,
                                        state.view.calls.with_keys(new), stats))
     return out
@@ -420,8 +528,24 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
 def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earlier: pl.DataFrame,
                      ctx: StageContext, name: str, position: int,
                      invoke: Callable[..., tuple[pl.DataFrame, pl.DataFrame]] = invoke_inline,
-                     ) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Re-apply the stage's frozen decisions, run it, and return (blocks, every decision applied)."""
+                     quiet: bool | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Re-apply the stage's frozen decisions, run it, and return (blocks, every decision applied).
+
+    A stage with a quick check (`@stage(quiet=...)`) and no earlier decision is asked it first
+    (`quiet`: None to ask here, or the answer asked already; False runs the plan): where it holds,
+    the stage's plan does not run."""
+    if st.quiet is not None and not earlier.height and quiet is not False:
+        try:
+            if quiet is None:
+                from ctxreplay.pipeline.stageapi.quiet import ask
+
+                quiet = ask(blocks.lazy(), [st.quiet.check(blocks.lazy(), params, ctx)])[0]
+            if quiet:
+                return _quiet_output(st, blocks, params, ctx, name, position), NO_DECISIONS
+        except CtxReplayError:
+            raise
+        except Exception as exc:  # the check is the stage's code
+            raise stage_raised(st, name, position, exc) from exc
     try:
         re = reapply(st, blocks, earlier)
     except CtxReplayError:
@@ -430,6 +554,22 @@ def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earl
         raise stage_raised(st, name, position, exc) from exc
     out, decisions = invoke(st, re.blocks, params, re.view, ctx, name, position)
     return out, pl.concat([re.decisions, re.conflicts, decisions.select(DECISION_SCHEMA.names())])
+
+
+def _quiet_output(st: RegisteredStage, blocks: pl.DataFrame, params: Any, ctx: StageContext, name: str,
+                  position: int) -> pl.DataFrame:
+    """The blocks a stage returns where its check holds (sorted; sanitize fills the usage columns)."""
+    from ctxreplay.pipeline.stageapi.quiet import quiet_blocks
+
+    assert st.quiet is not None
+    out = quiet_blocks(st.quiet, blocks.lazy(), params, ctx)
+    if st.quiet.blocks is None:
+        return out.collect(engine=POLARS_ENGINE)
+    try:
+        check_frame(out, BLOCKS, where=f"after stage '{name}' (#{position})")
+    except SchemaMismatch as exc:
+        raise StageFailed(name, position, exc, kind="schema", message=str(exc)) from exc
+    return out.collect(engine=POLARS_ENGINE)
 
 
 def _record_failures(state: _Run, st: RegisteredStage, name: str, position: int, failed: dict[str, StageFailed],
