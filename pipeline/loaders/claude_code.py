@@ -15,36 +15,76 @@ exactly once. Parallel tool calls put sibling
 tool_use entries and their results off the parentUuid chain; they are recovered the way Claude
 Code does on resume (entries sharing the message id of an on-chain assistant entry, and the
 tool_result entries that answer them).
+
+How a load runs (`load_sessions`; one loader, for a batch of many sessions as for the live
+engine's single spool file, which reads its lines with the same functions):
+
+1. **Lines.** Each file is read once (`read_lines`: a line over --max-line-bytes is quarantined,
+   never held) and split into lines. Every non-blank line is parsed once, by `base.read_line`:
+   orjson on the line's bytes, which keeps a duplicated key's last value as the agents' JavaScript
+   does; only a line orjson refuses (bytes that are not UTF-8, a lone surrogate escape, several
+   values glued together, NaN, a number beyond a double), nests deeper than MAX_DEPTH or starts with
+   a byte order mark takes the slower way there, which quarantines, repairs and notes it. A line's
+   text is decoded only when it is kept (a message's `raw_line`, a quarantine row).
+2. **Entries.** Each object of a line is checked (`entry_problem`), becomes a `Node` (`make_node`:
+   ids, parents, type, message key, tool ids) and, when it is a message, its columns are taken out
+   of it at once (`Entries.add`: the message's fields, and its content as block parts,
+   `content_parts`); the parsed object is then let go (a later copy of the same uuid is compared
+   with the first by parsing its line again), so a load holds the lines' bytes and the columns,
+   never every parsed line.
+3. **Threads** are graph logic over the nodes (parent chains, compaction boundaries, parallel tool
+   results off the chain, branches and the calls they inherit) and give plans (`ThreadPlan`,
+   `MessagePlan`: which entries make which message), not rows.
+4. **Blocks table.** `SessionsLoad.blocks` turns the plans into row indices into the entry and part
+   columns and gathers every column once (`base.blocks_table` builds the table, coercing a value of
+   the wrong type with a note, as for every format); a line's text is shared by the rows of its
+   blocks (`raw_line`, a string_view column).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import struct
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
 from ctxreplay.pipeline.loaders.base import (
+    NOT_PLAIN,
+    ORDER_STRIDE,
     Block,
     Compaction,
     FileLoad,
-    Message,
-    Thread,
+    b64_decoded_len,
     bad,
-    content_items,
-    iter_json_lines,
+    blocks_table,
+    call_ranges,
     json_text,
+    line_text,
+    nonblank,
     num,
     one_of,
     parse_ts,
     path_str,
+    plain_object,
+    read_line,
     read_lines,
     session_id_from_name,
+    take_long_lines,
     unreadable,
 )
+from ctxreplay.schemas.blocks import BLOCKS
 
 FORMAT = "claude_code"
 
@@ -54,6 +94,9 @@ KNOWN_OTHER = {
     "last-prompt", "permission-mode", "custom-title", "tag", "agent-name", "pr-link",
 }
 ENVELOPE_KEYS = {"parentUuid", "sessionId", "uuid", "timestamp"}
+# block keys read into their own columns; any other key of a block is kept in extra_json
+KNOWN_BLOCK_KEYS = frozenset(("type", "text", "thinking", "signature", "id", "name", "input", "tool_use_id",
+                              "content", "is_error", "source", "data"))
 
 
 def sniff(first_objects: list[Any], path: Path) -> str | None:
@@ -68,8 +111,10 @@ def sniff(first_objects: list[Any], path: Path) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
+    """One entry with a uuid (a message, or another entry the threads walk through)."""
+
     uuid: str
     parent: str | None
     logical_parent: str | None
@@ -77,14 +122,19 @@ class Node:
     subtype: str | None
     file_idx: int
     line: int
-    raw: str
-    obj: dict[str, Any]
+    raw: str  # the line's text (message entries; a batch load leaves it empty for the others)
+    obj: dict[str, Any] | None  # the entry as parsed (a batch load lets go of it once it has its columns)
     is_message: bool
     msg_key: str | None = None  # assistant: message.id|requestId
     sidechain: bool = False
-    source_tool_assistant: str | None = None
     tool_result_ids: tuple[str, ...] = ()
     tool_use_ids: tuple[str, ...] = ()
+    # message entries, once in an `Entries` (`Entries.add`): their row there, the message's role,
+    # usage total (-1: no usage) and whether it has a stop_reason that counts (a truthy one)
+    row: int = -1
+    role: Any = None
+    utotal: int = -1
+    stop: bool = False
 
 
 @dataclass
@@ -96,17 +146,19 @@ class SessionFiles:
 def _kind(o: dict[str, Any]) -> str:
     """The kind an other line is counted under (sub-kinds only when they are short texts)."""
     t = str(o.get("type"))
-
-    def sub(v: Any) -> bool:
-        return isinstance(v, str) and 0 < len(v) <= 100
-
-    if t == "system" and sub(o.get("subtype")):
-        return f"system:{o['subtype']}"
-    if t == "progress" and isinstance(o.get("data"), dict) and sub(o["data"].get("type")):
-        return f"progress:{o['data']['type']}"
-    if t == "attachment" and isinstance(o.get("attachment"), dict) and sub(o["attachment"].get("type")):
-        return f"attachment:{o['attachment']['type']}"
-    return t[:100]
+    if t == "progress":
+        sub = o.get("data")
+    elif t == "system":
+        sub = o
+    elif t == "attachment":
+        sub = o.get("attachment")
+    else:
+        return t[:100]
+    if isinstance(sub, dict):
+        v = sub.get("subtype" if sub is o else "type")
+        if isinstance(v, str) and 0 < len(v) <= 100:
+            return f"{t}:{v}"
+    return t
 
 
 def entry_problem(o: dict[str, Any]) -> str | None:
@@ -126,161 +178,521 @@ def entry_problem(o: dict[str, Any]) -> str | None:
 def make_node(o: dict[str, Any], uid: str, file_idx: int, line: int, raw: str, conflict: str = "") -> Node:
     """The node of one entry with a uuid (`entry_problem` found nothing wrong with it)."""
     t = o["type"]
-    msg = o.get("message") if t in MESSAGE_TYPES else None
-    tr_ids, tu_ids = entry_tool_ids(o)
-    return Node(
-        uuid=uid,
-        parent=o.get("parentUuid") if isinstance(o.get("parentUuid"), str) else None,
-        logical_parent=o.get("logicalParentUuid") if isinstance(o.get("logicalParentUuid"), str) else None,
-        type=t,
-        subtype=o.get("subtype") if isinstance(o.get("subtype"), str) else None,
-        file_idx=file_idx,
-        line=line,
-        raw=raw,
-        obj=o,
-        is_message=t in MESSAGE_TYPES,
-        msg_key=(f"{msg.get('id')}|{o.get('requestId')}{conflict}" if t == "assistant" and msg and msg.get("id")
-                 else (uid if t == "assistant" else None)),
-        sidechain=bool(o.get("isSidechain")),
-        source_tool_assistant=o.get("sourceToolAssistantUUID"),
-        tool_result_ids=tr_ids,
-        tool_use_ids=tu_ids,
-    )
-
-
-def _usage(u: Any, diagnostics: Any = None) -> dict[str, Any] | None:
-    """The answer's usage, and with it the server's cache diagnosis (`message.diagnostics`, Claude
-    Code 2.1.140+: `{"cache_miss_reason": {"type": ..., "cache_missed_input_tokens": N}}`, null or
-    absent when nothing diverged): `miss_reason` is the type as written (a later type too),
-    `missed_tokens` the count; both None without a diagnosis."""
-    if not isinstance(u, dict):
-        return None
-    cc = u.get("cache_creation") if isinstance(u.get("cache_creation"), dict) else {}
-    d = diagnostics.get("cache_miss_reason") if isinstance(diagnostics, dict) else None
-    d = d if isinstance(d, dict) else {}
-    return {
-        "input": num(u.get("input_tokens")),
-        "output": num(u.get("output_tokens")),
-        "cache_read": num(u.get("cache_read_input_tokens")),
-        "cache_write": num(u.get("cache_creation_input_tokens")),
-        "cache_write_5m": num(cc.get("ephemeral_5m_input_tokens")),
-        "cache_write_1h": num(cc.get("ephemeral_1h_input_tokens")),
-        "miss_reason": d.get("type") if isinstance(d.get("type"), str) else None,
-        "missed_tokens": num(d.get("cache_missed_input_tokens")),
-    }
-
-
-def _usage_total(u: dict[str, int | None] | None) -> int:
-    if not u:
-        return -1
-    return sum(v or 0 for k, v in u.items() if k in ("input", "output", "cache_read", "cache_write"))
-
-
-def _image_block(b: dict[str, Any], **kw: Any) -> Block:
-    src = b.get("source") if isinstance(b.get("source"), dict) else {}
-    extra = None
-    if src.get("type") not in (None, "base64"):
-        extra = {"source": src}
-    return Block("image", image_media_type=src.get("media_type"), image_data=src.get("data"), extra=extra, **kw)
-
-
-def anthropic_content_blocks(content: Any) -> list[Block]:
-    """Anthropic Messages content (string or blocks) → blocks; tool_result content flattened into parts."""
-    out: list[Block] = []
-    for b in content_items(content):
-        if isinstance(b, Block):
-            out.append(b)
-            continue
-        t = b.get("type")
-        rest = {k: v for k, v in b.items() if k not in ("type", "text", "thinking", "signature", "id", "name",
-                                                      "input", "tool_use_id", "content", "is_error", "source",
-                                                      "data")}
-        if t == "text":
-            out.append(Block("text", text=b.get("text"), extra=rest or None))
-        elif t == "thinking":
-            out.append(Block("thinking", text=b.get("thinking"), signature=b.get("signature"), extra=rest or None))
-        elif t == "redacted_thinking":
-            out.append(Block("redacted_thinking", text=b.get("data"), extra=rest or None))
-        elif t in ("tool_use", "server_tool_use"):
-            inp = b.get("input")
-            out.append(Block(t, tool_use_id=b.get("id"), tool_name=b.get("name"),
-                             tool_input=json_text(inp) if "input" in b else None, extra=rest or None))
-        elif t == "tool_result":
-            out.extend(_tool_result_parts(b))
-        elif t == "image":
-            out.append(_image_block(b))
-        else:
-            out.append(Block(str(t), text=b.get("text") if isinstance(b.get("text"), str) else None, extra=b))
-    return out
-
-
-def _tool_result_parts(b: dict[str, Any]) -> list[Block]:
-    common = {"tool_use_id": b.get("tool_use_id"), "is_error": b.get("is_error")}
-    c = b.get("content")
-    if isinstance(c, str):
-        return [Block("tool_result", text=c, part_type="string", **common)]
-    if not isinstance(c, list) or not c:
-        return [Block("tool_result", part_type="empty", **common)]
-    parts = []
-    for i, p in enumerate(c):
-        if isinstance(p, dict) and p.get("type") == "text":
-            parts.append(Block("tool_result", text=p.get("text"), part_type="text", part_pos=i, **common))
-        elif isinstance(p, dict) and p.get("type") == "image":
-            src = p.get("source") if isinstance(p.get("source"), dict) else {}
-            parts.append(Block("tool_result", part_type="image", part_pos=i, image_media_type=src.get("media_type"),
-                               image_data=src.get("data"), **common))
-        elif isinstance(p, dict) and p.get("type") == "tool_reference":
-            parts.append(Block("tool_result", part_type="tool_reference", part_pos=i, tool_name=p.get("tool_name"),
-                               **common))
-        else:
-            parts.append(Block("tool_result", part_type="other", part_pos=i, text=json_text(p), extra={"part": p},
-                               **common))
-    return parts
-
-
-def _message(node: Node, path: str) -> Message:
-    o = node.obj
-    m = o["message"]
-    role = m.get("role") or o.get("type")
-    blocks = anthropic_content_blocks(m.get("content"))
-    if role == "user" and blocks and all(b.block_type == "tool_result" for b in blocks):
-        role = "tool"
-    return Message(
-        entry_id=node.uuid,
-        role=role,
-        blocks=blocks,
-        source_file=path,
-        source_line=node.line,
-        raw_line=node.raw,
-        parent_id=node.parent,
-        msg_key=node.msg_key,
-        message_id=m.get("id") if node.type == "assistant" else None,
-        request_id=o.get("requestId"),
-        timestamp=parse_ts(o.get("timestamp")),
-        model=m.get("model"),
-        provider="anthropic" if node.type == "assistant" else None,
-        api="anthropic-messages" if node.type == "assistant" else None,
-        stop_reason=m.get("stop_reason"),
-        usage=_usage(m.get("usage"), m.get("diagnostics")) if node.type == "assistant" else None,
-        is_sidechain=bool(o.get("isSidechain")),
-        is_meta=bool(o.get("isMeta")),
-        is_compact_summary=bool(o.get("isCompactSummary")),
-        is_display_only=bool(o.get("isVisibleInTranscriptOnly")),
-    )
+    is_msg = t in MESSAGE_TYPES
+    tr_ids, tu_ids = entry_tool_ids(o) if is_msg or "message" in o else ((), ())
+    parent = o.get("parentUuid")
+    lparent = o.get("logicalParentUuid")
+    subtype = o.get("subtype")
+    if t == "assistant":
+        mid = o["message"].get("id")
+        msg_key = f"{mid}|{o.get('requestId')}{conflict}" if mid else uid
+    else:
+        msg_key = None
+    return Node(uid, parent if isinstance(parent, str) else None, lparent if isinstance(lparent, str) else None, t,
+                subtype if isinstance(subtype, str) else None, file_idx, line, raw, o, is_msg, msg_key,
+                bool(o.get("isSidechain")), tr_ids, tu_ids)
 
 
 def entry_tool_ids(o: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """An entry's tool-result ids and tool-call ids (non-empty strings), in content order."""
-    msg = o.get("message") if isinstance(o.get("message"), dict) else {}
+    msg = o.get("message")
     content = msg.get("content") if isinstance(msg, dict) else None
     if not isinstance(content, list):
         return (), ()
-    tr_ids = tuple(b["tool_use_id"] for b in content
-                   if isinstance(b, dict) and b.get("type") == "tool_result"
-                   and isinstance(b.get("tool_use_id"), str) and b["tool_use_id"])
-    tu_ids = tuple(b["id"] for b in content
-                   if isinstance(b, dict) and b.get("type") == "tool_use" and isinstance(b.get("id"), str) and b["id"])
-    return tr_ids, tu_ids
+    tr: list[str] = []
+    tu: list[str] = []
+    for b in content:
+        if isinstance(b, dict):
+            t = b.get("type")
+            if t == "tool_result":
+                v = b.get("tool_use_id")
+                if isinstance(v, str) and v:
+                    tr.append(v)
+            elif t == "tool_use":
+                v = b.get("id")
+                if isinstance(v, str) and v:
+                    tu.append(v)
+    return tuple(tr), tuple(tu)
+
+
+# ---------------------------------------------------------------- message content
+
+
+_NO_USAGE = (None,) * 8
+
+
+def _usage(u: Any, diagnostics: Any = None) -> tuple[Any, ...] | None:
+    """The answer's usage (input, output, cache_read, cache_write, cache_write_5m, cache_write_1h
+    tokens), and with it the server's cache diagnosis (`message.diagnostics`, Claude Code 2.1.140+:
+    `{"cache_miss_reason": {"type": ..., "cache_missed_input_tokens": N}}`, null or absent when
+    nothing diverged): the type as written (a later type too) and the count; both None without a
+    diagnosis. None without a usage object."""
+    if not isinstance(u, dict):
+        return None
+    cc = u.get("cache_creation")
+    if not isinstance(cc, dict):
+        cc = {}
+    d = diagnostics.get("cache_miss_reason") if isinstance(diagnostics, dict) else None
+    if not isinstance(d, dict):
+        d = {}
+    reason = d.get("type")
+    return (num(u.get("input_tokens")), num(u.get("output_tokens")), num(u.get("cache_read_input_tokens")),
+            num(u.get("cache_creation_input_tokens")), num(cc.get("ephemeral_5m_input_tokens")),
+            num(cc.get("ephemeral_1h_input_tokens")), reason if isinstance(reason, str) else None,
+            num(d.get("cache_missed_input_tokens")))
+
+
+def _usage_total(u: tuple[Any, ...] | None) -> int:
+    if u is None:
+        return -1
+    return (u[0] or 0) + (u[1] or 0) + (u[2] or 0) + (u[3] or 0)
+
+
+# A block part as a tuple in `base.Block`'s field order: block_type, text, signature, tool_use_id,
+# tool_name, tool_input, is_error, part_type, part_pos, image_media_type, image_data, extra.
+Part = tuple[Any, ...]
+
+
+def _text(text: Any) -> Part:
+    return ("text", text, None, None, None, None, None, None, 0, None, None, None)
+
+
+def content_parts(content: Any) -> list[Part]:
+    """Anthropic Messages content (a string or a list of blocks; rarely a bare object or scalar) →
+    block parts, tool_result content flattened into its parts. Keys of a block that have no column
+    of their own are kept (`extra`), as is a whole block of a type without columns."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [_text(content)]
+    if isinstance(content, dict):
+        items: list[Any] = [content]
+    elif isinstance(content, list):
+        items = content
+    else:
+        return [_text(json_text(content))]
+    out: list[Part] = []
+    for b in items:
+        if not isinstance(b, dict):
+            out.append(_text(b if isinstance(b, str) else json_text(b)))
+            continue
+        t = b.get("type")
+        rest = None if b.keys() <= KNOWN_BLOCK_KEYS else ({k: v for k, v in b.items() if k not in KNOWN_BLOCK_KEYS}
+                                                          or None)
+        if t == "text":
+            out.append(("text", b.get("text"), None, None, None, None, None, None, 0, None, None, rest))
+        elif t == "tool_use" or t == "server_tool_use":
+            out.append((t, None, None, b.get("id"), b.get("name"), json_text(b.get("input")) if "input" in b else None,
+                        None, None, 0, None, None, rest))
+        elif t == "tool_result":
+            _tool_result_parts(b, out)
+        elif t == "thinking":
+            out.append(("thinking", b.get("thinking"), b.get("signature"), None, None, None, None, None, 0, None, None,
+                        rest))
+        elif t == "redacted_thinking":
+            out.append(("redacted_thinking", b.get("data"), None, None, None, None, None, None, 0, None, None, rest))
+        elif t == "image":
+            src = b.get("source")
+            src = src if isinstance(src, dict) else {}
+            extra = {"source": src} if src.get("type") not in (None, "base64") else None
+            out.append(("image", None, None, None, None, None, None, None, 0, src.get("media_type"), src.get("data"),
+                        extra))
+        else:
+            out.append((str(t), b.get("text") if isinstance(b.get("text"), str) else None, None, None, None, None, None,
+                        None, 0, None, None, b))
+    return out
+
+
+def _tool_result_parts(b: dict[str, Any], out: list[Part]) -> None:
+    tuid, err = b.get("tool_use_id"), b.get("is_error")
+    c = b.get("content")
+    if isinstance(c, str):
+        out.append(("tool_result", c, None, tuid, None, None, err, "string", 0, None, None, None))
+        return
+    if not isinstance(c, list) or not c:
+        out.append(("tool_result", None, None, tuid, None, None, err, "empty", 0, None, None, None))
+        return
+    for i, p in enumerate(c):
+        t = p.get("type") if isinstance(p, dict) else None
+        if t == "text":
+            out.append(("tool_result", p.get("text"), None, tuid, None, None, err, "text", i, None, None, None))
+        elif t == "image":
+            src = p.get("source")
+            src = src if isinstance(src, dict) else {}
+            out.append(("tool_result", None, None, tuid, None, None, err, "image", i, src.get("media_type"),
+                        src.get("data"), None))
+        elif t == "tool_reference":
+            out.append(("tool_result", None, None, tuid, p.get("tool_name"), None, err, "tool_reference", i, None, None,
+                        None))
+        else:
+            out.append(("tool_result", json_text(p), None, tuid, None, None, err, "other", i, None, None, {"part": p}))
+
+
+def anthropic_content_blocks(content: Any) -> list[Block]:
+    """Anthropic Messages content (string or blocks) → blocks (`content_parts` as `base.Block`s)."""
+    return [Block(*p) for p in content_parts(content)]
+
+
+# ---------------------------------------------------------------- the entries' columns
+
+
+_EMPTY_PART: Part = ("empty", None, None, None, None, None, None, None, 0, None, None, None)
+# an entry's own columns (`Entries.add`), in BLOCKS' types
+ENTRY_COLUMNS = ("entry_id", "source_file", "source_line", "raw_line", "parent_id", "msg_key", "message_id",
+                 "request_id", "role", "timestamp", "model", "provider", "api", "stop_reason", "usage_input",
+                 "usage_output", "usage_cache_read", "usage_cache_write", "usage_cache_write_5m",
+                 "usage_cache_write_1h", "cache_miss_reason", "cache_missed_tokens", "is_sidechain", "is_meta",
+                 "is_compact_summary", "is_display_only")
+_USAGE = ENTRY_COLUMNS[14:22]  # the usage and the diagnosis: read from the copy a message reports
+_PER_MESSAGE = ("parent_id", "msg_key", "message_id", "request_id", "role", "timestamp", "model", "provider", "api",
+                "is_sidechain", "is_meta", "is_compact_summary", "is_display_only")  # from its first entry
+_PER_ROW = ("entry_id", "source_file", "source_line", "raw_line")  # from the row's own entry
+PART_COLUMNS = ("block_type", "text", "signature", "tool_use_id", "tool_name", "tool_input", "is_error", "part_type",
+                "part_pos", "image_media_type", "image_data")  # a Part's fields, its `extra` aside
+_VIEW_MAX = 2**31 - 1  # a string_view's offsets and lengths are 32-bit: texts beyond are copied
+
+
+class Entries:
+    """The message entries of a load, column by column: one row per entry (a tuple in
+    ENTRY_COLUMNS' order; `raw_line` aside, kept as where its bytes are), added in reading order, and
+    their content as block parts (the parts of row r are parts[start[r]:start[r + 1]])."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[Any, ...]] = []
+        self.parts: list[Part] = []
+        self.start: list[int] = [0]
+        # raw lines: entry r's text is buffers[raw_buf[r]][raw_off[r]:raw_off[r] + raw_len[r]] (UTF-8); the
+        # buffers are the files' bytes, so the table's raw_line views point into them (no copy), and the
+        # texts that are not a file's bytes as they are (a repaired line, the live engine's) are copied
+        # into buffers of their own
+        self.buffers: list[Any] = []
+        self._buffer_of: dict[int, int] = {}
+        self._own: bytearray | None = None
+        self._own_at = -1
+        self.raw_buf: list[int] = []
+        self.raw_off: list[int] = []
+        self.raw_len: list[int] = []
+
+    def add(self, node: Node, o: dict[str, Any], path: str, raw: bytes, s: int | None = None,
+            e: int | None = None) -> None:
+        """Take a message entry's columns out of its object (the node gets its row, role, usage
+        total and stop flag). Its line's text: raw[s:e] (UTF-8; raw is kept, not copied), or `raw`
+        whole when s is None (copied)."""
+        if s is None or e > _VIEW_MAX:  # type: ignore[operator]
+            raw = raw if s is None else raw[s:e]
+            own = self._own
+            if own is None or len(own) + len(raw) > _VIEW_MAX:
+                own = self._own = bytearray()
+                self._own_at = len(self.buffers)
+                self.buffers.append(own)
+            self.raw_buf.append(self._own_at)
+            self.raw_off.append(len(own))
+            self.raw_len.append(len(raw))
+            own += raw
+        else:
+            k = self._buffer_of.get(id(raw))
+            if k is None:
+                k = self._buffer_of[id(raw)] = len(self.buffers)
+                self.buffers.append(raw)
+            self.raw_buf.append(k)
+            self.raw_off.append(s)
+            self.raw_len.append(e - s)  # type: ignore[operator]
+        m = o["message"]
+        parts = content_parts(m.get("content"))
+        role = m.get("role") or o.get("type")
+        if role == "user" and parts and all(p[0] == "tool_result" for p in parts):
+            role = "tool"
+        asst = node.type == "assistant"
+        usage = _usage(m.get("usage"), m.get("diagnostics")) if asst else None
+        stop = m.get("stop_reason")
+        node.row = len(self.rows)
+        node.role, node.utotal, node.stop = role, _usage_total(usage), bool(stop)
+        g = o.get
+        self.rows.append((
+            node.uuid, path, node.line, None, node.parent, node.msg_key or node.uuid, m.get("id") if asst else None,
+            g("requestId"), role, parse_ts(g("timestamp")), m.get("model"), "anthropic" if asst else None,
+            "anthropic-messages" if asst else None, stop, *(usage or _NO_USAGE), bool(g("isSidechain")),
+            bool(g("isMeta")), bool(g("isCompactSummary")), bool(g("isVisibleInTranscriptOnly"))))
+        self.parts.extend(parts)
+        self.start.append(len(self.parts))
+
+    def blocks(self, threads: list[ThreadPlan], notes: list[dict[str, Any]] | None = None) -> pa.Table:
+        """The blocks table (BLOCKS schema) of these threads, in their order, with the ids they carry
+        now: one row per block part of each message (an "empty" row for a message without any).
+
+        The entries' and parts' columns are made Arrow arrays once and every column of the table is
+        gathered from them by row indices; when a value does not fit its column (a number where a text
+        is read, ...), the rows are made as Python values and `base.blocks_table` makes them fit, with
+        a note per row (what every format's loader does)."""
+        idx = _RowIndex(self, threads)
+        try:
+            ent, prt = self._columns()
+        except (pa.ArrowException, pl.exceptions.PolarsError, TypeError, ValueError, OverflowError):
+            return self._blocks_by_value(idx, notes)
+        n = len(idx.part)
+        cols: dict[str, Any] = {}
+        part_idx = [i if i >= 0 else len(self.parts) for i in idx.part]  # the last part: the "empty" one
+        for names, at, src in ((_PER_ROW, idx.ent, ent), (_PER_MESSAGE, idx.first, ent), (_USAGE, idx.usage, ent),
+                               (("stop_reason",), idx.stop, ent), (tuple(prt), part_idx, prt)):
+            arrow_idx = polars_idx = None
+            for name in names:
+                col = src[name]
+                if name == "raw_line":
+                    cols[name] = self._raw_lines(at)
+                elif isinstance(col, pl.Series):  # strings: polars' gather shares their bytes until to_arrow
+                    if polars_idx is None:
+                        polars_idx = pl.Series(at, dtype=pl.Int64)
+                    cols[name] = _string(col.gather(polars_idx).to_arrow())
+                else:
+                    if arrow_idx is None:
+                        arrow_idx = pa.array(at, pa.int64())
+                    cols[name] = col.take(arrow_idx)
+        t_idx = pa.array(idx.thread, pa.int64())
+        cols["session_id"] = pa.array([t.session_id for t in threads], pa.string()).take(t_idx)
+        cols["thread_id"] = pa.array([t.thread_id for t in threads], pa.string()).take(t_idx)
+        cols["entry_order"] = pa.array(idx.pos, pa.int64())
+        cols["order_key"] = pc.multiply(cols["entry_order"], pa.scalar(ORDER_STRIDE, pa.int64()))
+        cols["is_call"] = pa.array(idx.call, pa.bool_())
+        cols["first_call"] = pa.array(idx.first_call, pa.int32())
+        cols["last_call"] = pa.array(idx.last_call, pa.int32())
+        cols["block_pos"] = pa.array(idx.block_pos, pa.int32())
+        cols["source_format"] = _const(FORMAT, n, pa.string())
+        cols["origin"] = _const("transcript", n, pa.string())
+        cols["cache_epoch"] = _const(0, n, pa.int32())
+        for f in BLOCKS:
+            if f.name not in cols:
+                cols[f.name] = pa.nulls(n, f.type)
+        return pa.Table.from_arrays([cols[f.name] for f in BLOCKS], schema=BLOCKS)
+
+    def _columns(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The entries' and the parts' columns (the parts' with one more part at the end, a message's
+        "empty" row, and their image sizes and content hashes): text as polars Series, the others as
+        Arrow arrays of BLOCKS' types; raises when a value does not fit its column."""
+        n_ent = len(self.rows)
+        ent_cols = list(zip(*self.rows, strict=True)) if self.rows else [()] * len(ENTRY_COLUMNS)
+        ent = {name: _column(name, list(vals)) for name, vals in zip(ENTRY_COLUMNS, ent_cols, strict=True)
+               if name != "raw_line"}
+        ent["raw_line"] = self._raw_views(n_ent)
+        parts = [*self.parts, _EMPTY_PART]
+        part_cols = list(zip(*parts, strict=True))
+        prt = {name: _column(name, list(vals)) for name, vals in zip(PART_COLUMNS, part_cols, strict=False)}
+        prt["extra_json"] = _column("extra_json", [json_text(x) if x else None for x in part_cols[11]])
+        prt["image_bytes"] = pa.array([b64_decoded_len(d) if d is not None else None for d in part_cols[10]],
+                                      pa.int64())
+        prt["content_sha256"] = _column("content_sha256", [sha256_hex(canonical_json(
+            {c: v for c, v in zip(PART_COLUMNS, p) if v is not None and c != "part_pos"})) for p in parts])
+        return ent, prt
+
+    def _raw_views(self, n: int) -> Any:
+        """The entries' raw lines as a string_view array whose views point into `buffers` (checked
+        to be UTF-8); the views are kept for `_raw_lines`."""
+        bufs = [bytes(b) if isinstance(b, bytearray) else b for b in self.buffers]
+        out = bytearray(16 * n)
+        pack = struct.pack_into
+        for i, (b, o, ln) in enumerate(zip(self.raw_buf, self.raw_off, self.raw_len, strict=True)):
+            buf = bufs[b]
+            if ln <= 12:  # a short text is inlined whole
+                pack("<i12s", out, 16 * i, ln, buf[o:o + ln])
+            else:  # its length, first 4 bytes, buffer and offset
+                pack("<i4sii", out, 16 * i, ln, buf[o:o + 4], b, o)
+        self._views = np.frombuffer(out, np.uint8).reshape(n, 16)
+        self._view_buffers = [pa.py_buffer(b) for b in bufs]
+        arr = pa.Array.from_buffers(pa.string_view(), n, [None, pa.py_buffer(out), *self._view_buffers])
+        arr.validate(full=True)
+        return arr
+
+    def _raw_lines(self, at: list[int]) -> pa.Array:
+        """The raw_line column of these rows (entry indices): the entries' views, repeated; the rows
+        of one entry share its bytes (BLOCKS: raw_line)."""
+        rows = self._views[np.array(at, np.int64)] if at else self._views[:0]
+        return pa.Array.from_buffers(pa.string_view(), len(at), [None, pa.py_buffer(rows), *self._view_buffers])
+
+    def _blocks_by_value(self, idx: _RowIndex, notes: list[dict[str, Any]] | None) -> pa.Table:
+        """`blocks`, the rows made as Python values (`base.blocks_table`: a value that does not fit its
+        column is made to fit, with a note)."""
+        n = len(idx.part)
+        cols: dict[str, Any] = {
+            "session_id": [idx.threads[i].session_id for i in idx.thread],
+            "thread_id": [idx.threads[i].thread_id for i in idx.thread], "source_format": [FORMAT] * n,
+            "entry_order": idx.pos, "order_key": [p * ORDER_STRIDE for p in idx.pos], "is_call": idx.call,
+            "first_call": idx.first_call, "last_call": idx.last_call, "block_pos": idx.block_pos,
+        }
+        rows = self.rows
+        k = {name: i for i, name in enumerate(ENTRY_COLUMNS)}
+        for names, at in ((_PER_ROW, idx.ent), (_PER_MESSAGE, idx.first), (_USAGE, idx.usage),
+                          (("stop_reason",), idx.stop)):
+            for name in names:
+                j = k[name]
+                cols[name] = [rows[i][j] for i in at]
+        bufs = self.buffers
+        texts = [bytes(bufs[b][o:o + ln]).decode("utf-8") for b, o, ln in zip(self.raw_buf, self.raw_off,
+                                                                                self.raw_len, strict=True)]
+        cols["raw_line"] = [texts[i] for i in idx.ent]
+        parts = [self.parts[i] if i >= 0 else _EMPTY_PART for i in idx.part]
+        values = list(zip(*parts, strict=True)) if parts else [()] * 12
+        for name, vals in zip(PART_COLUMNS, values, strict=False):
+            cols[name] = list(vals)
+        cols["extra_json"] = [json_text(x) if x else None for x in values[11]]
+        cols["image_bytes"] = [b64_decoded_len(d) if d is not None else None for d in cols["image_data"]]
+        none = [None] * n
+        for f in BLOCKS:
+            if f.name not in cols and f.name != "content_sha256":
+                cols[f.name] = none
+        cols["origin"] = ["transcript"] * n
+        cols["cache_epoch"] = [0] * n
+        return blocks_table(cols, notes)
+
+
+class _RowIndex:
+    """The rows of the blocks table of some threads, as indices: per row, its entry (`ent`), part
+    (`part`, -1 for a message's "empty" row), the entries its message takes its columns from
+    (`first`, `usage`, `stop`), its thread, position, call columns and block_pos."""
+
+    def __init__(self, entries: Entries, threads: list[ThreadPlan]) -> None:
+        start, parts = entries.start, entries.parts
+        self.threads = threads
+        ent: list[int] = []
+        part: list[int] = []
+        bpos_l: list[int] = []
+        self.first: list[int] = []
+        self.usage: list[int] = []
+        self.stop: list[int] = []
+        self.thread: list[int] = []
+        self.pos: list[int] = []
+        self.call: list[bool] = []
+        self.first_call: list[int] = []
+        self.last_call: list[int | None] = []
+        for ti, t in enumerate(threads):
+            is_call, first, last = call_ranges(t)
+            for pos, m in enumerate(t.messages):
+                before = len(part)
+                bpos = -1
+                for e in m.members:
+                    row = e.row
+                    for i in range(start[row], start[row + 1]):
+                        if parts[i][8] == 0 or bpos < 0:  # parts of one tool_result share a block_pos
+                            bpos += 1
+                        bpos_l.append(bpos)
+                        part.append(i)
+                        ent.append(row)
+                k = len(part) - before
+                e0 = m.members[0].row
+                if not k:  # a message with no content still exists (and may be a call): one "empty" row
+                    k = 1
+                    part.append(-1)
+                    ent.append(e0)
+                    bpos_l.append(0)
+                self.first.extend([e0] * k)
+                self.usage.extend([m.usage_node.row] * k)
+                self.stop.extend([m.stop_node.row] * k)
+                self.thread.extend([ti] * k)
+                self.pos.extend([pos] * k)
+                self.call.extend([is_call[pos]] * k)
+                self.first_call.extend([first[pos]] * k)
+                self.last_call.extend([last[pos]] * k)
+        self.ent, self.part, self.block_pos = ent, part, bpos_l
+
+
+def _column(name: str, vals: list[Any]) -> Any:
+    """One column of values read from the entries: a polars Series of strings for a text column
+    (strict: a value that is not a str raises, as one Arrow cannot hold does), else an Arrow array
+    of its BLOCKS type (raises when a value does not fit)."""
+    if name == "raw_line":
+        return pl.Series(vals, dtype=pl.Binary).cast(pl.String)
+    typ = BLOCKS.field(name).type
+    if typ == pa.string():
+        return pl.Series(vals, dtype=pl.String)
+    return pa.array(vals, typ)
+
+
+def _string(a: pa.Array) -> Any:
+    """A large_string array (polars' export) as a string one (BLOCKS' type), in chunks when its text
+    is too long for one string array's 32-bit offsets."""
+    try:
+        return a.cast(pa.string())
+    except pa.ArrowInvalid:
+        half = len(a) // 2
+        if not half:
+            raise
+        return pa.chunked_array([*_chunks(_string(a.slice(0, half))), *_chunks(_string(a.slice(half)))])
+
+
+def _chunks(a: Any) -> list[pa.Array]:
+    return a.chunks if isinstance(a, pa.ChunkedArray) else [a]
+
+
+def _const(v: Any, n: int, typ: pa.DataType) -> pa.Array:
+    return pa.repeat(pa.scalar(v, typ), n) if n else pa.array([], typ)
+
+
+# ---------------------------------------------------------------- plans
+
+
+@dataclass
+class MessagePlan:
+    """One message of a thread: the entries whose blocks it holds, in order (several when one
+    answer was written over several lines); what `base.call_ranges` reads of a `base.Message`."""
+
+    members: list[Node]
+    usage_node: Node  # the entry whose usage it reports (the largest copy, the last of equals)
+    stop_node: Node  # the entry whose stop_reason it reports (the last that has one, else the first)
+    role: Any
+    msg_key: str | None
+    source_line: int
+    inherited: bool = False
+    is_call: bool | None = None  # None: assistant messages are calls
+    visible_from: int | None = None
+
+
+@dataclass
+class ThreadPlan:
+    """A thread as message plans; it has what `load_paths` reads of a `base.Thread`."""
+
+    session_id: str
+    thread_id: str
+    source_format: str
+    source_file: str
+    messages: list[MessagePlan]
+    compactions: list[Compaction] = field(default_factory=list)
+
+
+@dataclass
+class SessionsLoad:
+    """What `load_sessions` returns: the threads (in group order), the accounting of every file,
+    the loader stats of every group (in order, for the caller to add up), and the entries'
+    columns the blocks table is made of (`blocks`)."""
+
+    threads: list[ThreadPlan]
+    loads: list[FileLoad]
+    stats: list[dict[str, int]]
+    entries: Entries
+    timings: dict[str, float] | None = None
+
+    def blocks(self, threads: list[ThreadPlan] | None = None, notes: list[dict[str, Any]] | None = None) -> Any:
+        """The blocks table of these threads (default: all of them), in their order, with the thread
+        ids they carry now; a value that had to be made to fit its column is noted in `notes`."""
+        clock = _Clock(self.timings)
+        out = self.entries.blocks(self.threads if threads is None else threads, notes)
+        clock.lap("blocks table")
+        return out
+
+
+class _Clock:
+    """Optional wall-clock and CPU seconds per phase (bench/bench_load.py); no-op without a dict."""
+
+    def __init__(self, timings: dict[str, float] | None) -> None:
+        self.timings = timings
+        self.t, self.c = time.perf_counter(), time.process_time()
+
+    def lap(self, name: str) -> None:
+        if self.timings is not None:
+            now, cpu = time.perf_counter(), time.process_time()
+            self.timings[name] = self.timings.get(name, 0.0) + now - self.t
+            self.timings[f"cpu: {name}"] = self.timings.get(f"cpu: {name}", 0.0) + cpu - self.c
+            self.t, self.c = now, cpu
+
+
+# ---------------------------------------------------------------- sessions
 
 
 def group_sessions(paths: list[Path], first_objects: dict[Path, list[Any]]) -> list[SessionFiles]:
@@ -306,11 +718,9 @@ def _is_main_file(p: Path, session_id: str) -> bool:
                                          or p.parent.name == "subagents")
 
 
-def _agent_thread_id(p: Path, nodes: list[Node]) -> str:
-    for n in nodes:
-        aid = n.obj.get("agentId")
-        if isinstance(aid, str) and aid:
-            return f"agent-{aid}"
+def _agent_thread_id(p: Path, agent_id: str | None) -> str:
+    if agent_id:
+        return f"agent-{agent_id}"
     m = re.search(r"agent-([A-Za-z0-9_-]+?)(?:\.jsonl)?$", p.name)
     return f"agent-{m.group(1)}" if m else path_str(p.stem)
 
@@ -328,9 +738,10 @@ def _main_first(files: list[Path], session_id: str) -> list[Path]:
                                         -size(p) if _is_main_file(p, session_id) else 0, str(p)))
 
 
-def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = None, *,
-                 open_sidechains: bool = False) -> tuple[list[Thread], list[FileLoad], dict[str, int]]:
-    """Load every file of one session; returns threads, per-file accounting and stats.
+def load_sessions(groups: list[SessionFiles], skipped: list[dict[str, str]] | None = None,
+                  timings: dict[str, float] | None = None, *, open_sidechains: bool = False) -> SessionsLoad:
+    """Load every file of these sessions, group by group: their threads, the accounting of every
+    file, each group's stats, and the columns of their message entries (`SessionsLoad.blocks`).
 
     An entry read twice (the same uuid: a resumed session writes some again; a backup copy of
     the session holds them all) is read once: a later copy with the same content counts as a
@@ -343,26 +754,107 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
     whose first request awaits its answer (no assistant message on its path yet), named as it will
     be once answered (`opens_sidechain`). The live engine assembles that request; a batch run
     reports recorded calls, so it leaves such a path out (counted in `branches_without_calls`).
+
+    `timings`: when given, seconds per phase are added to it (bench/bench_load.py).
     """
+    entries = Entries()
+    threads: list[ThreadPlan] = []
+    loads: list[FileLoad] = []
+    stats: list[dict[str, int]] = []
+    clock = _Clock(timings)
+    for g in groups:
+        t, lds, st = _load_session(g, entries, skipped, open_sidechains, clock)
+        threads.extend(t)
+        loads.extend(lds)
+        stats.append(st)
+    return SessionsLoad(threads, loads, stats, entries, timings)
+
+
+class _EarlierLines:
+    """The lines of the files of a session read so far, as a set made only when asked (a line
+    without uuid in a later file is compared with them)."""
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []  # files' bytes
+        self.seen: set[bytes] = set()
+
+    def holds(self, raw: bytes) -> bool:
+        for data in self.pending:
+            self.seen.update(ln.rstrip(b"\r") for ln in data.split(b"\n"))
+        self.pending = []
+        return raw.rstrip(b"\r") in self.seen
+
+
+def _load_session(group: SessionFiles, entries: Entries, skipped: list[dict[str, str]] | None,
+                  open_sidechains: bool, clock: _Clock) -> tuple[list[ThreadPlan], list[FileLoad], dict[str, int]]:
     session_id = group.session_id
     files = _main_first(group.files, session_id)
     loads: list[FileLoad] = []
     nodes: dict[str, Node] = {}
     per_file: list[list[Node]] = []
+    agents: list[str | None] = []
+    file_data: list[bytes] = []  # each file's bytes, and where each of its lines starts, while the session is read
+    file_starts: list[list[int]] = []
     stats: Counter[str] = Counter()
-    earlier_lines: set[bytes] = set()  # digests of the lines of the files read so far
+    earlier = _EarlierLines()
+    loads_obj = orjson.loads
+
+    def obj_of(n: Node) -> Any:
+        """A node's object: kept when its line was repaired; else its line parsed again (orjson)."""
+        if n.obj is not None:
+            return n.obj
+        data, start = file_data[n.file_idx], file_starts[n.file_idx][n.line - 1]
+        end = data.find(b"\n", start)
+        return loads_obj(memoryview(data)[start:end if end >= 0 else len(data)])
+
     for fi, path in enumerate(files):
-        load = FileLoad(path_str(path), FORMAT)
         file_nodes: list[Node] = []
         per_file.append(file_nodes)
+        agent: str | None = None
         try:
-            data = read_lines(path)  # a line over the limit is quarantined, never read
+            src = read_lines(path)  # a line over the limit is quarantined, never read
         except OSError as exc:
             if skipped is not None:
                 skipped.append(unreadable(path, exc))
+            agents.append(None)
+            file_data.append(b"")
+            file_starts.append([])
             continue
+        load = FileLoad(path_str(path), FORMAT)
+        take_long_lines(load, src)
         loads.append(load)
-        for line_no, raw, objs in iter_json_lines(path, load, data):
+        spath = load.path
+        data = src.data
+        del src
+        starts: list[int] = []
+        file_data.append(data)
+        file_starts.append(starts)
+        view = memoryview(data)
+        find = data.find
+        other = load.other_lines
+        counted = message_lines = 0
+        n_data = len(data)
+        s, line_no = 0, 0
+        while s <= n_data:
+            e = find(b"\n", s)
+            if e < 0:
+                e = n_data
+            line_no += 1
+            starts.append(s)
+            if e == s or (data[s] != 0x7B and not nonblank(data[s:e])):  # 0x7B: "{"
+                s = e + 1
+                continue
+            counted += 1
+            o = plain_object(data, view, s, e, line_no == 1)
+            if o is not NOT_PLAIN:
+                raw: str | None = None  # a plain line: its text is its bytes, decoded when kept
+                objs: list[Any] = [o]
+            else:
+                got = read_line(load, line_no, data[s:e], text=False, plain=False)
+                if got is None:
+                    s = e + 1
+                    continue
+                raw, objs = got
             kinds: list[str] = []
             for k, o in enumerate(objs):
                 if not isinstance(o, dict):
@@ -377,7 +869,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                 if not isinstance(uid, str) or not uid:
                     if t in MESSAGE_TYPES:
                         uid = f"L{fi}:{line_no}.{k}"
-                    elif load.digests[line_no] in earlier_lines:
+                    elif fi and earlier.holds(data[s:e]):
                         stats["duplicate_entries"] += 1
                         kinds.append("duplicate_entry")
                         continue
@@ -387,7 +879,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                 conflict = ""
                 if uid in nodes:
                     first = nodes[uid]
-                    if first.obj == o:
+                    if obj_of(first) == o:
                         # the same entry written twice (resumed sessions, backup copies): read once
                         stats["duplicate_entries"] += 1
                         kinds.append("duplicate_entry")
@@ -402,14 +894,47 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                         f"entry uuid {uid!r} was read before ({path_str(files[first.file_idx])} line {first.line}) "
                         f"with other content; kept apart as {uid + conflict!r}")})
                     uid += conflict
-                node = make_node(o, uid, fi, line_no, raw, conflict)
+                node = make_node(o, uid, fi, line_no, "", conflict)
                 nodes[uid] = node
                 file_nodes.append(node)
-                kinds.append("message" if node.is_message else _kind(o))
-            load.account(line_no, raw, kinds)
-        earlier_lines.update(load.digests.values())
+                if agent is None:
+                    aid = o.get("agentId")
+                    if isinstance(aid, str) and aid:
+                        agent = aid
+                if node.is_message:
+                    if raw is None:
+                        end = e
+                        while end > s and data[end - 1] == 0x0D:  # a line's text ends before its \r
+                            end -= 1
+                        entries.add(node, o, spath, data, s, end)
+                    else:
+                        entries.add(node, o, spath, raw.encode("utf-8"))
+                    kinds.append("message")
+                else:
+                    kinds.append(_kind(o))
+                if raw is None:
+                    node.obj = None  # parsed again from its line if a later copy must be compared
+            if len(kinds) == 1 and kinds[0][0] != "!":
+                if kinds[0] == "message":
+                    message_lines += 1
+                else:
+                    other[kinds[0]] += 1
+            else:
+                load.account(line_no, raw if raw is not None else line_text(data[s:e]), kinds)
+            s = e + 1
+        load.lines += counted
+        load.message_lines += message_lines
+        agents.append(agent)
+        earlier.pending.append(data)
         load.check()
+    clock.lap("lines and entries")
+    out = _threads(files, session_id, per_file, agents, nodes, stats, open_sidechains)
+    clock.lap("threads")
+    return out, loads, dict(stats)
 
+
+def _threads(files: list[Path], session_id: str, per_file: list[list[Node]], agents: list[str | None],
+             nodes: dict[str, Node], stats: Counter[str], open_sidechains: bool) -> list[ThreadPlan]:
     # groups of assistant entries by request, and results by the tool_use they answer
     by_key: dict[str, list[Node]] = defaultdict(list)
     result_by_tool_id: dict[str, list[Node]] = defaultdict(list)
@@ -425,7 +950,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
         for a, b in pairwise(fn):
             prev_in_file[b.uuid] = a.uuid
 
-    threads: list[Thread] = []
+    threads: list[ThreadPlan] = []
     covered: set[str] = set()
     claimed: set[str] = set()
     for fi, path in enumerate(files):
@@ -442,7 +967,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
             entries, compaction_at = build_thread(tip, nodes, by_key, result_by_tool_id, prev_in_file, stats)
             first_own = next((n for n in entries if n.is_message and n.uuid not in covered), tip)
             covered.update(n.uuid for n in entries)
-            msgs, compactions = thread_messages(entries, compaction_at, files)
+            msgs, compactions = thread_messages(entries, compaction_at)
             own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
             for m in msgs:
                 if m.role == "assistant":
@@ -457,7 +982,7 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
             claimed.update(m.msg_key for m in own if m.msg_key)
             # names stay stable as the file grows: a branch is named after its first own message,
             # an inline sidechain after its root
-            base = "main" if main_file else _agent_thread_id(path, per_file[fi])
+            base = "main" if main_file else _agent_thread_id(path, agents[fi])
             if first_thread:
                 tid = base
             elif tip.sidechain and main_file:
@@ -468,15 +993,15 @@ def load_session(group: SessionFiles, skipped: list[dict[str, str]] | None = Non
                 tid = f"branch-{first_own.uuid[:8]}" if main_file else f"{base}-branch-{first_own.uuid[:8]}"
             used.add(tid)
             first_thread = False
-            threads.append(Thread(session_id, tid, FORMAT, path_str(path), msgs, compactions))
+            threads.append(ThreadPlan(session_id, tid, FORMAT, path_str(path), msgs, compactions))
     stats["off_thread_message_entries"] += sum(
         1 for fn in per_file for n in fn if n.is_message and n.uuid not in covered)
-    return threads, loads, dict(stats)
+    return threads
 
 
-def opens_sidechain(roles: list[str]) -> bool:
+def opens_sidechain(roles: list[Any]) -> bool:
     """An inline sidechain's path whose first request awaits its answer: messages, none of them
-    the assistant's (`load_session`'s `open_sidechains`)."""
+    the assistant's (`load_sessions`' `open_sidechains`)."""
     return bool(roles) and "assistant" not in roles
 
 
@@ -537,8 +1062,11 @@ def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]
     return entries, boundaries
 
 
-def thread_messages(entries: list[Node], boundaries: set[str], files: list[Path]) -> tuple[list[Message], list[Compaction]]:
-    msgs: list[Message] = []
+def thread_messages(entries: list[Node], boundaries: set[str]) -> tuple[list[MessagePlan], list[Compaction]]:
+    """The messages of a thread's entries (stored in an `Entries`): the assistant entries of one
+    request (split over several lines) make one message, with the usage of its largest copy and the
+    last stop_reason given; a compaction boundary ends what the calls after it see."""
+    msgs: list[MessagePlan] = []
     group_index: dict[str, int] = {}
     compactions: list[Compaction] = []
     for n in entries:
@@ -549,21 +1077,15 @@ def thread_messages(entries: list[Node], boundaries: set[str], files: list[Path]
             continue
         if not n.is_message:
             continue
-        path = path_str(files[n.file_idx])
-        m = _message(n, path)
-        lines = [(n.uuid, n.line, n.raw, path)] * len(m.blocks)
         if n.type == "assistant" and n.msg_key in group_index:
-            g = msgs[group_index[n.msg_key]]
-            g.blocks.extend(m.blocks)
-            assert g.block_lines is not None
-            g.block_lines.extend(lines)
-            if _usage_total(m.usage) >= _usage_total(g.usage):
-                g.usage = m.usage
-            if m.stop_reason:
-                g.stop_reason = m.stop_reason
+            g = msgs[group_index[n.msg_key]]  # type: ignore[index]
+            g.members.append(n)
+            if n.utotal >= g.usage_node.utotal:
+                g.usage_node = n
+            if n.stop:
+                g.stop_node = n
             continue
-        m.block_lines = lines
         if n.type == "assistant" and n.msg_key:
             group_index[n.msg_key] = len(msgs)
-        msgs.append(m)
+        msgs.append(MessagePlan([n], n, n, n.role, n.msg_key, n.line))
     return msgs, compactions
