@@ -57,9 +57,7 @@ import numpy as np
 import orjson
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from ctxreplay.pipeline.core.blockops import canonical_json, sha256_hex
 from ctxreplay.pipeline.loaders.base import (
     NOT_PLAIN,
     ORDER_STRIDE,
@@ -84,7 +82,7 @@ from ctxreplay.pipeline.loaders.base import (
     take_long_lines,
     unreadable,
 )
-from ctxreplay.schemas.blocks import BLOCKS
+from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
 
 FORMAT = "claude_code"
 
@@ -349,6 +347,10 @@ _PER_MESSAGE = ("parent_id", "msg_key", "message_id", "request_id", "role", "tim
 _PER_ROW = ("entry_id", "source_file", "source_line", "raw_line")  # from the row's own entry
 PART_COLUMNS = ("block_type", "text", "signature", "tool_use_id", "tool_name", "tool_input", "is_error", "part_type",
                 "part_pos", "image_media_type", "image_data")  # a Part's fields, its `extra` aside
+# a part's fields that content_sha256 covers (CONTENT_COLUMNS), in the order of their names: a dict
+# made in this order is written by orjson as `blockops.canonical_json` writes it (sorted keys)
+_CONTENT = tuple(sorted(((PART_COLUMNS.index(c), c) for c in CONTENT_COLUMNS), key=lambda x: x[1]))
+_sha, _dumps = hashlib.sha256, orjson.dumps
 _VIEW_MAX = 2**31 - 1  # a string_view's offsets and lengths are 32-bit: texts beyond are copied
 
 
@@ -410,7 +412,7 @@ class Entries:
         g = o.get
         self.rows.append((
             node.uuid, path, node.line, None, node.parent, node.msg_key or node.uuid, m.get("id") if asst else None,
-            g("requestId"), role, parse_ts(g("timestamp")), m.get("model"), "anthropic" if asst else None,
+            g("requestId"), role, g("timestamp"), m.get("model"), "anthropic" if asst else None,
             "anthropic-messages" if asst else None, stop, *(usage or _NO_USAGE), bool(g("isSidechain")),
             bool(g("isMeta")), bool(g("isCompactSummary")), bool(g("isVisibleInTranscriptOnly"))))
         self.parts.extend(parts)
@@ -431,7 +433,7 @@ class Entries:
             return self._blocks_by_value(idx, notes)
         n = len(idx.part)
         cols: dict[str, Any] = {}
-        part_idx = [i if i >= 0 else len(self.parts) for i in idx.part]  # the last part: the "empty" one
+        part_idx = np.where(idx.part >= 0, idx.part, len(self.parts))  # the last part: the "empty" one
         for names, at, src in ((_PER_ROW, idx.ent, ent), (_PER_MESSAGE, idx.first, ent), (_USAGE, idx.usage, ent),
                                (("stop_reason",), idx.stop, ent), (tuple(prt), part_idx, prt)):
             arrow_idx = polars_idx = None
@@ -451,10 +453,10 @@ class Entries:
         cols["session_id"] = pa.array([t.session_id for t in threads], pa.string()).take(t_idx)
         cols["thread_id"] = pa.array([t.thread_id for t in threads], pa.string()).take(t_idx)
         cols["entry_order"] = pa.array(idx.pos, pa.int64())
-        cols["order_key"] = pc.multiply(cols["entry_order"], pa.scalar(ORDER_STRIDE, pa.int64()))
+        cols["order_key"] = pa.array(idx.pos * ORDER_STRIDE, pa.int64())
         cols["is_call"] = pa.array(idx.call, pa.bool_())
         cols["first_call"] = pa.array(idx.first_call, pa.int32())
-        cols["last_call"] = pa.array(idx.last_call, pa.int32())
+        cols["last_call"] = idx.last_call
         cols["block_pos"] = pa.array(idx.block_pos, pa.int32())
         cols["source_format"] = _const(FORMAT, n, pa.string())
         cols["origin"] = _const("transcript", n, pa.string())
@@ -471,7 +473,8 @@ class Entries:
         n_ent = len(self.rows)
         ent_cols = list(zip(*self.rows, strict=True)) if self.rows else [()] * len(ENTRY_COLUMNS)
         ent = {name: _column(name, list(vals)) for name, vals in zip(ENTRY_COLUMNS, ent_cols, strict=True)
-               if name != "raw_line"}
+               if name not in ("raw_line", "timestamp")}
+        ent["timestamp"] = _timestamps(list(ent_cols[ENTRY_COLUMNS.index("timestamp")]))
         ent["raw_line"] = self._raw_views(n_ent)
         parts = [*self.parts, _EMPTY_PART]
         part_cols = list(zip(*parts, strict=True))
@@ -479,8 +482,8 @@ class Entries:
         prt["extra_json"] = _column("extra_json", [json_text(x) if x else None for x in part_cols[11]])
         prt["image_bytes"] = pa.array([b64_decoded_len(d) if d is not None else None for d in part_cols[10]],
                                       pa.int64())
-        prt["content_sha256"] = _column("content_sha256", [sha256_hex(canonical_json(
-            {c: v for c, v in zip(PART_COLUMNS, p) if v is not None and c != "part_pos"})) for p in parts])
+        prt["content_sha256"] = _column("content_sha256", [_sha(_dumps({k: p[i] for i, k in _CONTENT if p[i] is not None}))
+                                                           .hexdigest() for p in parts])
         return ent, prt
 
     def _raw_views(self, n: int) -> Any:
@@ -501,34 +504,38 @@ class Entries:
         arr.validate(full=True)
         return arr
 
-    def _raw_lines(self, at: list[int]) -> pa.Array:
+    def _raw_lines(self, at: np.ndarray) -> pa.Array:
         """The raw_line column of these rows (entry indices): the entries' views, repeated; the rows
         of one entry share its bytes (BLOCKS: raw_line)."""
-        rows = self._views[np.array(at, np.int64)] if at else self._views[:0]
+        rows = self._views[at]
         return pa.Array.from_buffers(pa.string_view(), len(at), [None, pa.py_buffer(rows), *self._view_buffers])
 
     def _blocks_by_value(self, idx: _RowIndex, notes: list[dict[str, Any]] | None) -> pa.Table:
         """`blocks`, the rows made as Python values (`base.blocks_table`: a value that does not fit its
         column is made to fit, with a note)."""
         n = len(idx.part)
+        thread = idx.thread.tolist()
+        pos = idx.pos.tolist()
         cols: dict[str, Any] = {
-            "session_id": [idx.threads[i].session_id for i in idx.thread],
-            "thread_id": [idx.threads[i].thread_id for i in idx.thread], "source_format": [FORMAT] * n,
-            "entry_order": idx.pos, "order_key": [p * ORDER_STRIDE for p in idx.pos], "is_call": idx.call,
-            "first_call": idx.first_call, "last_call": idx.last_call, "block_pos": idx.block_pos,
+            "session_id": [idx.threads[i].session_id for i in thread],
+            "thread_id": [idx.threads[i].thread_id for i in thread], "source_format": [FORMAT] * n,
+            "entry_order": pos, "order_key": [p * ORDER_STRIDE for p in pos], "is_call": idx.call.tolist(),
+            "first_call": idx.first_call.tolist(), "last_call": idx.last_call.to_pylist(),
+            "block_pos": idx.block_pos.tolist(),
         }
-        rows = self.rows
+        ts = ENTRY_COLUMNS.index("timestamp")
+        rows = [(*r[:ts], parse_ts(r[ts]), *r[ts + 1:]) for r in self.rows]
         k = {name: i for i, name in enumerate(ENTRY_COLUMNS)}
-        for names, at in ((_PER_ROW, idx.ent), (_PER_MESSAGE, idx.first), (_USAGE, idx.usage),
-                          (("stop_reason",), idx.stop)):
+        for names, at in ((_PER_ROW, idx.ent.tolist()), (_PER_MESSAGE, idx.first.tolist()),
+                          (_USAGE, idx.usage.tolist()), (("stop_reason",), idx.stop.tolist())):
             for name in names:
                 j = k[name]
                 cols[name] = [rows[i][j] for i in at]
         bufs = self.buffers
         texts = [bytes(bufs[b][o:o + ln]).decode("utf-8") for b, o, ln in zip(self.raw_buf, self.raw_off,
                                                                                 self.raw_len, strict=True)]
-        cols["raw_line"] = [texts[i] for i in idx.ent]
-        parts = [self.parts[i] if i >= 0 else _EMPTY_PART for i in idx.part]
+        cols["raw_line"] = [texts[i] for i in idx.ent.tolist()]
+        parts = [self.parts[i] if i >= 0 else _EMPTY_PART for i in idx.part.tolist()]
         values = list(zip(*parts, strict=True)) if parts else [()] * 12
         for name, vals in zip(PART_COLUMNS, values, strict=False):
             cols[name] = list(vals)
@@ -544,53 +551,79 @@ class Entries:
 
 
 class _RowIndex:
-    """The rows of the blocks table of some threads, as indices: per row, its entry (`ent`), part
-    (`part`, -1 for a message's "empty" row), the entries its message takes its columns from
+    """The rows of the blocks table of some threads, as index arrays: per row, its entry (`ent`),
+    part (`part`, -1 for a message's "empty" row), the entries its message takes its columns from
     (`first`, `usage`, `stop`), its thread, position, call columns and block_pos."""
 
     def __init__(self, entries: Entries, threads: list[ThreadPlan]) -> None:
-        start, parts = entries.start, entries.parts
+        start = entries.start
         self.threads = threads
-        ent: list[int] = []
-        part: list[int] = []
-        bpos_l: list[int] = []
-        self.first: list[int] = []
-        self.usage: list[int] = []
-        self.stop: list[int] = []
-        self.thread: list[int] = []
-        self.pos: list[int] = []
-        self.call: list[bool] = []
-        self.first_call: list[int] = []
-        self.last_call: list[int | None] = []
+        # per message, and per segment (a member entry's parts, or a message's one "empty" row)
+        m_thread: list[int] = []
+        m_pos: list[int] = []
+        m_first: list[int] = []
+        m_usage: list[int] = []
+        m_stop: list[int] = []
+        m_call: list[bool] = []
+        m_fc: list[int] = []
+        m_lc: list[int | None] = []
+        s_ent: list[int] = []
+        s_start: list[int] = []
+        s_count: list[int] = []
+        s_msg: list[int] = []
         for ti, t in enumerate(threads):
             is_call, first, last = call_ranges(t)
             for pos, m in enumerate(t.messages):
-                before = len(part)
-                bpos = -1
+                mi = len(m_thread)
+                e0 = m.members[0].row
+                m_thread.append(ti)
+                m_pos.append(pos)
+                m_first.append(e0)
+                m_usage.append(m.usage_node.row)
+                m_stop.append(m.stop_node.row)
+                m_call.append(is_call[pos])
+                m_fc.append(first[pos])
+                m_lc.append(last[pos])
+                got = False
                 for e in m.members:
                     row = e.row
-                    for i in range(start[row], start[row + 1]):
-                        if parts[i][8] == 0 or bpos < 0:  # parts of one tool_result share a block_pos
-                            bpos += 1
-                        bpos_l.append(bpos)
-                        part.append(i)
-                        ent.append(row)
-                k = len(part) - before
-                e0 = m.members[0].row
-                if not k:  # a message with no content still exists (and may be a call): one "empty" row
-                    k = 1
-                    part.append(-1)
-                    ent.append(e0)
-                    bpos_l.append(0)
-                self.first.extend([e0] * k)
-                self.usage.extend([m.usage_node.row] * k)
-                self.stop.extend([m.stop_node.row] * k)
-                self.thread.extend([ti] * k)
-                self.pos.extend([pos] * k)
-                self.call.extend([is_call[pos]] * k)
-                self.first_call.extend([first[pos]] * k)
-                self.last_call.extend([last[pos]] * k)
-        self.ent, self.part, self.block_pos = ent, part, bpos_l
+                    a, b = start[row], start[row + 1]
+                    if b > a:
+                        got = True
+                        s_ent.append(row)
+                        s_start.append(a)
+                        s_count.append(b - a)
+                        s_msg.append(mi)
+                if not got:  # a message with no content still exists (and may be a call): one "empty" row
+                    s_ent.append(e0)
+                    s_start.append(-1)
+                    s_count.append(1)
+                    s_msg.append(mi)
+        count = np.array(s_count, np.int64)
+        n = int(count.sum())
+        seg = np.repeat(np.arange(len(s_count), dtype=np.int64), count)
+        seg_first_row = np.cumsum(count) - count
+        within = np.arange(n, dtype=np.int64) - seg_first_row[seg]
+        self.part = np.array(s_start, np.int64)[seg] + within
+        self.ent = np.array(s_ent, np.int64)[seg]
+        msg = np.array(s_msg, np.int64)[seg]
+        self.first = np.array(m_first, np.int64)[msg]
+        self.usage = np.array(m_usage, np.int64)[msg]
+        self.stop = np.array(m_stop, np.int64)[msg]
+        self.thread = np.array(m_thread, np.int64)[msg]
+        self.pos = np.array(m_pos, np.int64)[msg]
+        self.call = np.array(m_call, np.bool_)[msg]
+        self.first_call = np.array(m_fc, np.int32)[msg]
+        lc = np.array([-1 if x is None else x for x in m_lc], np.int32)[msg]
+        self.last_call = pa.array(lc, pa.int32(), mask=lc < 0)
+        # block_pos: parts of one tool_result share it; a part_pos of 0, or a message's first row, starts one
+        part_pos = np.fromiter((p[8] for p in entries.parts), np.int64, len(entries.parts))
+        pp = np.where(self.part >= 0, part_pos[np.maximum(self.part, 0)] if len(part_pos) else 0, 0)
+        msg_start = np.ones(n, np.bool_)
+        msg_start[1:] = msg[1:] != msg[:-1]
+        starts = (pp == 0) | msg_start
+        cs = np.cumsum(starts)
+        self.block_pos = (cs - cs[np.flatnonzero(msg_start)][np.cumsum(msg_start) - 1]).astype(np.int32)
 
 
 def _column(name: str, vals: list[Any]) -> Any:
@@ -603,6 +636,29 @@ def _column(name: str, vals: list[Any]) -> Any:
     if typ == pa.string():
         return pl.Series(vals, dtype=pl.String)
     return pa.array(vals, typ)
+
+
+# the timestamps Claude Code writes (`2026-04-01T10:00:00.123Z`), which polars parses as `parse_ts` does;
+# any other value (another shape, a number, an hour 24, a leap second) is parsed by `parse_ts` itself
+_TS_SHAPE = r"^[1-9][0-9]{3}-[0-9]{2}-[0-9]{2}T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]\.[0-9]{3}Z$"
+_TS_FORMAT = "%Y-%m-%dT%H:%M:%S%.3fZ"
+
+
+def _timestamps(vals: list[Any]) -> pa.Array:
+    """The entries' `timestamp` values as BLOCKS' timestamps (`base.parse_ts`: null when absent or
+    invalid, e.g. 2026-02-30)."""
+    typ = BLOCKS.field("timestamp").type
+    text = pl.Series([v if type(v) is str else None for v in vals], dtype=pl.String)
+    shaped = text.str.contains(_TS_SHAPE).fill_null(False)
+    got = pl.select(pl.when(shaped).then(text.str.strptime(pl.Datetime("ms", "UTC"), _TS_FORMAT, strict=False)))
+    out = got.to_series().to_arrow().cast(typ)
+    odd = [i for i, (v, ok) in enumerate(zip(vals, shaped.to_list(), strict=True)) if not ok and v is not None]
+    if not odd:
+        return out
+    fixed = out.to_pylist()
+    for i in odd:
+        fixed[i] = parse_ts(vals[i])
+    return pa.array(fixed, typ)
 
 
 def _string(a: pa.Array) -> Any:
@@ -793,8 +849,8 @@ def _load_session(group: SessionFiles, entries: Entries, skipped: list[dict[str,
     nodes: dict[str, Node] = {}
     per_file: list[list[Node]] = []
     agents: list[str | None] = []
-    file_data: list[bytes] = []  # each file's bytes, and where each of its lines starts, while the session is read
-    file_starts: list[list[int]] = []
+    file_data: list[bytes] = []  # each file's bytes, while the session is read
+    file_starts: dict[int, list[int]] = {}  # where each line of a file starts (made when asked)
     stats: Counter[str] = Counter()
     earlier = _EarlierLines()
     loads_obj = orjson.loads
@@ -803,7 +859,11 @@ def _load_session(group: SessionFiles, entries: Entries, skipped: list[dict[str,
         """A node's object: kept when its line was repaired; else its line parsed again (orjson)."""
         if n.obj is not None:
             return n.obj
-        data, start = file_data[n.file_idx], file_starts[n.file_idx][n.line - 1]
+        data = file_data[n.file_idx]
+        starts = file_starts.get(n.file_idx)
+        if starts is None:
+            starts = file_starts[n.file_idx] = [0, *(np.flatnonzero(np.frombuffer(data, np.uint8) == 0x0A) + 1).tolist()]
+        start = starts[n.line - 1]
         end = data.find(b"\n", start)
         return loads_obj(memoryview(data)[start:end if end >= 0 else len(data)])
 
@@ -818,7 +878,6 @@ def _load_session(group: SessionFiles, entries: Entries, skipped: list[dict[str,
                 skipped.append(unreadable(path, exc))
             agents.append(None)
             file_data.append(b"")
-            file_starts.append([])
             continue
         load = FileLoad(path_str(path), FORMAT)
         take_long_lines(load, src)
@@ -826,9 +885,7 @@ def _load_session(group: SessionFiles, entries: Entries, skipped: list[dict[str,
         spath = load.path
         data = src.data
         del src
-        starts: list[int] = []
         file_data.append(data)
-        file_starts.append(starts)
         view = memoryview(data)
         find = data.find
         other = load.other_lines
@@ -840,7 +897,6 @@ def _load_session(group: SessionFiles, entries: Entries, skipped: list[dict[str,
             if e < 0:
                 e = n_data
             line_no += 1
-            starts.append(s)
             if e == s or (data[s] != 0x7B and not nonblank(data[s:e])):  # 0x7B: "{"
                 s = e + 1
                 continue
@@ -1008,41 +1064,53 @@ def opens_sidechain(roles: list[Any]) -> bool:
 def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]],
                   result_by_tool_id: dict[str, list[Node]], prev_in_file: dict[str, str],
                   stats: Counter[str]) -> tuple[list[Node], set[str]]:
+    """A thread's entries, in order: the tip's ancestry (a compaction boundary crossed through its
+    logical parent), then the entries its answers' other lines hold and the tool results that
+    answer their calls (parallel tool calls sit off the chain); and its compaction boundaries."""
     chain: list[Node] = []
     seen: set[str] = set()
     boundaries: set[str] = set()
+    get = nodes.get
     cur: Node | None = tip
-    while cur is not None and cur.uuid not in seen:
-        seen.add(cur.uuid)
+    while cur is not None:
+        u = cur.uuid
+        if u in seen:
+            break
+        seen.add(u)
         chain.append(cur)
         nxt = cur.parent
-        if nxt is None and cur.type == "system" and cur.subtype == "compact_boundary":
-            boundaries.add(cur.uuid)
+        if nxt is None:
+            if cur.type != "system" or cur.subtype != "compact_boundary":
+                break
+            boundaries.add(u)
             nxt = cur.logical_parent
-            if (nxt is None or nxt not in nodes) and cur.uuid in prev_in_file:
+            if (nxt is None or nxt not in nodes) and u in prev_in_file:
                 # logicalParentUuid missing or pointing nowhere: the conversation before the boundary
                 # is what the file holds right before it
                 stats["compact_boundary_parent_from_file_order"] += 1
-                nxt = prev_in_file[cur.uuid]
-        if nxt is not None and nxt not in nodes:
+                nxt = prev_in_file[u]
+            if nxt is None:
+                break
+        cur = get(nxt)
+        if cur is None:
             stats["parent_not_found"] += 1
-            nxt = None
-        cur = nodes.get(nxt) if nxt else None
     chain.reverse()
-    on_chain = {n.uuid for n in chain}
     recovered: list[Node] = []
     tool_ids: set[str] = set()
     answered: set[str] = set()
     for n in chain:
-        answered.update(n.tool_result_ids)
+        if n.tool_result_ids:
+            answered.update(n.tool_result_ids)
     for n in chain:
         if n.type == "assistant" and n.msg_key:
-            for sib in by_key.get(n.msg_key, []):
-                if sib.uuid not in on_chain and sib.uuid not in seen:
+            sibs = by_key.get(n.msg_key, ())
+            for sib in sibs:
+                if sib.uuid not in seen:  # (the chain is in `seen`)
                     seen.add(sib.uuid)
                     recovered.append(sib)
-            for sib in by_key.get(n.msg_key, []):
-                tool_ids.update(sib.tool_use_ids)
+            for sib in sibs:
+                if sib.tool_use_ids:
+                    tool_ids.update(sib.tool_use_ids)
     for tid in sorted(tool_ids):
         if tid in answered:
             continue
@@ -1056,10 +1124,19 @@ def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]
     # order: files in the order the chain reaches them, then file line
     file_rank: dict[int, int] = {}
     for n in chain:
-        file_rank.setdefault(n.file_idx, len(file_rank))
+        if n.file_idx not in file_rank:
+            file_rank[n.file_idx] = len(file_rank)
     entries = chain + recovered
-    entries.sort(key=lambda n: (file_rank.get(n.file_idx, len(file_rank)), n.line, n.uuid))
+    if len(file_rank) == 1 and all(n.file_idx == tip.file_idx for n in recovered):
+        entries.sort(key=_line_order)
+    else:
+        rank, other = file_rank.get, len(file_rank)
+        entries.sort(key=lambda n: (rank(n.file_idx, other), n.line, n.uuid))
     return entries, boundaries
+
+
+def _line_order(n: Node) -> tuple[int, str]:
+    return n.line, n.uuid
 
 
 def thread_messages(entries: list[Node], boundaries: set[str]) -> tuple[list[MessagePlan], list[Compaction]]:
@@ -1070,22 +1147,22 @@ def thread_messages(entries: list[Node], boundaries: set[str]) -> tuple[list[Mes
     group_index: dict[str, int] = {}
     compactions: list[Compaction] = []
     for n in entries:
-        if n.uuid in boundaries:
-            b = len(msgs)
-            if b > 0:
-                compactions.append(Compaction(at=b - 1, keep_from=b))
-            continue
         if not n.is_message:
-            continue
-        if n.type == "assistant" and n.msg_key in group_index:
-            g = msgs[group_index[n.msg_key]]  # type: ignore[index]
-            g.members.append(n)
-            if n.utotal >= g.usage_node.utotal:
-                g.usage_node = n
-            if n.stop:
-                g.stop_node = n
+            if boundaries and n.uuid in boundaries:
+                b = len(msgs)
+                if b > 0:
+                    compactions.append(Compaction(at=b - 1, keep_from=b))
             continue
         if n.type == "assistant" and n.msg_key:
+            k = group_index.get(n.msg_key)
+            if k is not None:
+                g = msgs[k]
+                g.members.append(n)
+                if n.utotal >= g.usage_node.utotal:
+                    g.usage_node = n
+                if n.stop:
+                    g.stop_node = n
+                continue
             group_index[n.msg_key] = len(msgs)
         msgs.append(MessagePlan([n], n, n, n.role, n.msg_key, n.line))
     return msgs, compactions
