@@ -233,7 +233,7 @@ EDGE_LINES: dict[str, list[bytes | str]] = {
             {"type": "tool_result", "tool_use_id": v, "is_error": v, "content": [
                 {"type": "text", "text": v}, {"type": "tool_reference", "tool_name": v},
                 {"type": "image", "source": {"type": "base64", "media_type": v, "data": v}}]}],
-            mid=f"mv{i}", rid=f"rv{i}")).replace('"model": "claude-opus-4-5"', '"model": ' + json.dumps(v), 1)
+            mid=f"mv{i}", rid=f"rv{i}")).replace('"model": "claude-sonnet-4-5"', '"model": ' + json.dumps(v), 1)
         for i, v in enumerate([5, 2.5, True, None, [1, "a"], {"k": "v"}, "", "plain"])]
         + [json.dumps({"type": "user", "uuid": "v9", "parentUuid": "v7", "requestId": [1],
                        "message": {"role": 7, "content": "role is a number", "id": {"a": 1}}})],
@@ -307,6 +307,24 @@ EDGE_LINES: dict[str, list[bytes | str]] = {
                             '{"cache_miss_reason": {"type": "a", "type": "b"}}',
                             '{"cache_miss_reason": {"type": "a"}, "cache_miss_reason": null}',
                             '{"cache_miss_reason": {"type": "t\\u00e9\\"q"}}'])],
+    # Claude Code's own answers (model <synthetic>): no calls, a failed request's notice never sent
+    "local notices": [
+        json.dumps(_a("x1", "a1", [{"type": "text", "text": "limit"}], isApiErrorMessage=True, error="rate_limit")
+                   ).replace('"claude-sonnet-4-5"', '"<synthetic>"'),
+        json.dumps(_u("x2", "x1", "again")),
+        json.dumps(_a("x3", "x2", "No response requested.")).replace('"claude-sonnet-4-5"', '"<synthetic>"'),
+        json.dumps(_a("x4", "x3", [{"type": "text", "text": "flag"}], isApiErrorMessage="yes")).replace(
+            '"claude-sonnet-4-5"', '"<synthetic>"'),
+        json.dumps(_a("x5", "x4", [{"type": "text", "text": "p1"}], mid="mL", rid="rL",
+                      isApiErrorMessage=True)).replace('"claude-sonnet-4-5"', '"<synthetic>"'),
+        json.dumps(_a("x6", "x5", [{"type": "text", "text": "p2"}], mid="mL", rid="rL")),
+        json.dumps(_a("x7", "x6", [{"type": "text", "text": "real model, error flag"}], isApiErrorMessage=True)),
+        json.dumps(_u("x8", "x7", "a user entry naming the model", isApiErrorMessage=True)).replace(
+            '"role": "user"', '"role": "user", "model": "<synthetic>"'),
+        json.dumps({**_a("x9", "x8", [{"type": "text", "text": "role"}], isApiErrorMessage=True), "message": {
+            "role": "user", "model": "<synthetic>", "content": [{"type": "text", "text": "role"}]}}),
+        json.dumps(_a("y1", "a1", [{"type": "text", "text": "a notice alone on a branch"}],
+                      isApiErrorMessage=True)).replace('"claude-sonnet-4-5"', '"<synthetic>"')],
     "repeated entries": [json.dumps(_u("x1", "a1", "same")), json.dumps(_u("x1", "a1", "same")),
                          json.dumps(_u("x1", "a1", "other")), json.dumps(_u("x1", "a1", "other")),
                          json.dumps({"type": "summary", "summary": "no uuid"}),
