@@ -143,9 +143,9 @@ def test_our_inference_against_the_servers_diagnosis(extra_calls: pl.DataFrame) 
     off = sorted((r["thread_key"][:8], r["call"], r["recorded_miss_reason"], r["recorded_break_inferred_cause"])
                  for r in a["disagree"])
     assert off == [("02fb0004", 80, "messages_changed", "unexplained"),
-                   ("67fded5a", 51, "messages_changed", "preamble"),
-                   ("aaa0233d", 210, "previous_message_not_found", "unexplained"),
-                   ("aaa0233d", 251, "system_changed", "compaction"),
+                   ("67fded5a", 49, "messages_changed", "preamble"),
+                   ("aaa0233d", 209, "previous_message_not_found", "unexplained"),
+                   ("aaa0233d", 250, "system_changed", "compaction"),
                    ("baeb5d66", 41, "system_changed", "thinking_strip")]
     ev = extra_calls.filter(pl.col("recorded_break_inferred_cause") == "eviction")
     assert ev["recorded_miss_reason"].value_counts().sort("recorded_miss_reason").rows() == [

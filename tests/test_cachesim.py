@@ -730,17 +730,3 @@ def test_a_compaction_agents_first_request_is_compared_with_its_main_threads_las
     assert (r["sim_break_cause"] is not None) == broken
     assert r["sim_cache_read_tokens"] == (end(3000) if broken else end(3000, 50, 300))
 
-
-def test_a_local_notice_is_no_request() -> None:
-    """Claude Code's own notices (model `<synthetic>`: "Prompt is too long", an API error) reached no
-    provider: no read, no write, no break, and the next request is compared with the one before."""
-    s = Scenario()
-    for name, tok in (("u0", 3000), ("a0", 50), ("u1", 300), ("n", 10), ("u2", 20)):
-        s.msg(name, tok)
-    s.thread(SID, "main", [["u0"], ["u0", "a0", "u1"], ["u0", "a0", "u1", "n", "u2"], ["u0", "a0", "u1", "n", "u2"]],
-             [0, 10, 20], models=[SONNET, "<synthetic>", SONNET])
-    out = s.run()
-    r1 = row(out, 1)
-    assert (r1["sim_cache_read_tokens"], r1["sim_cache_write_5m_tokens"], r1["sim_break_cause"]) == (0, 0, None)
-    r2 = row(out, 2)
-    assert r2["sim_break_cause"] is None and r2["sim_cache_read_tokens"] == end(3000)

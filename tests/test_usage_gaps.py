@@ -38,7 +38,7 @@ def _usage(read: int, write: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A priced model's session in which one answer recorded no usage, one a model that recorded
-    none at all (zero usage on each of its calls), and a `<synthetic>` local notice."""
+    none at all (zero usage on each of its calls), and a `<synthetic>` local notice (no call)."""
     tmp = tmp_path_factory.mktemp("usage-gaps")
     opus, other = "claude-opus-4-6", "claude-opus-4-6-no-usage-proxy"
     lines = [
@@ -81,22 +81,22 @@ def test_a_call_without_usage_does_not_make_its_model_unpriced(out: Path) -> Non
 
 
 def test_calls_without_usage_are_left_out_of_recorded_vs_simulated(out: Path) -> None:
-    """Only the two calls that recorded usage are compared with the simulation; the four that
-    recorded none are counted as no_usage."""
+    """Only the two calls that recorded usage are compared with the simulation; the three that
+    recorded none are counted as no_usage. The local notice is no call at all."""
     calls = pl.read_parquet(out / "calls.parquet").filter(~pl.col("is_pending"))
-    assert calls.height == 6
+    assert calls.height == 5 and "<synthetic>" not in calls["model"].to_list()
     r = CliRunner().invoke(main, ["report", "--sim", str(out), "--json", "--calls"])
     doc = json.loads(r.stdout)
     (sess,) = doc["sessions"]
-    assert (sess["calls"], sess["no_usage"]) == (2, 4)
-    assert (doc["totals"]["calls"], doc["totals"]["no_usage"]) == (2, 4)
+    assert (sess["calls"], sess["no_usage"]) == (2, 3)
+    assert (doc["totals"]["calls"], doc["totals"]["no_usage"]) == (2, 3)
     assert sess["rec_read"] == 17000 + 26000
     assert [c["call"] for c in doc["calls"]] == [0, 2]
     s = json.loads((out / "summary.json").read_text())["cache_sim"]
-    assert (s["totals"]["calls"], s["totals"]["no_usage"]) == (2, 4)
+    assert (s["totals"]["calls"], s["totals"]["no_usage"]) == (2, 3)
 
 
 def test_the_sim_table_says_how_many_calls_had_no_usage(out: Path) -> None:
     r = CliRunner().invoke(main, ["report", "--sim", str(out)])
     assert r.exit_code == 0, r.output
-    assert "4 call(s) recorded no usage: left out of the comparison (no_usage)" in r.stdout
+    assert "3 call(s) recorded no usage: left out of the comparison (no_usage)" in r.stdout

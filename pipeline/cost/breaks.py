@@ -224,8 +224,8 @@ def diagnosis_agreement(calls: pl.DataFrame) -> dict[str, Any]:
 
 def has_usage() -> pl.Expr:
     """The call's answer recorded usage: some input, output, cache read or write. A call without
-    (its usage missing, or all zero: a model or proxy that reports none, Claude Code's `<synthetic>`
-    local notices) has nothing to compare a simulation with, and no cost to price."""
+    (its usage missing, or all zero: a model or proxy that reports none) has nothing to compare a
+    simulation with, and no cost to price. (Claude Code's `<synthetic>` notices are no calls at all.)"""
     return pl.sum_horizontal([pl.col(c).fill_null(0) for c in (
         "recorded_input_tokens", "recorded_output_tokens", "recorded_cache_read_tokens",
         "recorded_cache_write_tokens")]) > 0

@@ -100,10 +100,6 @@ from ctxreplay.pipeline.cost.providers import (  # noqa: F401  (public here too)
 )
 
 NEVER = float("inf")
-LOCAL_MODEL = "<synthetic>"
-"""The model Claude Code names on the notices it writes itself ("Prompt is too long", an API error):
-no provider answered them, so they read and write no cache and are not the request a later one is
-compared with."""
 
 # recorded break causes (pipeline/cost/breaks.py) that no context policy can cause or prevent: a
 # system prompt or tools change, the provider dropping the previous request's entry, a
@@ -839,8 +835,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
     provider = provider_of(model)
     if provider is None and uses_cache:
         provider = "openai"
-    local = model == LOCAL_MODEL
-    if not uses_cache or local:
+    if not uses_cache:
         provider = None
     anthropic = provider == "anthropic"
     shared = float(shared or 0) if anthropic or provider in ("openai", "gemini") else 0.0
@@ -932,7 +927,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
                 cause, detail = replayed, "; ".join(
                     [f"replayed: the recorded request read {round(exo_read):,} tokens"]
                     + ([f"also {', '.join(also)}"] if also else []))
-    if local or (cached_end == 0 and provider is not None and prev is not None):
+    if cached_end == 0 and provider is not None and prev is not None:
         return read_i, w5, w1, input_i, prompt_i, cause, detail, btok   # uncached: the prefix to compare stays
     w.prev = {"model": model, "cached": cached_end, "end": nodes[n - 1] if n else w.base, "n": n, "t": t,
               "ttl": ttl_name, "call": k, "segment": segment, "cache": c.cache}

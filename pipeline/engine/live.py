@@ -318,6 +318,8 @@ def new_rows(nodes: list[Node], facts: ThreadFacts, counter: TokenCounter) -> Li
     msgs, compactions = thread_messages(nodes, set())
     if compactions or not msgs:
         return "no message to append"
+    if any(m.is_call is False for m in msgs):
+        return "a notice Claude Code wrote itself (model <synthetic>) among the new entries: it is no call"
     for m in msgs:
         if m.role == "assistant":
             m.inherited, m.is_call = False, True

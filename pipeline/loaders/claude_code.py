@@ -87,6 +87,11 @@ from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
 FORMAT = "claude_code"
 
 MESSAGE_TYPES = {"user", "assistant"}
+LOCAL_MODEL = "<synthetic>"
+"""The model Claude Code names on the answers it writes itself: a failed request's notice ("Prompt
+is too long", a rate limit, an API error: `isApiErrorMessage` true, which Claude Code never sends
+again), and the "No response requested." it puts after a resumed session's last user message (sent
+with the next request, as any assistant turn). Neither is a call: no provider answered it."""
 KNOWN_OTHER = {
     "summary", "system", "attachment", "progress", "file-history-snapshot", "queue-operation",
     "last-prompt", "permission-mode", "custom-title", "tag", "agent-name", "pr-link",
@@ -133,6 +138,7 @@ class Node:
     role: Any = None
     utotal: int = -1
     stop: bool = False
+    local: bool = False  # a local notice (`is_local_notice`): never a call
 
 
 @dataclass
@@ -326,6 +332,24 @@ def _tool_result_parts(b: dict[str, Any], out: list[Part]) -> None:
             out.append(("tool_result", json_text(p), None, tuid, None, None, err, "other", i, None, None, {"part": p}))
 
 
+def is_local_notice(node_type: str, model: Any) -> bool:
+    """An answer Claude Code wrote itself (model `<synthetic>`): no provider answered it, so it is no
+    call (`MessagePlan.is_call` False, never inherited)."""
+    return node_type == "assistant" and model == LOCAL_MODEL
+
+
+def _notice_parts(o: dict[str, Any], m: dict[str, Any]) -> list[Part] | None:
+    """The parts of a local notice Claude Code leaves out of what it sends (`isApiErrorMessage`
+    true: a failed request's notice), or None for any other message. The notice becomes one `empty`
+    block, which no target sends, with the recorded content (and the `error` kind) in its extra."""
+    if not (is_local_notice(o.get("type"), m.get("model")) and o.get("isApiErrorMessage") is True):
+        return None
+    extra: dict[str, Any] = {"content": m.get("content")}
+    if isinstance(o.get("error"), str):
+        extra["error"] = o["error"]
+    return [("empty", None, None, None, None, None, None, None, 0, None, None, extra)]
+
+
 def anthropic_content_blocks(content: Any) -> list[Block]:
     """Anthropic Messages content (string or blocks) → blocks (`content_parts` as `base.Block`s)."""
     return [Block(*p) for p in content_parts(content)]
@@ -400,7 +424,8 @@ class Entries:
             self.raw_off.append(s)
             self.raw_len.append(e - s)  # type: ignore[operator]
         m = o["message"]
-        parts = content_parts(m.get("content"))
+        muted = _notice_parts(o, m)
+        parts = content_parts(m.get("content")) if muted is None else muted
         role = m.get("role") or o.get("type")
         if role == "user" and parts and all(p[0] == "tool_result" for p in parts):
             role = "tool"
@@ -409,12 +434,13 @@ class Entries:
         stop = m.get("stop_reason")
         node.row = len(self.rows)
         node.role, node.utotal, node.stop = role, _usage_total(usage), bool(stop)
+        node.local = is_local_notice(node.type, m.get("model"))
         g = o.get
         self.rows.append((
             node.uuid, path, node.line, None, node.parent, node.msg_key or node.uuid, m.get("id") if asst else None,
             g("requestId"), role, g("timestamp"), m.get("model"), "anthropic" if asst else None,
             "anthropic-messages" if asst else None, stop, *(usage or _NO_USAGE), bool(g("isSidechain")),
-            bool(g("isMeta")), bool(g("isCompactSummary")), bool(g("isVisibleInTranscriptOnly"))))
+            bool(g("isMeta")), bool(g("isCompactSummary")), bool(g("isVisibleInTranscriptOnly")) or muted is not None))
         self.parts.extend(parts)
         self.start.append(len(self.parts))
 
@@ -696,7 +722,7 @@ class MessagePlan:
     msg_key: str | None
     source_line: int
     inherited: bool = False
-    is_call: bool | None = None  # None: assistant messages are calls
+    is_call: bool | None = None  # None: assistant messages are calls; False: a local notice (never one)
     visible_from: int | None = None
 
 
@@ -1024,15 +1050,17 @@ def _threads(files: list[Path], session_id: str, per_file: list[list[Node]], age
             first_own = next((n for n in entries if n.is_message and n.uuid not in covered), tip)
             covered.update(n.uuid for n in entries)
             msgs, compactions = thread_messages(entries, compaction_at)
-            own = [m for m in msgs if m.role == "assistant" and m.msg_key not in claimed]
-            for m in msgs:
-                if m.role == "assistant":
-                    # a request another thread reports stays a call of this path (its numbering and
-                    # the layers' state follow the path), but only its owner reports it
-                    m.inherited = m.msg_key in claimed
-                    m.is_call = not m.inherited
+            # local notices (is_call False from the start) are no call of any thread
+            roles = [m.role for m in msgs if m.is_call is not False]
+            answers = [m for m in msgs if m.role == "assistant" and m.is_call is not False]
+            own = [m for m in answers if m.msg_key not in claimed]
+            for m in answers:
+                # a request another thread reports stays a call of this path (its numbering and
+                # the layers' state follow the path), but only its owner reports it
+                m.inherited = m.msg_key in claimed
+                m.is_call = not m.inherited
             if not own and not first_thread and not (open_sidechains and main_file and tip.sidechain
-                                                     and opens_sidechain([m.role for m in msgs])):
+                                                     and opens_sidechain(roles)):
                 stats["branches_without_calls"] += 1
                 continue
             claimed.update(m.msg_key for m in own if m.msg_key)
@@ -1164,5 +1192,5 @@ def thread_messages(entries: list[Node], boundaries: set[str]) -> tuple[list[Mes
                     g.stop_node = n
                 continue
             group_index[n.msg_key] = len(msgs)
-        msgs.append(MessagePlan([n], n, n, n.role, n.msg_key, n.line))
+        msgs.append(MessagePlan([n], n, n, n.role, n.msg_key, n.line, is_call=False if n.local else None))
     return msgs, compactions
