@@ -148,3 +148,21 @@ def test_a_whole_run_grows_linearly_with_the_blocks_of_one_message(tmp_path: Pat
     boundaries)."""
     small, big = _peak_kib(tmp_path, 500), _peak_kib(tmp_path, 4000)
     assert big - small < 200 * 1024, f"peak {small / 1024:.0f} MiB at 500 blocks, {big / 1024:.0f} MiB at 4,000"
+
+
+def test_the_table_keeps_the_message_lines_not_the_file(tmp_path: Path) -> None:
+    """raw_line views point into the file's bytes only where its message lines are most of them:
+    beside a large line that is no message (1 MB of progress), the table holds the messages' lines
+    (a few hundred bytes), not the file."""
+    f = _write(tmp_path / "in", 3)
+    lines = f.read_text().splitlines()
+    big = json.dumps({"type": "progress", "uuid": "p1", "parentUuid": None, "sessionId": BLOCKS_SESSION,
+                      "data": {"type": "hook_progress", "output": "z" * 1_000_000}})
+    f.write_text("\n".join([big, *lines]) + "\n")
+    res = load_paths([tmp_path / "in"])
+    raw = res.blocks.column("raw_line")
+    assert sorted(set(raw.to_pylist())) == sorted(lines)
+    assert _held(raw) < 4 * sum(len(x) for x in lines) + 16 * res.blocks.num_rows
+    f.write_text("\n".join([*lines, json.dumps({"type": "summary", "summary": "s"})]) + "\n")  # mostly messages
+    res = load_paths([tmp_path / "in"])
+    assert _held(res.blocks.column("raw_line")) <= f.stat().st_size + 16 * res.blocks.num_rows

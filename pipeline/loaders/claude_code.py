@@ -516,9 +516,26 @@ class Entries:
         """The entries' raw lines as a string_view array whose views point into `buffers` (checked
         to be UTF-8); the views are kept for `_raw_lines`."""
         bufs = [bytes(b) if isinstance(b, bytearray) else b for b in self.buffers]
+        offs = self.raw_off
+        # a file whose message lines are less than half its bytes: those lines are copied out, so the
+        # table does not keep the rest of the file alive (views into it would)
+        used = [0] * len(bufs)
+        for b, ln in zip(self.raw_buf, self.raw_len, strict=True):
+            used[b] += ln
+        sparse = {b for b, u in enumerate(used) if 2 * u < len(bufs[b])}
+        if sparse:
+            offs = list(offs)
+            copies: dict[int, bytearray] = {}
+            for i, (b, o, ln) in enumerate(zip(self.raw_buf, self.raw_off, self.raw_len, strict=True)):
+                if b in sparse:
+                    c = copies.setdefault(b, bytearray())
+                    offs[i] = len(c)
+                    c += bufs[b][o:o + ln]
+            for b, c in copies.items():
+                bufs[b] = bytes(c)
         out = bytearray(16 * n)
         pack = struct.pack_into
-        for i, (b, o, ln) in enumerate(zip(self.raw_buf, self.raw_off, self.raw_len, strict=True)):
+        for i, (b, o, ln) in enumerate(zip(self.raw_buf, offs, self.raw_len, strict=True)):
             buf = bufs[b]
             if ln <= 12:  # a short text is inlined whole
                 pack("<i12s", out, 16 * i, ln, buf[o:o + ln])
