@@ -88,10 +88,13 @@ def tables_by_value(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def all_ways(paths: list[Path], monkeypatch: pytest.MonkeyPatch, where: str = "", **kw: Any) -> LoadResult:
-    """Load the plain way, then every line the careful way, then every table as values: the same."""
-    got = load_paths(paths, **kw)
-    with every_line_careful(monkeypatch):
-        assert_same_load(got, load_paths(paths, **kw), f"{where}: every line careful")
+    """Load the plain way with the table gathered (even a small one), then every line the careful
+    way, then every table as values: the same."""
+    with monkeypatch.context() as m:
+        m.setattr(claude_code, "SMALL_TABLE_ROWS", 0)
+        got = load_paths(paths, **kw)
+        with every_line_careful(monkeypatch):
+            assert_same_load(got, load_paths(paths, **kw), f"{where}: every line careful")
     with tables_by_value(monkeypatch):
         assert_same_load(got, load_paths(paths, **kw), f"{where}: tables as values")
     return got
@@ -111,11 +114,15 @@ def test_the_ways_are_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     by_value: list[int] = []
     real = claude_code.Entries._blocks_by_value
     monkeypatch.setattr(claude_code.Entries, "_blocks_by_value", lambda *a: by_value.append(1) or real(*a))
+    fmt = load_paths([SAMPLES]).blocks.column("source_format").to_pylist()
+    rows = fmt.count(claude_code.FORMAT)  # the Claude Code part of the table
+    assert rows < claude_code.SMALL_TABLE_ROWS and by_value == [1]  # a small table is made as values
+    monkeypatch.setattr(claude_code, "SMALL_TABLE_ROWS", rows)
     load_paths([SAMPLES])
-    assert by_value == []
+    assert by_value == [1]  # gathered from the columns at the threshold
     with tables_by_value(monkeypatch):
         load_paths([SAMPLES])
-    assert by_value == [1]
+    assert by_value == [1, 1]
 
 
 # ---------------------------------------------------------------- shipped inputs, hard lines

@@ -375,6 +375,9 @@ PART_COLUMNS = ("block_type", "text", "signature", "tool_use_id", "tool_name", "
 # made in this order is written by orjson as `blockops.canonical_json` writes it (sorted keys)
 _CONTENT = tuple(sorted(((PART_COLUMNS.index(c), c) for c in CONTENT_COLUMNS), key=lambda x: x[1]))
 _sha, _dumps = hashlib.sha256, orjson.dumps
+# a table of fewer rows is made as values (`Entries.blocks`): the same table, without the gather's fixed
+# cost, about 10 ms, which is most of a small load's (a live engine's spool file, a session of a few turns)
+SMALL_TABLE_ROWS = 500
 _VIEW_MAX = 2**31 - 1  # a string_view's offsets and lengths are 32-bit: texts beyond are copied
 
 
@@ -451,8 +454,11 @@ class Entries:
         The entries' and parts' columns are made Arrow arrays once and every column of the table is
         gathered from them by row indices; when a value does not fit its column (a number where a text
         is read, ...), the rows are made as Python values and `base.blocks_table` makes them fit, with
-        a note per row (what every format's loader does)."""
+        a note per row (what every format's loader does). A table of fewer than SMALL_TABLE_ROWS rows
+        is made as values too: the gather's fixed cost (polars, Arrow) is more than such a table's."""
         idx = _RowIndex(self, threads)
+        if len(idx.part) < SMALL_TABLE_ROWS:
+            return self._blocks_by_value(idx, notes)
         try:
             ent, prt = self._columns()
         except (pa.ArrowException, pl.exceptions.PolarsError, TypeError, ValueError, OverflowError):
