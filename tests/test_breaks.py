@@ -107,15 +107,45 @@ def test_automatic_caching_misses_are_best_effort_and_count_the_uncached_input()
 def test_a_tool_loop_step_that_reads_only_the_previous_read_is_an_eviction() -> None:
     """The previous request's own write was not kept: the next step of the tool loop (which only
     appends to it) reads exactly what it read (Anthropic says previous_message_not_found). A new
-    user turn reading the same is left unexplained: the agent may have changed the tail."""
+    user turn reading the same is a change of the messages: the agent sent the tail changed."""
     base = [{"t": 0, "read": 17000, "write": 9000}, {"t": 5, "read": 26000, "write": 800}]
     assert causes([*base, {"t": 10, "read": 26000, "write": 1500}])[2][:2] == ("eviction", 800)
-    assert causes([*base, {"t": 10, "read": 26000, "write": 1500, "turn": True}])[2][0] == "unexplained"
+    assert causes([*base, {"t": 10, "read": 26000, "write": 1500, "turn": True}])[2][0] == "messages_change"
     # a thinking strip that falls back to the same place stays a thinking strip
     assert causes([*base, {"t": 10, "read": 26000, "write": 1500, "strip": True}])[2][0] == "thinking_strip"
     # other providers: automatic caching is best effort
     oa = [{**r, "model": "gpt-5.4"} for r in [*base, {"t": 10, "read": 26000, "write": 1500}]]
     assert causes(oa)[2][0] == "best_effort"
+
+
+def test_a_new_turn_that_reads_less_inside_the_messages_is_a_messages_change() -> None:
+    """A new user turn only appends the last answer and the user's message: reading less than the
+    previous request cached, past the preamble, where no thinking strip holds, means an earlier
+    message was sent changed (02fb0004, 49dcea81: a PostToolUse hook's context dropped at the next
+    turn; the server says messages_changed). Not in a step of the tool loop, not at or before the
+    preamble's end, not where a strip holds, not on a provider with automatic caching."""
+    base = [{"t": 0, "read": 17000, "write": 9000}, {"t": 5, "read": 26000, "write": 800}]
+    turn = {"t": 10, "read": 24000, "write": 3500, "turn": True}
+    got = causes([*base, turn])[2]
+    assert got[:2] == ("messages_change", 2800)
+    assert got[2] == "a new turn read 24000 of the 26800 cached: an earlier message was sent changed"
+    assert causes([*base, {**turn, "turn": False}])[2][0] == "unexplained"
+    assert causes([*base, {**turn, "read": 20000}])[2][0] == "preamble"          # pre 20000
+    assert causes([*base, {**turn, "read": 20001}])[2][0] == "messages_change"
+    assert causes([*base, {**turn, "strip": True}])[2][0] == "thinking_strip"
+    oa = [{**r, "model": "gpt-5.4"} for r in [*base, turn]]
+    assert causes(oa)[2][0] == "best_effort"
+
+
+def test_the_preamble_is_at_most_its_segments_first_request() -> None:
+    """The fit's preamble estimate can exceed the first request it is part of: a read past that
+    request's whole prompt is inside the messages (49dcea81 call 4: preamble 50,386, first request
+    44,781, read 47,999), while one at or below it stays a preamble change."""
+    base = [{"t": 0, "read": 0, "write": 30000, "pre": 40000}, {"t": 5, "read": 30000, "write": 800, "pre": 40000}]
+    assert causes([*base, {"t": 10, "read": 30002, "write": 900, "pre": 40000, "turn": True}])[2][0] == "messages_change"
+    assert causes([*base, {"t": 10, "read": 30001, "write": 900, "pre": 40000, "turn": True}])[2][0] == "preamble"
+    got = causes([*base, {"t": 10, "read": 30000, "write": 900, "pre": 40000}])[2]
+    assert got[0] == "preamble" and got[2].startswith("read 30000 <= preamble 30001")
 
 
 SERVER = [  # (the server's reason, what the usage alone shows at the break, cause, inferred cause, detail begins)

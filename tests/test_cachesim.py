@@ -389,6 +389,38 @@ def test_a_new_user_turn_strips_the_thinking_of_the_turn_before(real_user: bool,
     assert row(s.run(Policy(strip_thinking=False)), 2)["sim_break_cause"] is None
 
 
+@pytest.mark.parametrize(("model", "keeps"), [
+    ("claude-opus-4-5-20251101", True), ("claude-opus-4-1-20250805", False), ("claude-opus-4-20250514", False),
+    ("claude-sonnet-4-6", True), ("claude-sonnet-4-5-20250929", False), ("claude-sonnet-4-20250514", False),
+    ("claude-haiku-4-5-20251001", False), ("claude-haiku-5-5", True), ("claude-fable-5", True),
+    ("claude-mythos-preview", True), ("claude-3-7-sonnet-20250219", False), ("anthropic/claude-opus-4-8", True),
+    ("gpt-5.4", False)])
+def test_which_models_keep_earlier_thinking(model: str, keeps: bool) -> None:
+    """Anthropic's extended-thinking page: Opus 4.5+ and Sonnet 4.6+ keep every earlier thinking block
+    by default, Sonnet 4.5 and earlier, Opus 4.1 and earlier and Haiku through 4.5 only the last
+    turn's; from the 5 generation on thinking is preserved (bound to its prefix)."""
+    from ctxreplay.pipeline.cost.providers import keeps_thinking
+
+    assert keeps_thinking(model) is keeps
+
+
+@pytest.mark.parametrize(("thread_id", "reads_main"), [("sidechain-6340ddef", False), ("branch-12ab34cd", True)])
+def test_an_inline_sidechain_sends_a_system_prompt_of_its_own(thread_id: str, reads_main: bool) -> None:
+    """Claude Code 1.0.x writes its Task subagents into the main file as sidechains, each with its own
+    root and system prompt: their first request reads nothing of the main thread's (5c0375b4: the
+    first sidechain wrote 12,802 and read 0, 20 s after the main thread cached its system prompt),
+    while a branch of the main thread (a rewind) sends the main thread's."""
+    s = Scenario()
+    s.msg("m0", 500, real_user=True)
+    s.msg("ma0", 40)
+    s.msg("x0", 600, real_user=True)
+    s.msg("xa0", 40)
+    s.thread(SID, "main", [["m0"], ["m0", "ma0"]], [0], preamble_tokens=3000, system_tokens=3000)
+    key = s.thread(SID, thread_id, [["x0"], ["x0", "xa0"]], [20], preamble_tokens=3000, system_tokens=3000)
+    r = row(s.run(), 0, key)
+    assert r["sim_cache_read_tokens"] == (3000 if reads_main else 0)
+
+
 # ------------------------------------------------------------------------ compaction, layers, preamble
 
 

@@ -1,8 +1,8 @@
 """The cache simulator against the recorded usage of the real Claude Code tree (identity pipeline).
 
 Thresholds are what the simulator reaches (README, "Prompt-cache simulation"): every recorded call
-but three is classed as the recorded usage says; those three are misses or hits nothing in the
-transcript explains (an invisible re-warming request, an MCP reconnection changing the system prompt).
+is classed as the recorded usage says; the misses nothing in the transcript explains (an MCP
+reconnection changing the system prompt, a new turn falling back to the system prompt) are replayed.
 """
 
 from __future__ import annotations
@@ -44,14 +44,13 @@ def test_the_simulated_usage_adds_up_to_the_calibrated_prompt(calls: pl.DataFram
 def test_per_call_agreement_and_what_explains_the_rest(calls: pl.DataFrame) -> None:
     cl = breaks.classify(calls)
     assert cl.height == 881
-    assert cl["agree"].mean() >= 0.996
     off = sorted((r["session_id"], r["thread_id"], r["call"], r["rec_class"], r["sim_class"])
                  for r in cl.filter(~pl.col("agree")).iter_rows(named=True))
-    # the two recorded preamble changes (S258 call 31: tool result + interruption + notification fell
-    # to the system prompt; SD6E call 2: `/mcp` changed it, only the usage shows it) are replayed
-    assert off == [
-        (S258, "main", 151, "hit", "break"),     # a new turn strips one thinking block: re-warmed outside the data
-    ]
+    # the recorded preamble changes (S258 call 31: tool result + interruption + notification fell to
+    # the system prompt; SD6E call 2: `/mcp` changed it, only the usage shows it) are replayed; Opus
+    # 4.6 keeps its thinking across new turns, so S258 call 151 (a new turn after thinking that hit)
+    # is no simulated strip (it was, before the documented per-model default: `keeps_thinking`)
+    assert off == []
 
 
 def test_per_session_recorded_vs_simulated(calls: pl.DataFrame) -> None:
@@ -73,13 +72,16 @@ def test_per_session_recorded_vs_simulated(calls: pl.DataFrame) -> None:
 def test_every_recorded_break_is_attributed(calls: pl.DataFrame) -> None:
     by = breaks.by_cause(calls)
     rec = {k: v["breaks"] for k, v in by["recorded"].items() if isinstance(v, dict)}
-    assert rec == {"compaction": 4, "model_switch": 2, "preamble": 2, "thinking_strip": 3, "ttl_expiry": 2}
+    # the three new turns after thinking that fell back to the system prompt's end (S258 call 149,
+    # 4d5611e5 call 137, fa812bfe call 43) are no thinking strip on Opus 4.6, which keeps its
+    # thinking: the read stops inside the preamble, as after a change of the system prompt
+    assert rec == {"compaction": 4, "model_switch": 2, "preamble": 5, "ttl_expiry": 2}
     assert by["recorded"]["unexplained_share"] == 0.0
     sim = {k: v["breaks"] for k, v in by["sim"].items() if isinstance(v, dict)}
-    assert sim == {"compaction": 4, "model_switch": 2, "preamble": 2, "thinking_strip": 4, "ttl_expiry": 2}
+    assert sim == rec
     rows = breaks.break_rows(calls)
     replayed = rows.filter((pl.col("source") == "sim") & (pl.col("cause") == "preamble"))
-    assert replayed.height == 2 and replayed["detail"].str.starts_with("replayed: ").all()
+    assert replayed.height == 5 and replayed["detail"].str.starts_with("replayed: ").all()
     ttl = rows.filter((pl.col("source") == "recorded") & (pl.col("cause") == "ttl_expiry"))
     assert sorted(ttl["detail"].str.extract(r"idle (\d+) s").cast(pl.Int64).to_list()) == [1150, 15076]
     # the breaks cost something, and never less than nothing

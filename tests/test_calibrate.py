@@ -154,3 +154,81 @@ def test_recorded_facts_segment_and_thinking_strip(tmp_path: Path) -> None:
     # the first call after the compaction (3) is a new segment, which the break causes take first
     assert f["recorded_turn"].to_list() == [True, False, True, False, True, False]
     assert f["rec_tokens"][0] == 3 + 3 + (len("Fix the parser") + 3) // 4     # request + message overhead + text
+
+
+def strip_thread(model: str, last_read: int | None, strip_from: int = 1) -> pl.DataFrame:
+    """The calibration's threads for one thread: a tool loop (calls 0-2; the answer of call
+    `strip_from` is the turn's first with thinking, so a strip changes the prefix from the end of
+    request `strip_from` on, 23,000 tokens), then a new user turn after it (call 3) that reads
+    `last_read` (None: call 3 is a step of the tool loop, no strip candidate)."""
+    reads = [0, 20000, 23000, 24000 if last_read is None else last_read]
+    prompts = [20001, 23001, 24001, 25001]
+    calls = pl.DataFrame({
+        "session_id": SID, "thread_id": "main", "thread_key": SID, "call": [0, 1, 2, 3], "is_pending": False,
+        "model": model, "recorded_input_tokens": 1, "recorded_cache_read_tokens": reads,
+        "recorded_cache_write_tokens": [p - r - 1 for p, r in zip(prompts, reads, strict=True)],
+        "recorded_cache_write_1h_tokens": 0}).with_columns(recorded_cache_write_5m_tokens=pl.col(
+            "recorded_cache_write_tokens"))
+    candidate = last_read is not None
+    rec = pl.DataFrame({"session_id": SID, "thread_id": "main", "call": [0, 1, 2, 3], "rec_tokens": [100, 2600, 3400, 4100],
+                        "segment": 0, "recorded_strip": [False, False, False, candidate],
+                        "strip_from_call": [None, None, None, strip_from if candidate else None]},
+                       schema_overrides={"call": pl.Int32, "segment": pl.Int32, "strip_from_call": pl.Int32})
+    return calibrate.fit(calls, rec).threads
+
+
+@pytest.mark.parametrize(("last_read", "old_model", "strips"), [
+    (None, False, False), (None, True, True),              # no new turn after thinking: the model's default
+    (24000, False, False), (24000, True, False),           # the new turn kept the whole prefix
+    (23500, False, False), (23500, True, False),           # it read past the thinking: kept it, lost a later part
+    (23000, False, True), (23000, True, True),             # it fell back to where the stripped thinking starts
+    (15000, False, False), (15000, True, True),            # inside the preamble: as well a system prompt change
+])
+def test_whether_a_thread_strips_its_thinking(last_read: int | None, old_model: bool, strips: bool) -> None:
+    """Opus 4.5+ and Sonnet 4.6+ keep earlier turns' thinking by default (here Sonnet 4.6), older
+    models strip it (`old_model`: Sonnet 4.5): a thread without a new turn
+    after thinking takes its model's default; with one, the recorded reads decide, a miss that read
+    past the first thinking message of the turn before proving the thinking kept, and for a model
+    that keeps it by default only a miss inside the messages counts against it."""
+    model = "claude-sonnet-4-5-20250929" if old_model else "claude-sonnet-4-6"
+    t = strip_thread(model, last_read).row(0, named=True)
+    assert t["strips_thinking"] is strips
+    assert t["strip_candidates"] == (last_read is not None)
+
+
+def test_a_compaction_agent_strips_as_its_main_thread() -> None:
+    """A compaction agent sends its main thread's messages: where its own calls show no new turn after
+    thinking it strips (or keeps) the thinking as the main thread's recorded turns say, not by its
+    model's default (fa812bfe's compaction agent read its main thread's prefix, stripped as that
+    thread strips)."""
+    main = incremental([100, 900, 2500, 4000, 7000, 9000], [20000], 1.3, [0] * 6)
+    calls, rec = frames([{"session": SID, "thread": "main", "calls": main},
+                         {"session": SID, "thread": "agent-acompact-1", "calls": [(9500, 30000, 500, 3, 0, "claude-opus-4-6")]},
+                         {"session": SID, "thread": "agent-abc", "calls": [(300, 0, 20000, 3, 0, "claude-opus-4-6")]}])
+    rec = rec.with_columns(recorded_strip=(pl.col("thread_id") == "main") & (pl.col("call") == 5),
+                           strip_from_call=pl.when((pl.col("thread_id") == "main") & (pl.col("call") == 5))
+                           .then(pl.lit(3, pl.Int32)))
+    # main's new turn at call 5 fell back to the end of request 3, where its thinking starts
+    at5 = (pl.col("thread_id") == "main") & (pl.col("call") == 5)
+    end3 = main[3][1] + main[3][2]
+    calls = calls.with_columns(recorded_cache_read_tokens=pl.when(at5).then(end3).otherwise(pl.col(
+        "recorded_cache_read_tokens")), recorded_cache_write_tokens=pl.when(at5).then(
+        pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens") - end3).otherwise(pl.col(
+            "recorded_cache_write_tokens")))
+    th = {r["thread_id"]: r for r in calibrate.fit(calls, rec).threads.to_dicts()}
+    assert th["main"]["strips_thinking"] is True
+    assert th["agent-acompact-1"]["strips_thinking"] is True       # its owner's
+    assert th["agent-abc"]["strips_thinking"] is False             # a subagent: its own (Opus 4.6 keeps)
+
+
+def test_owners() -> None:
+    """Whose system prompt a thread sends: a subagent (a subagent file's thread, or an inline
+    sidechain of Claude Code 1.0.x, a Task subagent with a root of its own) its own; a compaction
+    agent or a branch its session's main thread's."""
+    t = pl.DataFrame({"session_id": SID, "thread_id": ["main", "agent-abc", "agent-acompact-1", "branch-12ab",
+                                                          "sidechain-6340ddef"]})
+    t = t.with_columns(thread_key=pl.when(pl.col("thread_id") == "main").then(pl.col("session_id"))
+                       .otherwise(pl.col("session_id") + "--" + pl.col("thread_id")))
+    got = dict(zip(t["thread_id"], t.select(calibrate.owner_expr()).to_series(), strict=True))
+    assert got == {"main": SID, "agent-abc": f"{SID}--agent-abc", "agent-acompact-1": SID, "branch-12ab": SID,
+                   "sidechain-6340ddef": f"{SID}--sidechain-6340ddef"}

@@ -304,7 +304,11 @@ def test_html_pages_are_one_self_contained_file(compared: dict[str, Any], sessio
     r = _cli("report", "--sim", out, "--html", sim)
     assert r.exit_code == 0, r.output
     text = _self_contained(sim)
-    assert "recorded vs simulated" in text and "break (sim)" in text
+    assert "recorded vs estimated" in text and "break (sim)" in text and "cache read (estimate)" in text
+    r = _cli("report", "--sim", out, "--html", sim, "--raw")
+    assert r.exit_code == 0, r.output
+    text = _self_contained(sim)
+    assert "recorded vs simulated" in text and "cache read (sim)" in text and "recorded vs estimated" not in text
     r = _cli("report", "--breaks", out, "--html", sim)
     assert r.exit_code == 2 and "--html goes with" in r.stderr
 

@@ -242,12 +242,24 @@ def compared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         mp.undo()
     assert r.exit_code == 0, r.output
-    return {"page": pages[0], "html": tmp / "compare.html", "doc": json.loads(r.stdout), "run": tmp / "runs" / "1-clear"}
+    return {"page": pages[0], "html": tmp / "compare.html", "doc": json.loads(r.stdout), "run": tmp / "runs" / "1-clear",
+            "identity": tmp / "runs" / "0-identity"}
 
 
 def test_sim_html_over_months(compared: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    page, _ = _page_of(monkeypatch, "report", "--sim", compared["run"], "--html", tmp_path / "sim.html")
+    page, _ = _page_of(monkeypatch, "report", "--sim", compared["run"], "--anchor", compared["identity"],
+                       "--html", tmp_path / "sim.html")
     per_session, along, cost = page.figures
+    # the anchored estimate leads, with compare's figures: per session (the dearest), bars with their interval
+    clear = {r["session_id"][:8]: r for r in compared["doc"]["sessions"] if r["pipeline"].endswith("clear.toml")}
+    est = per_session.data[1]
+    assert est.name == "estimated" and len(est.x) == hr.TOP_SESSIONS
+    for x, y, up, down in zip(est.x, est.y, est.error_y.array, est.error_y.arrayminus, strict=True):
+        r = clear[x]
+        assert math.isclose(y, r["cost_usd"], abs_tol=2e-6)
+        assert math.isclose(y + up, r["cost_usd_high"], abs_tol=2e-6)
+        assert math.isclose(y - down, r["cost_usd_low"], abs_tol=2e-6)
+    assert any(u > 0 for u in est.error_y.array)
     # recorded and simulated side by side, by week (one unit for both panels), a colour per model
     assert "Cost by week and model" in _title(cost)
     assert {t.xaxis for t in cost.data} == {"x", "x2"}

@@ -191,6 +191,29 @@ def test_a_grown_file_reruns_its_group_only_and_equals_a_fresh_run(tmp_path: Pat
     _same_outputs(tmp_path / "fresh2", out)
 
 
+def test_a_run_whose_call_facts_lack_a_column_is_not_reused(tmp_path: Path) -> None:
+    """The per-call facts gained `strip_from_call` (the calibration's thinking-strip evidence): the
+    facts of a run made before (manifest version 3) cannot go beside a new batch's, so such a run is
+    not reused; a grown file then runs everything again instead of failing on the facts' schema."""
+    tree = _tree(tmp_path)
+    main = next((tree / "samples" / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
+    full = main.read_bytes()
+    main.write_bytes(b"".join(full.splitlines(keepends=True)[:-4]))
+    out = tmp_path / "o"
+    _run([tree], out, batch_bytes=1)
+    run_dir = (out / "current").resolve()
+    facts = run_dir / "call_facts.parquet"
+    pl.read_parquet(facts).drop("strip_from_call").write_parquet(facts)      # as a version 3 run wrote them
+    manifest = orjson.loads((run_dir / "manifest.json").read_bytes())
+    manifest["config"]["version"] = 3
+    (run_dir / "manifest.json").write_bytes(orjson.dumps(manifest))
+    main.write_bytes(full)
+    again = _run([tree], out, batch_bytes=1)
+    assert again["groups"]["reused"] == 0 and "version" in again["groups"]["not_reused_because"]
+    _run([tree], tmp_path / "fresh", batch_bytes=1)
+    _same_outputs(tmp_path / "fresh", out)
+
+
 def test_a_changed_pipeline_reruns_every_group(tmp_path: Path) -> None:
     tree = _tree(tmp_path)
     out = tmp_path / "o"

@@ -37,7 +37,9 @@ MANIFEST_FILE = "manifest.json"
 FACTS_FILE = "call_facts.parquet"
 # 2: blocks and calls gained columns (the server's cache diagnosis): a run before it is not reused
 # 3: `fp` is the sha256 of the whole file (2: of its size and first and last 64 KiB only)
-MANIFEST_VERSION = 3
+# 4: call_facts gained `strip_from_call` (the calibration's thinking-strip evidence): a run before
+#    it is not reused (its facts could not be appended to a new batch's)
+MANIFEST_VERSION = 4
 
 
 def stat_file(path: Path) -> dict[str, Any]:

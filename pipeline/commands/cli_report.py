@@ -57,8 +57,13 @@ WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", 
 @click.option("--workers", type=click.IntRange(min=1), help="Processes for the scan (default: CPU count "
               "for inputs of 48 MB and more, else 1).")
 @click.option("--sim", "sim_out", type=click.Path(path_type=Path), metavar="OUT",
-              help="Instead of PATHS: recorded vs simulated cache and cost of the run in OUT, per session.")
+              help="Instead of PATHS: the cache and cost of the run in OUT against the recorded usage, per "
+                   "session: the anchored estimate (recorded + the simulated change from identity).")
 @click.option("--calls", "per_call", is_flag=True, help="With --sim: per call too.")
+@click.option("--raw", is_flag=True, help="With --sim: the raw simulation (sim_*) instead of the anchored estimate.")
+@click.option("--anchor", "anchor_dir", type=click.Path(path_type=Path), metavar="DIR",
+              help="With --sim: the identity run of the same inputs whose simulation anchors the estimates "
+                   "(default: OUT itself when its run is identity, else an identity run of its inputs, made now).")
 @click.option("--breaks", "breaks_out", type=click.Path(path_type=Path), metavar="OUT",
               help="Instead of PATHS: every cache break of the run in OUT, its cause, tokens and cost.")
 @click.option("--html", "html_file", type=click.Path(path_type=Path), metavar="FILE",
@@ -69,7 +74,8 @@ WEEKDAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", 
 def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str, since: str | None,
            until: str | None, since_mode: str, tz: str | None, json_: bool, strict: bool, wide: bool,
            prices_file: Path | None, compat: str | None, count_progress_copies: bool, workers: int | None,
-           sim_out: Path | None, per_call: bool, breaks_out: Path | None, html_file: Path | None) -> None:
+           sim_out: Path | None, per_call: bool, raw: bool, anchor_dir: Path | None, breaks_out: Path | None,
+           html_file: Path | None) -> None:
     """Cost, tokens and cache hit rate from the usage transcripts record (no replay).
 
     PATHS are files or directories (searched recursively). Without PATHS: $CLAUDE_CONFIG_DIR/projects
@@ -82,7 +88,9 @@ def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str
 
     --sim OUT and --breaks OUT read the outputs of a `ctxreplay run --out OUT` instead: the
     prompt-cache simulation of its requests against the recorded usage, and the cache breaks
-    (recorded and simulated) with their causes.
+    (recorded and simulated) with their causes. --sim leads with the anchored estimate, the
+    recorded usage plus what the simulator changes from the sessions as recorded (its anchor:
+    see --anchor); --raw shows the raw simulation.
 
     \b
     Example:
@@ -94,10 +102,13 @@ def report(paths: tuple[Path, ...], by: str, breakdown: bool, start_of_week: str
         if html_file is not None and sim_out is None:
             raise ArgumentError("--html goes with PATHS (recorded usage) or --sim OUT (a run's simulation), not --breaks: "
                           "the page of --sim OUT shows the breaks")
-        _run_views(paths, sim_out, per_call, breaks_out, json_, html_file)
+        _run_views(paths, sim_out, per_call, breaks_out, json_, html_file, raw, anchor_dir)
         return
     if per_call:
         raise ArgumentError("--calls goes with --sim OUT (per-call recorded vs simulated cache of a run)")
+    if raw or anchor_dir is not None:
+        raise ArgumentError(f"{'--raw' if raw else '--anchor'} goes with --sim OUT (the estimates of a run's "
+                            f"simulation)")
     import orjson
 
     from ctxreplay.pipeline.cost.prices import PriceBook
@@ -326,7 +337,7 @@ def _cost(r: dict[str, Any]) -> str:
 
 
 def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, breaks_out: Path | None,
-               json_: bool, html_file: Path | None = None) -> None:
+               json_: bool, html_file: Path | None = None, raw: bool = False, anchor_dir: Path | None = None) -> None:
     import orjson
 
     if paths:
@@ -336,22 +347,29 @@ def _run_views(paths: tuple[Path, ...], sim_out: Path | None, per_call: bool, br
         raise ArgumentError("give one of --sim OUT and --breaks OUT")
     if per_call and sim_out is None:
         raise ArgumentError("--calls goes with --sim OUT")
-    from ctxreplay.pipeline.cost.breaks import breaks_view, load_run, sim_view
+    if (raw or anchor_dir is not None) and sim_out is None:
+        raise ArgumentError(f"{'--raw' if raw else '--anchor'} goes with --sim OUT")
+    if raw and anchor_dir is not None:
+        raise ArgumentError("--raw shows the raw simulation, which needs no anchor: give one of --raw and --anchor")
+    from ctxreplay.pipeline.cost.breaks import breaks_view, load_run
 
     out = sim_out if sim_out is not None else breaks_out
     assert out is not None
-    calls, summary, _ = load_run(out)
+    calls, summary, run = load_run(out)
     if sim_out is not None:
-        doc = sim_view(calls, summary, per_call=per_call)
+        calls, doc = _sim_doc(out, Path(run), calls, summary, per_call, raw, anchor_dir, quiet=json_)
         if html_file is not None:
             from ctxreplay.pipeline.reporting.html_report import sim_html, write_html
 
-            write_html(html_file, sim_html(calls, sim_view(calls, summary), str(out)))
+            whole = doc if not per_call else {k: v for k, v in doc.items() if k != "calls"}
+            write_html(html_file, sim_html(calls, whole, str(out)))
             echo(f"ctxreplay report: wrote {html_file}", err=True)
         if json_:
             click.echo(orjson.dumps(doc).decode())
         else:
             _sim_table(doc, str(out))
+        if doc["anchor"]["source"] == "none" and not raw:
+            echo(f"ctxreplay report: {doc['anchor']['note']}: the raw simulation is shown", err=True)
         if doc["unpriced_models"]:
             echo(f"ctxreplay report: no price for {', '.join(doc['unpriced_models'])}: their calls are left out "
                  f"of the costs", err=True)
@@ -379,29 +397,106 @@ def _console(width: int | None = None) -> Any:
     return console(width=width, soft_wrap=False)
 
 
+_EST_KEYS = ("est_calls", "est_read", "est_write", "est_input", "est_cost", "est_read_diff", "est_write_diff",
+             "est_cost_diff", "est_cost_low", "est_cost_high", "sim_cost_low", "sim_cost_high", "q")
+_EST_CALL_KEYS = ("est_cache_read_tokens", "est_cache_write_tokens", "est_input_tokens", "est_cost_usd")
+
+
+def _sim_doc(out: Path, run: Path, calls: Any, summary: dict[str, Any], per_call: bool, raw: bool,
+             anchor_dir: Path | None, *, quiet: bool) -> tuple[Any, dict[str, Any]]:
+    """`report --sim`'s document: sim_view's recorded vs raw simulation, and unless --raw the
+    anchored estimate beside it (pipeline/cost/estimate.py; its anchor from
+    pipeline/reporting/anchor.py), per session, in total and per call. Returns the calls (with the
+    estimate's columns when there is one) and the document."""
+    from ctxreplay.pipeline.cost.breaks import sim_view
+
+    doc = sim_view(calls, summary, per_call=per_call)
+    if raw:
+        doc.update(figures="raw", anchor={"source": "none", "note": "--raw: the raw simulation"})
+        return calls, doc
+    from ctxreplay.pipeline.cost.estimate import estimate_figures, with_estimate
+    from ctxreplay.pipeline.cost.intervals import COVERAGE, DEFAULT_Q
+    from ctxreplay.pipeline.reporting.anchor import resolve
+
+    say = None if quiet or not sys.stderr.isatty() else (lambda m: echo(f"… {m}", err=True))
+    a = resolve(out, run, calls, summary, anchor_dir, say)
+    doc["anchor"] = {"source": a.source, "note": a.note}
+    if a.calls is None:
+        doc["figures"] = "raw"
+        return calls, doc
+    est = with_estimate(calls, a.calls)
+    rows, total, q = estimate_figures(est)
+    by = {r["session_id"]: r for r in rows}
+    for r in doc["sessions"]:
+        got = by.get(r["session_id"], {})
+        r.update({k: got.get(k) for k in _EST_KEYS})
+    doc["totals"].update({k: total.get(k) for k in _EST_KEYS if k != "q"})
+    doc["interval"] = {"coverage": COVERAGE, "default_q": DEFAULT_Q,
+                       "sessions_with_own_q": sum(v != DEFAULT_Q for v in q.values()),
+                       "q": {k: round(v, 6) for k, v in sorted(q.items())}}
+    if per_call:
+        per = {(r[0], r[1]): r[2:] for r in est.select("thread_key", "call", *_EST_CALL_KEYS).iter_rows()}
+        for r in doc["calls"]:
+            vals = per.get((r["thread_key"], r["call"]), (None,) * len(_EST_CALL_KEYS))
+            r.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in zip(_EST_CALL_KEYS, vals, strict=True)})
+    doc["figures"] = "estimate"
+    return est, doc
+
+
 def _sim_table(doc: dict[str, Any], out: str) -> None:
     from rich.table import Table
 
     t = doc["totals"]
+    est = doc.get("figures") == "estimate"
     echo(f"ctxreplay report --sim {out}: {len(doc['sessions'])} session(s), {t.get('calls', 0):,} calls; "
          f"pipeline {doc['pipeline']}; prices: {doc['prices']}")
+    if est:
+        echo(f"figures: the anchored estimate: recorded usage + the simulated change from identity (anchor: "
+             f"{doc['anchor']['note']}; --raw: the raw simulation); costs with their "
+             f"{doc['interval']['coverage']:.0%} interval")
+    else:
+        why = "--raw" if doc["anchor"]["note"].startswith("--raw") else doc["anchor"]["note"]
+        echo(f"figures: the raw simulation ({why})")
     if t.get("no_usage"):
         echo(f"{t['no_usage']:,} call(s) recorded no usage: left out of the comparison (no_usage)")
+    if est and (t.get("est_calls") or 0) < (t.get("calls") or 0):
+        echo(f"{t['calls'] - (t.get('est_calls') or 0):,} call(s) have no estimate: the anchor does not hold them")
     table = Table(show_footer=True)
     table.add_column("Session", footer="Total", no_wrap=True)
     table.add_column("Calls", justify="right", footer=f"{t.get('calls', 0):,}")
-    specs = [("Cache read rec", "rec_read", _fmt_int), ("sim", "sim_read", _fmt_int), ("Δ", "read_diff", _pct),
-             ("Cache write rec", "rec_write", _fmt_int), ("sim", "sim_write", _fmt_int), ("Δ", "write_diff", _pct),
-             ("Cost rec", "rec_cost", _usd), ("sim", "sim_cost", _usd), ("Δ", "cost_diff", _pct)]
+    p = "est" if est else "sim"
+    specs = [("Cache read rec", "rec_read", _fmt_int), (p, f"{p}_read", _fmt_int),
+             ("Δ", "est_read_diff" if est else "read_diff", _pct),
+             ("Cache write rec", "rec_write", _fmt_int), (p, f"{p}_write", _fmt_int),
+             ("Δ", "est_write_diff" if est else "write_diff", _pct),
+             ("Cost rec", "rec_cost", _usd), (p, f"{p}_cost", _usd)]
+    cov = f"{doc['interval']['coverage']:.0%} interval" if est else ""
+
+    def span(r: dict[str, Any]) -> str:
+        lo, hi = r.get("est_cost_low"), r.get("est_cost_high")
+        return "–" if lo is None or hi is None else f"{_usd(lo)}–{_usd(hi)}"
+
     for label, k, f in specs:
         table.add_column(label, justify="right", footer=f(t.get(k)) if t.get(k) is not None else "–")
-    table.add_column("Agree", justify="right", footer=_rate(t.get("agreement")))
+    if est:
+        table.add_column(cov, justify="right", footer=span(t))
+    table.add_column("Δ", justify="right", footer=_pct(t.get("est_cost_diff" if est else "cost_diff")))
+    if not est:
+        table.add_column("Agree", justify="right", footer=_rate(t.get("agreement")))
     table.add_column("Breaks rec/sim", justify="right",
                      footer=f"{t.get('rec_breaks', 0)}/{t.get('sim_breaks', 0)}")
     for r in doc["sessions"]:
-        table.add_row(r["session_id"], f"{r['calls']:,}", *[f(r[k]) if r[k] is not None else "–" for _, k, f in specs],
-                      _rate(r["agreement"]), f"{r['rec_breaks']}/{r['sim_breaks']}")
+        cells = [f(r[k]) if r.get(k) is not None else "–" for _, k, f in specs]
+        cells += [span(r)] if est else []
+        cells += [_pct(r.get("est_cost_diff" if est else "cost_diff"))]
+        cells += [] if est else [_rate(r["agreement"])]
+        table.add_row(r["session_id"], f"{r['calls']:,}", *cells, f"{r['rec_breaks']}/{r['sim_breaks']}")
     _console().print(table)
+    if est:
+        iv = doc["interval"]
+        echo(f"intervals ({iv['coverage']:.0%}): each simulated change ± q, q the simulator's error on the other "
+             f"sessions where 9 or more had usage ({iv['sessions_with_own_q']} session(s)), else "
+             f"{iv['default_q']:.0%} (its error on real sessions, measured leave-one-session-out)")
     cal = doc.get("calibration") or {}
     for fam, d in (cal.get("families") or {}).items():
         echo(f"calibration {fam}: ratio {d.get('ratio_family')} over {d.get('threads')} thread(s) "
@@ -413,18 +508,33 @@ def _sim_table(doc: dict[str, Any], out: str) -> None:
         echo(f"preamble (system, tools, injected; per thread and compaction segment): median "
              f"{pre['median']:,.0f} tokens, {pre['min']:,.0f} - {pre['max']:,.0f}")
     if "calls" in doc:
-        table = Table()
-        for label in ("Thread", "Call", "Time", "Prompt", "Read rec", "sim", "Write rec", "sim", "Class rec/sim",
-                      "Break rec / sim"):
-            table.add_column(label, justify="left" if label in ("Thread", "Time", "Class rec/sim", "Break rec / sim")
-                             else "right", no_wrap=label == "Thread")
-        for r in doc["calls"]:
-            brk = " / ".join(x or "–" for x in (r["recorded_break_cause"], r["sim_break_cause"]))
-            table.add_row(r["thread_key"], str(r["call"]), r["timestamp"] or "", _fmt_int(r["calibrated_prompt_tokens"]),
-                          _fmt_int(r["recorded_cache_read_tokens"]), _fmt_int(r["sim_cache_read_tokens"]),
-                          _fmt_int(r["recorded_cache_write_tokens"]), _fmt_int(r["sim_cache_write_tokens"]),
-                          f"{r['rec_class']}/{r['sim_class']}", brk if brk != "– / –" else "")
-        _console().print(table)
+        _sim_calls_table(doc, est)
+
+
+def _sim_calls_table(doc: dict[str, Any], est: bool) -> None:
+    from rich.table import Table
+
+    table = Table()
+    labels = (("Thread", "Call", "Time", "Prompt", "Read rec", "est", "Write rec", "est", "Cost rec", "est",
+               "Break rec / sim") if est else
+              ("Thread", "Call", "Time", "Prompt", "Read rec", "sim", "Write rec", "sim", "Class rec/sim",
+               "Break rec / sim"))
+    for label in labels:
+        table.add_column(label, justify="left" if label in ("Thread", "Time", "Class rec/sim", "Break rec / sim")
+                         else "right", no_wrap=label == "Thread")
+    for r in doc["calls"]:
+        brk = " / ".join(x or "–" for x in (r["recorded_break_cause"], r["sim_break_cause"]))
+        head = [r["thread_key"], str(r["call"]), r["timestamp"] or "", _fmt_int(r["calibrated_prompt_tokens"])]
+        if est:
+            mid = [_fmt_int(r["recorded_cache_read_tokens"]), _fmt_int(r["est_cache_read_tokens"]),
+                   _fmt_int(r["recorded_cache_write_tokens"]), _fmt_int(r["est_cache_write_tokens"]),
+                   _usd(r["recorded_cost_usd"]), _usd(r["est_cost_usd"])]
+        else:
+            mid = [_fmt_int(r["recorded_cache_read_tokens"]), _fmt_int(r["sim_cache_read_tokens"]),
+                   _fmt_int(r["recorded_cache_write_tokens"]), _fmt_int(r["sim_cache_write_tokens"]),
+                   f"{r['rec_class']}/{r['sim_class']}"]
+        table.add_row(*head, *mid, brk if brk != "– / –" else "")
+    _console().print(table)
 
 
 def _breaks_table(doc: dict[str, Any], out: str) -> None:

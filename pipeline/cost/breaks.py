@@ -17,13 +17,20 @@ holds, in this order:
 - `thinking_strip`: a user message that is not only tool results arrives while the turn before it
   holds thinking blocks: with extended thinking Anthropic strips them from the context, which
   changes the prefix from the first of them on (a documented provider rule; Anthropic models only;
-  not in a thread the calibration found keeps its thinking, `strips_thinking` false);
+  not in a thread that keeps its thinking, calibration `strips_thinking` false: Opus 4.5+ and
+  Sonnet 4.6+ keep it by default);
 - `preamble`: nothing above, and the read stops inside the preamble (before the first recorded
-  message): the system prompt or the tools changed, which only the usage shows (Anthropic);
+  message; at most the whole first request of its compaction segment): the system prompt or the
+  tools changed, which only the usage shows (Anthropic);
 - `eviction`: a step of the tool loop (no new user turn: the request only appends the answer and
   its tool results to the previous one) reads exactly what the previous request read: that
   request's own write was not kept (Anthropic; the server then says `previous_message_not_found`,
   typically after a request it diagnosed `unavailable`);
+- `messages_change`: a new user turn (it only appends the last answer and the user's message)
+  reads past the preamble but less than the previous request cached, and no strip holds: the
+  agent sent an earlier message changed, which the transcript does not show (Anthropic; Claude
+  Code drops a PostToolUse hook's additional context from the turn's tool results at the next
+  turn; the server says `messages_changed`);
 - `best_effort`: a provider with automatic caching (OpenAI, Gemini implicit, a router such as
   OpenRouter) missed: their caching is documented as best effort, with no guaranteed hit;
 - `unexplained`: none of these.
@@ -114,6 +121,9 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
         "_p_seg": pl.col("segment"),
     }
     r = r.with_columns(**{k: v.shift(1).over("thread_key") for k, v in prev.items()})
+    # the preamble (system, tools, what the agent injects) is at most the whole first request of its
+    # compaction segment: a read past that is inside the messages, whatever the fit's estimate says
+    r = r.with_columns(_pre=pl.min_horizontal("preamble_tokens", prompt.first().over("thread_key", "segment")))
     read = pl.col("recorded_cache_read_tokens")
     brk = pl.col("_p_cached").is_not_null() & (read < pl.col("_p_cached"))
     anthropic = pl.col("model").fill_null("").str.to_lowercase().str.contains("claude")
@@ -125,6 +135,7 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
     idle = pl.format("idle {} s > TTL {}", gap.round(0).cast(pl.Int64),
                      pl.when(pl.col("_p_ttl") >= TTL_1H_S).then(pl.lit("1h")).otherwise(pl.lit("5m")))
     switch = pl.format("{} -> {}", pl.col("_p_model"), pl.col("model"))
+    strip = pl.col("recorded_strip").fill_null(False) & anthropic & _col(c, "strips_thinking", pl.Boolean).fill_null(True)
     conds = [
         ("model_switch", pl.col("model").ne_missing(pl.col("_p_model")), switch),
         ("ttl_expiry", expired, idle),
@@ -133,14 +144,19 @@ def recorded_breaks(c: pl.DataFrame, *, use_server: bool = True) -> pl.DataFrame
         # new turn changes no prefix there)
         # (not in a thread whose calibration found that its new turns keep the cache: it keeps its
         # thinking, pipeline/cost/calibrate.py `strips_thinking`)
-        ("thinking_strip", pl.col("recorded_strip").fill_null(False) & anthropic
-         & _col(c, "strips_thinking", pl.Boolean).fill_null(True), pl.lit(None, pl.String)),
-        ("preamble", (read <= pl.col("preamble_tokens")) & anthropic,
-         pl.format("read {} <= preamble {}", read, pl.col("preamble_tokens"))),
+        ("thinking_strip", strip, pl.lit(None, pl.String)),
+        ("preamble", (read <= pl.col("_pre")) & anthropic, pl.format("read {} <= preamble {}", read, pl.col("_pre"))),
         # a step of the tool loop only appends to the previous request; reading exactly what that
         # request read means its own write was not kept (Anthropic says previous_message_not_found)
         ("eviction", anthropic & ~pl.col("_turn") & (read == pl.col("_p_read")) & (pl.col("_p_write") > 0),
          pl.format("read {} = the previous request's read: its write was not kept", read)),
+        # a new turn only appends the last answer and the user's message to the previous request;
+        # reading less, inside the messages, where no thinking was stripped, means the agent sent an
+        # earlier message changed: content it adds to a turn and drops at the next (a PostToolUse
+        # hook's additional context, on the corpus), which the transcript does not hold
+        ("messages_change", anthropic & pl.col("_turn") & ~strip & (read > pl.col("_pre")),
+         pl.format("a new turn read {} of the {} cached: an earlier message was sent changed", read,
+                   pl.col("_p_cached"))),
         ("best_effort", ~anthropic, pl.lit("automatic caching guarantees no hit")),
     ]
     cause = pl.lit("unexplained")

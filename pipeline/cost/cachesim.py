@@ -42,9 +42,9 @@ Rules per provider (`Policy` holds the knobs):
   message without a tool result (a new turn) strips the thinking blocks of the turn before it,
   which changes the prefix from the first of them on (`strip_thinking`; a tool result with text
   appended continues the tool loop and strips nothing: five compaction requests of the corpus
-  read their thread's whole prefix, thinking included). A thread whose recorded new turns mostly
-  kept the cache keeps its thinking (calibration `strips_thinking = False`: Opus 4.5 and later
-  keep it by default).
+  read their thread's whole prefix, thinking included). Only where the thread strips it
+  (calibration `strips_thinking`: Opus 4.5+ and Sonnet 4.6+ keep earlier thinking by default,
+  older models strip it, and the thread's recorded new turns decide).
 - **openai** (and models of unknown provider whose recorded usage shows caching): automatic, for
   prompts of at least 1,024 tokens, in 128-token steps; every request's prefix is cached (for
   `openai_ttl_s`); writes are free (uncached input) before GPT-5.6 and priced as 5-minute writes

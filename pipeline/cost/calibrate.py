@@ -30,11 +30,16 @@ What the recorded usage also says about the preamble's structure (for the cache 
 - `tail_tokens`: the median recorded `input_tokens`, the few tokens after the last breakpoint;
 - `uses_cache`: False for a thread whose requests never read nor wrote the cache (an agent that
   sets no breakpoint);
-- `strips_thinking`: whether a new user turn after a turn with thinking makes the thread lose its
-  cached prefix (Anthropic strips such thinking blocks): True when at least half of such turns of
-  the recorded thread missed (same model and segment, within the TTL), False otherwise (Opus 4.5
-  and later keep the thinking by default; an agent may also re-warm the stripped prefix with a
-  side request), null without such a turn (the policy decides).
+- `strips_thinking`: whether a new user turn after a turn with thinking strips that thinking, so
+  that the thread loses its cached prefix from the first thinking block on. Anthropic documents it
+  per model (providers.keeps_thinking): Opus 4.5+ and Sonnet 4.6+ keep earlier thinking, older
+  models strip it. The recorded new turns after thinking (same model and segment, within the
+  TTL) are the evidence: one that read past the first thinking message of the turn before kept
+  it; one that read no further lost it, though on a model that keeps thinking only a loss inside
+  the messages counts (a fall into the preamble is as well a change of the system prompt). A
+  model that keeps thinking strips only in a thread where no new turn kept it and one lost it
+  inside the messages; another strips unless most of its thread's new turns kept it; a thread
+  without such a turn takes its model's default, a compaction agent its main thread's.
 
 Fitting on some sessions and applying to others (`fit(..., prior=...)`): what is pooled over
 sessions — the tokenizer ratio of each family (used by threads whose own ratio is not well
@@ -61,6 +66,7 @@ import polars as pl
 
 from ctxreplay.errors import SimError
 from ctxreplay.pipeline.core.constants import POLARS_ENGINE, TTL_1H_S, TTL_5M_S
+from ctxreplay.pipeline.cost.providers import keeps_thinking
 from ctxreplay.pipeline.stageapi.calls import messages, per_call_sum, request_tokens
 from ctxreplay.pipeline.stageapi.registry import StageContext
 
@@ -99,10 +105,12 @@ def with_family(df: pl.DataFrame, col: str = "model", out: str = "family") -> pl
 
 
 def owner_expr() -> pl.Expr:
-    """Whose system prompt a thread sends (`owner_key`): a Claude Code subagent (`agent-<id>`) its
-    own (its thread_key); a compaction agent, a branch or a sidechain of a session the main
-    thread's (the session id)."""
-    sub = pl.col("thread_id").str.starts_with("agent-") & ~pl.col("thread_id").str.starts_with("agent-acompact")
+    """Whose system prompt a thread sends (`owner_key`): a Claude Code subagent its own (its
+    thread_key): a subagent file's thread (`agent-<id>`) or an inline sidechain (`sidechain-<id>`,
+    Claude Code 1.0.x writes its Task subagents into the main file, each with a root of its own);
+    a compaction agent or a branch of a session the main thread's (the session id)."""
+    sub = (pl.col("thread_id").str.starts_with("agent-") & ~pl.col("thread_id").str.starts_with("agent-acompact")) \
+        | pl.col("thread_id").str.starts_with("sidechain-")
     return pl.when(sub).then(pl.col("thread_key")).otherwise(pl.col("session_id"))
 
 
@@ -143,15 +151,19 @@ def recorded_facts(blocks: pl.DataFrame, count_tokens: object | None) -> pl.Data
     users = m.filter(pl.col("_real") & pl.col("_lead")).select(*THREAD, call="_run_first", turn=pl.col("_turn") - 1)
     think = m.filter(pl.col("_th") & (pl.col("role") == "assistant")).select(*THREAD, turn="_turn", first="first",
                                                                                last="last")
+    # strip_from_call: the call whose request ends just before the first thinking message of the
+    # turn before (a strip changes the prefix from there on: a request that reads past it kept it)
     strip = users.join(think, on=[*THREAD, "turn"], how="inner").filter(
         (pl.col("first") <= pl.col("call")) & (pl.col("last").is_null() | (pl.col("last") > pl.col("call")))
-    ).select(*THREAD, pl.col("call").cast(pl.Int32), recorded_strip=pl.lit(True)).unique()
+    ).group_by(*THREAD, pl.col("call").cast(pl.Int32)).agg(
+        strip_from_call=(pl.col("first").min() - 1).cast(pl.Int32)).with_columns(recorded_strip=pl.lit(True))
     turns = users.select(*THREAD, pl.col("call").cast(pl.Int32), recorded_turn=pl.lit(True)).unique()
     out = toks.join(seg, on=[*THREAD, "call"], how="left").join(strip, on=[*THREAD, "call"], how="left") \
         .join(turns, on=[*THREAD, "call"], how="left").select(
         *THREAD, "call", rec_tokens=(pl.col("tokens") + 3).cast(pl.Int64),
         segment=pl.col("segment").fill_null(0).cast(pl.Int32),
         recorded_strip=pl.col("recorded_strip").fill_null(False) & (pl.col("call") > 0),
+        strip_from_call=pl.when(pl.col("call") > 0).then(pl.col("strip_from_call")),
         recorded_turn=pl.col("recorded_turn").fill_null(False))
     return out.collect(engine=POLARS_ENGINE).sort(*THREAD, "call")
 
@@ -251,6 +263,7 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread", prior: 
         calls = calls.with_columns(timestamp=pl.lit(None, pl.Datetime("ms", "UTC")))
         need.append("timestamp")
     rec = rec if "recorded_strip" in rec.columns else rec.with_columns(recorded_strip=pl.lit(False))
+    rec = rec if "strip_from_call" in rec.columns else rec.with_columns(strip_from_call=pl.lit(None, pl.Int32))
     c = with_family(calls.select(need).join(rec, on=[*THREAD, "call"], how="left")).with_columns(
         segment=pl.col("segment").fill_null(0).cast(pl.Int32), recorded_cache_write_tokens=recorded_write())
     c = c.with_columns(
@@ -334,13 +347,18 @@ def fit(calls: pl.DataFrame, rec: pl.DataFrame, *, mode: str = "thread", prior: 
                                   prior is not None)
     # a thread that sends its owner's system prompt (a compaction agent, a branch) starts from the
     # owner's shared preamble too: their requests are one chain
-    owner_shared = threads.select(owner_key="thread_key", _os="shared_tokens", _osys="system_tokens")
+    # (and strips its thinking as the owner does, where its own new turns say nothing: the same
+    # messages, sent by the same agent)
+    owner_shared = threads.select(owner_key="thread_key", _os="shared_tokens", _osys="system_tokens",
+                                  _ostrip="strips_thinking")
+    other = pl.col("owner_key") != pl.col("thread_key")
     threads = threads.join(owner_shared, on="owner_key", how="left").with_columns(
-        shared_tokens=pl.when(pl.col("owner_key") != pl.col("thread_key")).then(pl.col("_os").fill_null(
-            pl.col("shared_tokens"))).otherwise(pl.col("shared_tokens")),
-        system_tokens=pl.when(pl.col("owner_key") != pl.col("thread_key")).then(pl.col("_osys").fill_null(
+        shared_tokens=pl.when(other).then(pl.col("_os").fill_null(pl.col("shared_tokens"))).otherwise(pl.col("shared_tokens")),
+        system_tokens=pl.when(other).then(pl.col("_osys").fill_null(
             pl.col("system_tokens"))).otherwise(pl.col("system_tokens")),
-    ).drop("_os", "_osys")
+        strips_thinking=pl.when(other & (pl.col("strip_candidates") == 0)).then(
+            pl.col("_ostrip").fill_null(pl.col("strips_thinking"))).otherwise(pl.col("strips_thinking")),
+    ).drop("_os", "_osys", "_ostrip")
     fam_out = fam.join(u.group_by("family").agg(fit_mape=pl.col("rel").median(),
                                                fit_p90_ape=pl.col("rel").quantile(0.9, "nearest")),
                        on="family", how="left").sort("family")
@@ -367,26 +385,54 @@ def _structure(c: pl.DataFrame, segments: pl.DataFrame) -> pl.DataFrame:
         & (pl.col("model") == pl.col("_pm")) & (pl.col("segment") == pl.col("_ps"))
         & (gap.fill_null(0.0) <= pl.col("_pttl")),
         _miss=pl.col("recorded_cache_read_tokens") < pl.col("_pc"))
-    rec = rec.join(act.select("thread_key", "call", "_cand", "_miss"), on=["thread_key", "call"], how="left").with_columns(
-        _cand=pl.col("_cand").fill_null(False))
+    # a miss that still read past the first thinking message of the turn before kept that thinking
+    # (a strip changes the prefix from there on): the prefix changed later, for another reason
+    ends = act.select("thread_key", strip_from_call="call",
+                      _from_end=pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens"))
+    act = act.join(ends, on=["thread_key", "strip_from_call"], how="left").with_columns(
+        _past=(pl.col("recorded_cache_read_tokens") > pl.col("_from_end")).fill_null(False))
+    # a miss that fell back inside the preamble (at most the whole first request of its segment) is
+    # as well a change of the system prompt or the tools: no evidence against a model that keeps
+    # its thinking by default (baeb5d66 call 41: the server says system_changed)
+    prompt = pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens") + pl.col(
+        "recorded_input_tokens").fill_null(0)
+    act = act.with_columns(_inpre=pl.col("recorded_cache_read_tokens") <= pl.min_horizontal(
+        "preamble_tokens", prompt.sort_by("call").first().over("thread_key", "segment")))
+    act = act.with_columns(_kept=pl.col("_cand") & (~pl.col("_miss") | pl.col("_past")),
+                           _smiss=pl.col("_cand") & pl.col("_miss") & ~pl.col("_past"))
+    act = act.with_columns(_smiss_msg=pl.col("_smiss") & ~pl.col("_inpre").fill_null(False))
+    rec = rec.join(act.select("thread_key", "call", "_cand", "_kept", "_smiss", "_smiss_msg"),
+                   on=["thread_key", "call"], how="left").with_columns(_cand=pl.col("_cand").fill_null(False))
     first = rec.group_by("thread_key").agg(
-        r0=pl.col("recorded_cache_read_tokens").first(), p0=pl.col("preamble_tokens").first(),
+        r0=pl.col("recorded_cache_read_tokens").sort_by("call").first(),
+        p0=pl.col("preamble_tokens").sort_by("call").first(),
         tail_tokens=pl.col("recorded_input_tokens").median().round(0).cast(pl.Int64),
         uses_cache=((pl.col("recorded_cache_read_tokens") + pl.col("recorded_cache_write_tokens")) > 0).any(),
         strip_candidates=pl.col("_cand").sum().cast(pl.Int32),
-        strip_misses=(pl.col("_cand") & pl.col("_miss").fill_null(False)).sum().cast(pl.Int32),
+        strip_kept=pl.col("_kept").fill_null(False).sum().cast(pl.Int32),
+        strip_misses=pl.col("_smiss").fill_null(False).sum().cast(pl.Int32),
+        _smiss_msg=pl.col("_smiss_msg").fill_null(False).sum().cast(pl.Int32),
+        _model=pl.col("model").drop_nulls().mode().sort().first(),
     )
-    # a thread whose new user turns after thinking never lost the cache runs with a model or an
-    # agent that keeps the thinking (Opus 4.5+ by default, or a side request re-warming it): no strip
-    first = first.with_columns(strips_thinking=pl.when(pl.col("strip_candidates") > 0)
-                               .then(2 * pl.col("strip_misses") >= pl.col("strip_candidates")).otherwise(None))
+    # whether a new user turn after thinking strips it: a model that keeps earlier thinking by
+    # default (providers.keeps_thinking: Opus 4.5+, Sonnet 4.6+, ...) strips only in a thread where
+    # no new turn ever kept it and some lost it (an agent that drops thinking itself); another model
+    # (Sonnet 4.5, Haiku 4.5, ...) strips unless most of the thread's new turns kept it; a thread
+    # without such a turn takes its model's default
+    models = first.get_column("_model").drop_nulls().unique().to_list()
+    keeps = pl.col("_model").replace_strict({m: keeps_thinking(m) for m in models}, default=False,
+                                            return_dtype=pl.Boolean)
+    first = first.with_columns(strips_thinking=pl.when(pl.col("strip_candidates") == 0).then(~keeps)
+                               .when(keeps).then((pl.col("strip_kept") == 0) & (pl.col("_smiss_msg") > 0))
+                               .otherwise(2 * pl.col("strip_misses") >= pl.col("strip_candidates"))).drop(
+        "_model", "_smiss_msg")
     first = first.with_columns(shared_tokens=pl.when((pl.col("r0") > 0) & (pl.col("r0") <= pl.col("p0")))
                                .then(pl.col("r0")).otherwise(0).cast(pl.Int64)).drop("r0", "p0")
     all_threads = c.select("thread_key").unique()
     return all_threads.join(first, on="thread_key", how="left").with_columns(
         shared_tokens=pl.col("shared_tokens").fill_null(0), tail_tokens=pl.col("tail_tokens").fill_null(0),
         uses_cache=pl.col("uses_cache").fill_null(True), strip_candidates=pl.col("strip_candidates").fill_null(0),
-        strip_misses=pl.col("strip_misses").fill_null(0))
+        strip_kept=pl.col("strip_kept").fill_null(0), strip_misses=pl.col("strip_misses").fill_null(0))
 
 
 def _system_tokens(threads: pl.DataFrame, c: pl.DataFrame, segments: pl.DataFrame, prior_gap: float | None = None,

@@ -45,3 +45,22 @@ def min_cacheable_tokens(model: str | None, provider: str | None) -> int:
                 return n
         return 4096
     return OPENAI_MIN_TOKENS
+
+
+# Anthropic models that keep every earlier thinking block in context by default, so that a new user
+# turn after a turn with thinking changes no prefix (Anthropic's extended-thinking page, "differences
+# in thinking across model versions": Opus 4.5 and later Opus models and Sonnet 4.6 and later Sonnet
+# models keep all prior thinking blocks, as does Mythos; Sonnet 4.5 and earlier, Opus 4.1 and
+# earlier and every Haiku through 4.5 keep only the last turn's; from the 5 generation on thinking
+# is preserved and bound to its prefix, "preserved thinking"). Across the corpora, the recorded new
+# turns after thinking of these models keep the cache (Opus 4.5 - 4.8, Sonnet 4.6).
+_KEEPS_THINKING = re.compile(
+    r"claude-(?:opus-4[-.][5-9](?!\d)|sonnet-4[-.][6-9](?!\d)|(?:opus|sonnet|haiku|fable|mythos)-(?:[5-9]|1\d)(?!\d)"
+    r"|mythos)")
+
+
+def keeps_thinking(model: str | None) -> bool:
+    """Whether an Anthropic model keeps earlier turns' thinking blocks in context by default (a new
+    user turn strips nothing): Opus 4.5+, Sonnet 4.6+, Mythos, and every model of the 5 generation
+    and later. Others (Claude 3, Sonnet 4 / 4.5, Opus 4 / 4.1, Haiku through 4.5) strip them."""
+    return bool(_KEEPS_THINKING.search((model or "").lower()))

@@ -39,12 +39,12 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.errors import CompareError
+from ctxreplay.pipeline.cost.estimate import EST_COLUMNS, session_q, sim_cost, sim_write, with_estimate
 
 TTLS = ("recorded", "5m", "1h")
 METRICS = ("calls", "prompt_tokens", "cache_read_tokens", "cache_write_tokens", "input_tokens", "output_tokens",
            "cost_usd", "cache_hit_rate", "breaks", "summary_requests", "summary_cost_usd", "sim_cache_read_tokens",
            "sim_cache_write_tokens", "sim_input_tokens", "sim_cost_usd", "sim_cache_hit_rate")
-EST_COLUMNS = ("est_cost_usd", "est_cache_read_tokens", "est_cache_write_tokens", "est_input_tokens")
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,7 @@ class Compared:
         """Per session: the interval's half-width q (pipeline/cost/intervals.py), from the other
         compared sessions' identity residuals, else the default."""
         if self._q is None:
-            from ctxreplay.pipeline.cost import intervals
-
-            c = self.calls[0].filter(~pl.col("is_pending") & pl.col("est_cost_usd").is_not_null())
-            g = c.group_by("session_id").agg(rec=pl.col("recorded_cost_usd").sum(), ident=pl.col("_sim_id_cost").sum())
-            res = {r["session_id"]: intervals.residual(r["rec"], r["ident"]) for r in g.to_dicts()}
-            self._q = intervals.loo_q({k: v for k, v in res.items() if v is not None})
+            self._q = session_q(self.calls[0])
         return self._q
 
     def _table(self, by: list[str]) -> pl.DataFrame:
@@ -180,48 +175,9 @@ class Compared:
         }
 
 
-def _sim_write() -> pl.Expr:
-    return pl.col("sim_cache_write_5m_tokens").fill_null(0) + pl.col("sim_cache_write_1h_tokens").fill_null(0)
-
-
-def _sim_cost() -> pl.Expr:
-    # a simulated compaction's summarisation request is part of what the pipeline costs
-    return pl.col("sim_cost_usd") + pl.col("sim_summary_cost_usd").fill_null(0)
-
-
 def is_identity(ch: Choice) -> bool:
     """The choice replays the sessions as recorded: no stage, the recorded TTLs."""
     return ch.ttl == "recorded" and not ch.spec.stages and ch.spec.target is None
-
-
-def with_estimate(calls: pl.DataFrame, anchor: pl.DataFrame | None) -> pl.DataFrame:
-    """calls + the anchored estimate per call (EST_COLUMNS): recorded + (this simulation − the
-    identity simulation `anchor` of the same call); null for a call without recorded usage (no
-    estimate: `no_usage`) or without both simulations. Without an anchor the calls are taken as
-    the identity run's own (their estimate is the recorded usage)."""
-    from ctxreplay.pipeline.cost.breaks import has_usage
-    from ctxreplay.pipeline.cost.calibrate import recorded_write
-
-    if "sim_summary_cost_usd" not in calls.columns:      # a run made before auto_compact existed
-        calls = calls.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64),
-                                   sim_summary_input_tokens=pl.lit(None, pl.Int64))
-    a = anchor if anchor is not None else calls
-    if "sim_summary_cost_usd" not in a.columns:
-        a = a.with_columns(sim_summary_cost_usd=pl.lit(None, pl.Float64))
-    a = a.filter(~pl.col("is_pending")).select(
-        "thread_key", "call", _sim_id_cost=_sim_cost(), _sim_id_read=pl.col("sim_cache_read_tokens"),
-        _sim_id_write=_sim_write(), _sim_id_input=pl.col("sim_input_tokens"))
-    c = calls.drop([x for x in (*EST_COLUMNS, *a.columns[2:]) if x in calls.columns]).join(
-        a, on=["thread_key", "call"], how="left")
-    ok = has_usage() & pl.col("sim_input_tokens").is_not_null() & pl.col("_sim_id_input").is_not_null()
-    return c.with_columns(
-        est_cost_usd=pl.when(ok).then(pl.col("recorded_cost_usd") + _sim_cost() - pl.col("_sim_id_cost")),
-        est_cache_read_tokens=pl.when(ok).then(pl.col("recorded_cache_read_tokens").fill_null(0)
-                                               + pl.col("sim_cache_read_tokens") - pl.col("_sim_id_read")),
-        est_cache_write_tokens=pl.when(ok).then(recorded_write().fill_null(0) + _sim_write() - pl.col("_sim_id_write")),
-        est_input_tokens=pl.when(ok).then(pl.col("recorded_input_tokens").fill_null(0) + pl.col("sim_input_tokens")
-                                          - pl.col("_sim_id_input")),
-    )
 
 
 def _metrics(calls: pl.DataFrame, by: list[str]) -> pl.DataFrame:
@@ -238,16 +194,16 @@ def _metrics(calls: pl.DataFrame, by: list[str]) -> pl.DataFrame:
         "output_tokens": pl.col("recorded_output_tokens").sum(),
         "cost_usd": pl.col("est_cost_usd").sum(),
         "sim_cache_read_tokens": pl.col("sim_cache_read_tokens").sum(),
-        "sim_cache_write_tokens": _sim_write().sum(),
+        "sim_cache_write_tokens": sim_write().sum(),
         "sim_input_tokens": pl.col("sim_input_tokens").sum(),
-        "sim_cost_usd": _sim_cost().sum(),
+        "sim_cost_usd": sim_cost().sum(),
         "breaks": pl.col("sim_break_cause").is_not_null().sum(),
         "summary_requests": pl.col("sim_summary_input_tokens").is_not_null().sum(),
         "summary_cost_usd": pl.col("sim_summary_cost_usd").sum(),
         "unpriced_calls": (pl.col("sim_cost_usd").is_null() & pl.col("sim_input_tokens").is_not_null()).sum(),
         "no_usage_calls": (pl.col("sim_input_tokens").is_not_null() & ~has_usage()).sum(),
         # the simulated change the estimate adds to the recorded cost (the interval's width scales with it)
-        "_delta": pl.when(est).then(_sim_cost() - pl.col("_sim_id_cost")).sum(),
+        "_delta": pl.when(est).then(sim_cost() - pl.col("_sim_id_cost")).sum(),
     }
     g = c.group_by(by).agg(**aggs) if by else c.select(**aggs)
     est_prompt = pl.col("cache_read_tokens") + pl.col("cache_write_tokens") + pl.col("input_tokens")

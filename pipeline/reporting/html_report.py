@@ -313,15 +313,23 @@ def _by_day_model(calls: pl.DataFrame, cost: str) -> pl.DataFrame:
 
 
 def _session_bars(fig: Any, rows: list[dict[str, Any]], key: str, value: str, *, name: str, colour: str,
-                  order: list[str], extra: str = "") -> None:
-    """One bar per session of `order`'s first TOP_SESSIONS (the dearest)."""
+                  order: list[str], extra: str = "", error: tuple[str, str] | None = None) -> None:
+    """One bar per session of `order`'s first TOP_SESSIONS (the dearest); `error`: the keys of each
+    bar's interval (low, high), drawn as an error bar."""
     by = {r[key]: r for r in rows}
     top = order[:TOP_SESSIONS]
     x = [_short(s) for s in top]
     y = [by[s][value] if s in by else None for s in top]
     text = [s + (f"<br>{extra.format(**by[s])}" if extra and s in by else "") for s in top]
+    kw: dict[str, Any] = {}
+    if error is not None:
+        lo = [by[s].get(error[0]) if s in by else None for s in top]
+        hi = [by[s].get(error[1]) if s in by else None for s in top]
+        kw["error_y"] = {"type": "data", "symmetric": False,
+                         "array": [None if h is None or v is None else h - v for h, v in zip(hi, y, strict=True)],
+                         "arrayminus": [None if lw is None or v is None else v - lw for lw, v in zip(lo, y, strict=True)]}
     fig.add_bar(x=x, y=y, name=name, text=text, textposition="none", marker_color=colour,
-                hovertemplate="%{text}<br>%{y:$,.4f}<extra>" + html.escape(name) + "</extra>")
+                hovertemplate="%{text}<br>%{y:$,.4f}<extra>" + html.escape(name) + "</extra>", **kw)
 
 
 def _more(what: str, order: list[str], rows: list[dict[str, Any]], key: str, value: str, of: str = "") -> str:
@@ -346,12 +354,13 @@ _SIM_COLOURS = {"prompt": PALETTE[0], "read": PALETTE[1], "write": PALETTE[2], "
 
 
 def _session_traces(calls: pl.DataFrame, sessions: list[str], page: Page, title: str,
-                    series: list[tuple[str, pl.DataFrame]] | None = None) -> None:
+                    series: list[tuple[str, pl.DataFrame]] | None = None, *, estimate: bool = False) -> None:
     """Prompt size and cache read / write along each session (its main thread and subagents one
     after the other, in time order), breaks marked with their cause on hover; a menu (top left,
     clear of plotly's toolbar at the top right) picks the session. `series`: several pipelines'
     calls instead of one, a colour per pipeline (prompt solid, cache read dashed, writes as bars,
-    breaks as crosses), grouped in the legend by pipeline."""
+    breaks as crosses), grouped in the legend by pipeline. `estimate`: the cache read and write drawn
+    are the anchored estimate's (`est_cache_*`), not the raw simulation's."""
     go = _go()
     fig = go.Figure()
     vis: list[list[bool]] = []
@@ -384,15 +393,18 @@ def _session_traces(calls: pl.DataFrame, sessions: list[str], page: Page, title:
                 look = {"prompt": {"color": _SIM_COLOURS["prompt"]}, "read": {"color": _SIM_COLOURS["read"]},
                         "write": _SIM_COLOURS["write"], "break": _SIM_COLOURS["break"]}
                 grp = {}
-                names = {"prompt": "prompt", "read": "cache read (sim)", "write": "cache write (sim)",
+                what = "estimate" if estimate else "sim"
+                names = {"prompt": "prompt", "read": f"cache read ({what})", "write": f"cache write ({what})",
                          "break": "break (sim)"}
             fig.add_scatter(x=x, y=c["calibrated_prompt_tokens"].to_list(), mode="lines", name=names["prompt"],
                             line=look["prompt"], text=hover, visible=si == 0,
                             hovertemplate=f"%{{text}}<br>prompt %{{y:,}}<extra>{html.escape(label)}</extra>", **grp)
-            fig.add_scatter(x=x, y=c["sim_cache_read_tokens"].to_list(), mode="lines", name=names["read"],
+            read = c["est_cache_read_tokens"] if estimate else c["sim_cache_read_tokens"]
+            fig.add_scatter(x=x, y=read.to_list(), mode="lines", name=names["read"],
                             line=look["read"], text=hover, visible=si == 0,
                             hovertemplate=f"%{{text}}<br>read %{{y:,}}<extra>{html.escape(label)}</extra>", **grp)
-            write = (c["sim_cache_write_5m_tokens"].fill_null(0) + c["sim_cache_write_1h_tokens"].fill_null(0)).to_list()
+            write = (c["est_cache_write_tokens"] if estimate else
+                     c["sim_cache_write_5m_tokens"].fill_null(0) + c["sim_cache_write_1h_tokens"].fill_null(0)).to_list()
             fig.add_bar(x=x, y=write, name=names["write"], text=hover, opacity=0.6, textposition="none",
                         marker_color=look["write"], visible=si == 0,
                         hovertemplate=f"%{{text}}<br>write %{{y:,}}<extra>{html.escape(label)}</extra>", **grp)
@@ -531,34 +543,69 @@ def usage_html(doc: dict[str, Any], session_rows: list[dict[str, Any]], requests
 
 
 def sim_html(calls: pl.DataFrame, doc: dict[str, Any], out: str) -> Page:
-    """`ctxreplay report --sim OUT --html`: recorded vs simulated, per session and along each."""
+    """`ctxreplay report --sim OUT --html`: per session and along each, the anchored estimate against
+    the recorded usage (`doc["figures"] == "estimate"`: `calls` carry the est_* columns), else the
+    raw simulation (--raw, or no anchor)."""
     go = _go()
     t = doc["totals"]
+    est = doc.get("figures") == "estimate"
     page = Page(f"ctxreplay report --sim {out}")
-    page.note(f"Pipeline {doc['pipeline']}; prices: {doc['prices']}. {t.get('calls', 0):,} calls; recorded "
-              f"{(t.get('rec_cost') or 0):,.4f} USD, simulated {(t.get('sim_cost') or 0):,.4f} USD; per-call "
-              f"agreement of hit / break {(t.get('agreement') or 0):.1%}.")
+    if est:
+        lo, hi = t.get("est_cost_low"), t.get("est_cost_high")
+        page.note(f"Pipeline {doc['pipeline']}; prices: {doc['prices']}. {t.get('calls', 0):,} calls; recorded "
+                  f"{(t.get('rec_cost') or 0):,.4f} USD, estimated {(t.get('est_cost') or 0):,.4f} USD "
+                  f"({doc['interval']['coverage']:.0%} interval {(lo or 0):,.4f}–{(hi or 0):,.4f}): the recorded usage "
+                  f"plus the simulated change from identity (anchor: {doc['anchor']['note']}); the raw simulation "
+                  f"{(t.get('sim_cost') or 0):,.4f} USD (--raw draws it).")
+    else:
+        page.note(f"Pipeline {doc['pipeline']}; prices: {doc['prices']}. {t.get('calls', 0):,} calls; recorded "
+                  f"{(t.get('rec_cost') or 0):,.4f} USD, simulated {(t.get('sim_cost') or 0):,.4f} USD (the raw "
+                  f"simulation: {doc['anchor']['note']}); per-call agreement of hit / break "
+                  f"{(t.get('agreement') or 0):.1%}.")
     sess = sorted(doc["sessions"], key=lambda r: (-(r["rec_cost"] or 0), r["session_id"]))
-    page.h2("Cost per session, recorded vs simulated")
+    what, key = ("estimated", "est_cost") if est else ("simulated", "sim_cost")
+    page.h2(f"Cost per session, recorded vs {what}")
+    if est:
+        iv = f"{doc['interval']['coverage']:.0%} interval"
+        page.table(["Session", "Calls", "Cache read\nrecorded", "estimated", "Cache write\nrecorded", "estimated",
+                    "Cost (USD)\nrecorded", "estimated", iv, "Δ"],
+                   [[Abbr(_short(r["session_id"]), r["session_id"]), r["calls"], r["rec_read"], r["est_read"],
+                     r["rec_write"], r["est_write"], r["rec_cost"], r["est_cost"], _span(r), _pct_text(r["est_cost_diff"])]
+                    for r in sess],
+                   footer=["Total", t.get("calls"), t.get("rec_read"), t.get("est_read"), t.get("rec_write"),
+                           t.get("est_write"), t.get("rec_cost"), t.get("est_cost"), _span(t),
+                           _pct_text(t.get("est_cost_diff"))])
     fig = go.Figure()
     order = [r["session_id"] for r in sess]
-    for i, (name, key) in enumerate((("recorded", "rec_cost"), ("simulated", "sim_cost"))):
-        _session_bars(fig, sess, "session_id", key, name=name, colour=PALETTE[i], order=order)
-    fig.update_layout(barmode="group", title=_more("Cost per session, recorded and simulated", order, sess, "session_id",
+    _session_bars(fig, sess, "session_id", "rec_cost", name="recorded", colour=PALETTE[0], order=order)
+    _session_bars(fig, sess, "session_id", key, name=what, colour=PALETTE[1], order=order,
+                  error=("est_cost_low", "est_cost_high") if est else None)
+    fig.update_layout(barmode="group", title=_more(f"Cost per session, recorded and {what}", order, sess, "session_id",
                                                       "rec_cost", "recorded"),
                       yaxis_title="USD")
     page.figure(fig)
     page.h2("Prompt and cache along a session")
     page.note("Pick the session in the menu. Red crosses: simulated breaks; open circles: recorded breaks (hover "
-              "for the cause, the tokens written again and what it cost).")
+              "for the cause, the tokens written again and what it cost)."
+              + (" The cache read and write are the estimate's: the recorded usage plus the simulated change." if est
+                 else ""))
     c = calls.filter(~pl.col("is_pending"))
     order_n = c.group_by("session_id").agg(n=pl.len()).sort("n", "session_id", descending=[True, False])
-    _session_traces(c, order_n["session_id"].to_list(), page, "Prompt and cache")
+    _session_traces(c, order_n["session_id"].to_list(), page, "Prompt and cache", estimate=est)
     page.h2("Cost over time, by model")
     page.figure(_period_model_figure([("recorded", _by_day_model(c, "recorded_cost_usd")),
-                                      ("simulated", _by_day_model(c, "sim_cost_usd"))],
-                                     "recorded and simulated, days in UTC"))
+                                      (what, _by_day_model(c, "est_cost_usd" if est else "sim_cost_usd"))],
+                                     f"recorded and {what}, days in UTC"))
     return page
+
+
+def _span(r: dict[str, Any]) -> str:
+    lo, hi = r.get("est_cost_low"), r.get("est_cost_high")
+    return "–" if lo is None or hi is None else f"{lo:,.4f}–{hi:,.4f}"
+
+
+def _pct_text(v: float | None) -> str:
+    return "–" if v is None else f"{v:+.1%}"
 
 
 def compare_html(res: Any) -> Page:
