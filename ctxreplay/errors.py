@@ -36,10 +36,8 @@ Hierarchy (this module is part of the stable plug-in API; the names do not chang
     └── RayEngineError              Ray is missing, unreachable, or failed during the run
 
 Internal control-flow exceptions that never reach a user stay private where they are raised and
-caught, and are not part of this hierarchy: `NeedsReference`
-(ctxreplay.pipeline.loaders.cc_columnar: the columnar reader hands a file to the reference
-loader), `WorkerBug` (ctxreplay.pipeline.batch.rayengine: a worker's bug carried back as a
-traceback), `_Remote` (ctxreplay.pipeline.staging.isolation: a stand-in that carries a plug-in's
+caught, and are not part of this hierarchy: `WorkerBug` (ctxreplay.pipeline.batch.rayengine: a
+worker's bug carried back as a traceback), `_Remote` (ctxreplay.pipeline.staging.isolation: a stand-in that carries a plug-in's
 traceback text out of its process into a file), `NotToml` (ctxreplay.pipeline.staging.spec_init: a
 value with no TOML form, shown as its repr instead) and `NotARegularFile` (ctxreplay.pipeline.loaders.inputs:
 an OSError for a listed input that turned out a FIFO, a device or a directory; the run lists the file

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.sessiongen import BLOCKS_SESSION, many_blocks_lines
-from ctxreplay.pipeline.loaders import cc_columnar
+from ctxreplay.pipeline.loaders import base, claude_code
 from ctxreplay.pipeline.loaders.load import load_paths
 from ctxreplay.schemas.blocks import BLOCKS
 from ctxreplay.schemas.check import filter_rows, shared_strings, take_rows, to_arrow, view_dictionary
@@ -50,18 +50,24 @@ def _held(col: pa.Array | pa.ChunkedArray) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("engine", ["reference", "columnar", "columnar-careful"])
-def test_a_line_is_held_once_whatever_its_blocks(tmp_path: Path, engine: str,
+@pytest.mark.parametrize("way", ["fits", "coerced", "careful"])
+def test_a_line_is_held_once_whatever_its_blocks(tmp_path: Path, way: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """`columnar-careful`: the long line is read the careful way (over MAX_FAST_LINE) beside a fast
-    line, so the raw lines come from two sources; gathered from both as they were, the long line was
-    copied once per block (N copies)."""
+    """Every way the Claude Code loader makes its table shares a line's bytes between its block rows:
+    gathered from the entries' columns; made as values (a value that does not fit its column, here a
+    number where a text is read, sends the load that way); and `careful`: the long line read the
+    careful way (`read_line`) beside lines read the plain way, so the raw lines come from two
+    sources (gathered from both as they were, the columnar loader copied the long line once per
+    block)."""
     f = _write(tmp_path / "in", N)
-    if engine.startswith("columnar"):  # a small batch goes to the reference loader: take the columnar path anyway
-        monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
-    if engine == "columnar-careful":
-        monkeypatch.setattr(cc_columnar, "MAX_FAST_LINE", 1000)
-    res = load_paths([tmp_path / "in"], engine=engine.removesuffix("-careful"))
+    if way == "coerced":
+        f.write_text(f.read_text().replace('"text": "x"', '"text": 1', 1))
+    if way == "careful":
+        plain = claude_code.plain_object
+        monkeypatch.setattr(claude_code, "plain_object",
+                            lambda data, view, s, e, first: base.NOT_PLAIN if e - s > 1000 else plain(data, view, s, e, first))
+    res = load_paths([tmp_path / "in"])
+    assert bool(res.stats.get("fields_coerced")) is (way == "coerced")
     lines = f.read_text().splitlines()
     size = f.stat().st_size
     raw = res.blocks.column("raw_line")
@@ -151,3 +157,21 @@ def test_a_whole_run_grows_linearly_with_the_blocks_of_one_message(tmp_path: Pat
     boundaries)."""
     small, big = _peak_kib(tmp_path, 500), _peak_kib(tmp_path, 4000)
     assert big - small < 200 * 1024, f"peak {small / 1024:.0f} MiB at 500 blocks, {big / 1024:.0f} MiB at 4,000"
+
+
+def test_the_table_keeps_the_message_lines_not_the_file(tmp_path: Path) -> None:
+    """raw_line views point into the file's bytes only where its message lines are most of them:
+    beside a large line that is no message (1 MB of progress), the table holds the messages' lines
+    (a few hundred bytes), not the file."""
+    f = _write(tmp_path / "in", 3)
+    lines = f.read_text().splitlines()
+    big = json.dumps({"type": "progress", "uuid": "p1", "parentUuid": None, "sessionId": BLOCKS_SESSION,
+                      "data": {"type": "hook_progress", "output": "z" * 1_000_000}})
+    f.write_text("\n".join([big, *lines]) + "\n")
+    res = load_paths([tmp_path / "in"])
+    raw = res.blocks.column("raw_line")
+    assert sorted(set(raw.to_pylist())) == sorted(lines)
+    assert _held(raw) < 4 * sum(len(x) for x in lines) + 16 * res.blocks.num_rows
+    f.write_text("\n".join([*lines, json.dumps({"type": "summary", "summary": "s"})]) + "\n")  # mostly messages
+    res = load_paths([tmp_path / "in"])
+    assert _held(res.blocks.column("raw_line")) <= f.stat().st_size + 16 * res.blocks.num_rows

@@ -20,10 +20,10 @@ from ctxreplay.errors import InputError
 from ctxreplay.pipeline.batch.runner import RunOptions, run
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
 from ctxreplay.pipeline.engine.engine import Engine
-from ctxreplay.pipeline.loaders import cc_columnar, load_paths
+from ctxreplay.pipeline.loaders import load_paths
 from ctxreplay.pipeline.staging.spec import load_spec
 from tests.cckit import CCSession
-from tests.test_loader_columnar import assert_same_load
+from tests.test_loader_paths import all_ways
 
 ROOT = Path(__file__).resolve().parent.parent
 SID = "d1c3a5e7-2b4d-4f60-9a8b-7c6d5e4f3a2b"
@@ -176,17 +176,14 @@ def _prefix(s: Session, tmp: Path, upto: int) -> Path:
 def test_the_loaders_keep_an_open_sidechain_only_when_asked_and_agree(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """load_paths(open_sidechains=True) (the engine's) keeps the sidechain awaiting its first
-    answer as a thread of no call; a batch load (the default) leaves it out, as before; the
-    columnar loader and the reference one agree either way."""
+    answer as a thread of no call; a batch load (the default) leaves it out, as before; the lines
+    read the careful way and the table made as values give the same either way."""
     s = session()
     root = s.entries.index(next(e for e in s.entries if e["uuid"] == s.roots[1]))
     path = _prefix(s, tmp_path, root + 1)
-    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
     tid = f"sidechain-{s.roots[1][:8]}"
     for open_ in (False, True):
-        ref = load_paths([path], engine="reference", open_sidechains=open_)
-        new = load_paths([path], open_sidechains=open_)
-        assert_same_load(ref, new, f"open_sidechains={open_}")
+        new = all_ways([path], monkeypatch, f"open_sidechains={open_}", open_sidechains=open_)
         b = pl.from_arrow(new.blocks)
         assert isinstance(b, pl.DataFrame)
         mine = b.filter(pl.col("thread_id") == tid)

@@ -1,7 +1,8 @@
 """Bounded memory per line (issue 23, item 6): a line longer than --max-line-bytes (default 64 MiB) is
 never read whole but quarantined as `line_too_long` with its file, line number, length and first
-1024 bytes; a .json document (read whole) is limited as one line; both Claude Code loaders (the
-reference one for small batches, the columnar one for big ones) accept exactly the same inputs."""
+1024 bytes; a .json document (read whole) is limited as one line; the Claude Code loader gives the
+same whichever way it reads a line and makes its table (tests/test_loader_paths.py), and a run the
+same in one batch and in many."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from bench.make_hostile_inputs import MUTATIONS, Line, cc_entry, dump, mutate, render, seed_files
 from ctxreplay.pipeline.commands.cli import main
 from ctxreplay.pipeline.commands.clicommon import ByteSize
-from ctxreplay.pipeline.loaders import cc_columnar, load_paths
+from ctxreplay.pipeline.loaders import load_paths
 from ctxreplay.pipeline.loaders.inputs import (
     DEFAULT_MAX_LINE_BYTES,
     LONG_LINE_PREFIX,
@@ -34,7 +35,7 @@ from ctxreplay.pipeline.loaders.inputs import (
     read_lines,
 )
 from tests.strategies import examples
-from tests.test_loader_columnar import assert_same_load
+from tests.test_loader_paths import all_ways
 
 SID = "e6000000-0000-4000-8000-000000000001"
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,11 +70,8 @@ def _session(d: Path, n: int, sid: str = SID) -> Path:
 
 
 def _both(paths: list[Path], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """load_paths with the columnar loader (a big batch) and the reference one (a small batch): the same."""
-    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
-    new = load_paths(paths)
-    assert_same_load(load_paths(paths, engine="reference"), new, str(paths))
-    return new
+    """load_paths, and the same with every line read the careful way and the table made as values."""
+    return all_ways(paths, monkeypatch, str(paths))
 
 
 # ---------------------------------------------------------------- the limit, both sides
@@ -262,14 +260,13 @@ CC_SEEDS = [s for s in seed_files() if s.fmt == "claude_code"]
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[
     HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(st.randoms(use_true_random=False), st.integers(100, 4000))
-def test_mutated_files_under_a_line_limit_load_the_same_in_both_loaders(
+def test_mutated_files_under_a_line_limit_load_the_same_every_way(
         tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, rng: random.Random,
         limit: int) -> None:
     """The hostile mutations of the fixture sessions, under a limit that sends some of their lines over
-    it (in any position: a message, its answer, a line cut short): both loaders agree, line for line;
-    the columnar one also with lines too long for its fast path kept out of its line arrays."""
+    it (in any position: a message, its answer, a line cut short): the plain and the careful way, the
+    gathered table and the one made as values agree, line for line."""
     d = tmp_path_factory.mktemp("lim")
-    monkeypatch.setattr(cc_columnar, "MAX_FAST_LINE", rng.choice([150, 600, 2000, 8 << 20]))
     names = sorted(MUTATIONS)
     for k in range(rng.randint(1, 3)):
         seed = rng.choice(CC_SEEDS)
@@ -286,15 +283,15 @@ def test_mutated_files_under_a_line_limit_load_the_same_in_both_loaders(
                 assert q.line_bytes is not None and q.line_bytes > limit and len(q.raw.encode()) <= LONG_LINE_PREFIX
 
 
-def test_the_hostile_set_with_a_line_limit_is_the_same_in_small_and_big_batches(
+def test_the_hostile_set_with_a_line_limit_is_the_same_in_one_batch_and_in_many(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bench.make_hostile_inputs import write_hostile_inputs
 
     write_hostile_inputs(tmp_path / "h", huge_mb=0.3)  # its huge line (0.3 MB) and a sparse file of zeros
 
-    def run(out: Path) -> tuple[Any, ...]:
+    def run(out: Path, *extra: str) -> tuple[Any, ...]:
         r = CliRunner().invoke(main, ["run", str(tmp_path / "h"), "--out", str(out), "--json", "--fast-tokens", "-q",
-                                      "--jobs", "1", "--max-line-bytes", "64K"])
+                                      "--jobs", "1", "--max-line-bytes", "64K", *extra])
         assert r.exit_code == 0, r.output
         s = json.loads(r.stdout)
         q = pl.read_parquet(out / "quarantine.parquet").select("file", "line", "code", "line_bytes").sort("file", "line")
@@ -303,10 +300,8 @@ def test_the_hostile_set_with_a_line_limit_is_the_same_in_small_and_big_batches(
         return ({k: s[k] for k in ("files", "lines", "message_lines", "other_lines", "quarantined_lines", "threads",
                                    "calls", "skipped_files", "loader_stats")}, q.rows(), calls.rows())
 
-    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)
-    big = run(tmp_path / "big")
-    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 1 << 60)
-    small = run(tmp_path / "small")
+    big = run(tmp_path / "big", "--batch-bytes", str(1 << 30))
+    small = run(tmp_path / "small", "--batch-bytes", "20000")
     assert big == small
     too_long = {(Path(f).name, n) for f, _, c, n in big[1] if c == "line_too_long"}
     assert ("zeros.jsonl", int(0.3 * 1024 * 1024)) in too_long

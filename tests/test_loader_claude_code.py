@@ -188,15 +188,10 @@ DIAGNOSES = [  # (message.diagnostics as recorded, the reason and missed tokens 
 ]
 
 
-@pytest.mark.parametrize("engine", ["columnar", "reference"])
-def test_the_servers_cache_diagnosis_is_read_with_the_usage(tmp_path: Path, engine: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_servers_cache_diagnosis_is_read_with_the_usage(tmp_path: Path) -> None:
     """Claude Code 2.1.140+ records the API's cache diagnosis on the answer (`message.diagnostics`):
     every type is kept as written (a later one too), with its missed tokens; null, absent or a
     null reason is no diagnosis. A split answer (one line per block) carries it on every line."""
-    from ctxreplay.pipeline.loaders import cc_columnar
-
-    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)  # the columnar engine even for a small file
     entries, parent = [], None
     for i, (diag, _, _) in enumerate(DIAGNOSES):
         entries.append(_u(f"u{i}", parent, "user", f"question {i}"))
@@ -208,7 +203,7 @@ def test_the_servers_cache_diagnosis_is_read_with_the_usage(tmp_path: Path, engi
             entries.append(a)
         parent = f"a{i}-1"
     f = _write(tmp_path / "s1.jsonl", entries)
-    r = load_paths([f], engine=engine)
+    r = load_paths([f])
     df = pl.from_arrow(r.blocks)
     got = (df.filter(pl.col("is_call")).group_by("msg_key")
            .agg(pl.col("cache_miss_reason").unique().alias("reason"), pl.col("cache_missed_tokens").unique().alias("n"),

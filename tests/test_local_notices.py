@@ -7,8 +7,8 @@ is a call. A failed request's notice is left out of every later request (Claude 
 messages before it sends: one `empty` block, display-only, that no target sends, under every
 pipeline); the resume sentinel stays in the history it sends, as any assistant turn. A thread that
 ends on a notice waits to send the request that failed again (its pending request ends with the
-user's message). Both loaders give the same table (tests/test_loader_columnar.py compares them on
-odd shapes of such lines too)."""
+user's message). Odd shapes of such lines are among the loader's frozen cases (tests/loaderkit.py,
+"local notices")."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from ctxreplay.pipeline.batch.runner import RunOptions, run
 from ctxreplay.pipeline.commands.cli import main
 from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
 from ctxreplay.pipeline.engine.engine import Engine
-from ctxreplay.pipeline.loaders import cc_columnar, load_paths
+from ctxreplay.pipeline.loaders import load_paths
 from ctxreplay.pipeline.staging.spec import load_spec
 from tests.cckit import cc_entry
-from tests.test_loader_columnar import assert_same_load
+from tests.test_loader_paths import all_ways
 
 SID = "10ca1000-0000-4000-8000-000000000001"
 MODEL = "claude-sonnet-4-5"
@@ -90,11 +90,9 @@ def _price_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     monkeypatch.setenv("CTXREPLAY_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "price-cache"))
 
 
-def test_both_loaders_make_notices_no_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loader_makes_notices_no_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = _write(tmp_path, entries())
-    monkeypatch.setattr(cc_columnar, "SMALL_BATCH_BYTES", 0)  # the columnar loader, not the reference twice
-    new = load_paths([p])
-    assert_same_load(load_paths([p], engine="reference"), new, "notices")
+    new = all_ways([p], monkeypatch, "notices")  # the careful way and the values' way agree
     b = pl.from_arrow(new.blocks)
     assert isinstance(b, pl.DataFrame)
     rows = {r["entry_id"]: r for r in b.iter_rows(named=True)}
@@ -151,7 +149,7 @@ def test_a_branch_of_only_a_notice_is_no_thread(tmp_path: Path) -> None:
     es = entries()[:6]
     es.append(_notice("nb", "a0", LIMIT, 50, api_error=True))
     es.append(cc_entry(SID, "u9", "a2", "user", "later", 60))
-    r = load_paths([_write(tmp_path, es)], engine="reference")
+    r = load_paths([_write(tmp_path, es)])
     assert r.threads == 1 and r.stats.get("branches_without_calls") == 1
 
 

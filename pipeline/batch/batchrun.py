@@ -142,7 +142,7 @@ def load_batch(groups: list[Group], say: Progress) -> tuple[LoadResult, list[Loa
     crashpoints.phase("load")
     try:
         with gc_paused():
-            # one load for the batch: each load has a fixed cost (the columnar reader's SQL), which
+            # one load for the batch: each load has a fixed cost, which
             # per group made the corpus load 5x slower
             # listed: a file gone or replaced since the run listed it is skipped, not an error
             loaded = load_paths([f for g in groups for f in g.files], listed=True)

@@ -1,4 +1,4 @@
-"""The one way ctxreplay opens DuckDB (the ledger, the columnar loader's in-memory database).
+"""The one way ctxreplay opens DuckDB (the ledger).
 
 Extension autoloading and autoinstalling are off: DuckDB otherwise downloads an extension from the
 network (and writes it under ~/.duckdb/extensions/) when a file or a function asks for one — a

@@ -9,13 +9,13 @@ no stage decides anything about them. This module recognises such a step and giv
 rows the batch loader would have added, so that the request is shaped from the kept replay state
 plus those rows, with no pass:
 
-- `TailScan` reads each spool line once, the way `claude_code.load_session` reads it (`read_line`,
+- `TailScan` reads each spool line once, the way `claude_code.load_sessions` reads it (`read_line`,
   `entry_problem`, `make_node`), keeps the loader's maps of the entries, and builds the main thread
   with the loader's own `build_thread`: a step is live when that thread is the last step's with
   the new message entries appended;
 - `new_rows` turns the appended message entries into block rows with the loader's own code
-  (`thread_messages`, `threads_to_blocks`), at the positions and call numbers the whole file gives
-  them (a full pass that a stage's rule asks for appends them to the rows it keeps: no load);
+  (`Entries`, `thread_messages`, `Entries.blocks`), at the positions and call numbers the whole file
+  gives them (a full pass that a stage's rule asks for appends them to the rows it keeps: no load);
 - each stage says itself whether it decides anything at the new calls: its live rule
   (`@stage(live=LiveRule(start, step))`, ctxreplay.pipeline.stageapi.live) starts from what the
   last full pass left (`start_rules`) and answers each step from what it carried (`step_rules`).
@@ -38,18 +38,13 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.pipeline.core.tokens import TokenCounter, row_tokens
-from ctxreplay.pipeline.loaders.base import (
-    ORDER_STRIDE,
-    FileLoad,
-    Thread,
-    path_str,
-    read_line,
-    threads_to_blocks,
-)
+from ctxreplay.pipeline.loaders.base import ORDER_STRIDE, FileLoad, path_str, read_line
 from ctxreplay.pipeline.loaders.claude_code import (
     FORMAT,
     MESSAGE_TYPES,
+    Entries,
     Node,
+    ThreadPlan,
     build_thread,
     entry_problem,
     make_node,
@@ -68,7 +63,7 @@ FIRST_OBJECTS = 5  # the loaders sniff a file's format and session id from its f
 
 @dataclass
 class TailScan:
-    """The entries of one spool file read so far, kept as `claude_code.load_session` keeps them
+    """The entries of one spool file read so far, kept as `claude_code.load_sessions` keeps them
     (nodes by uuid, assistant entries by message key, results by the tool call they answer, the
     previous entry in the file), so that the main thread can be built with the loader's own
     `build_thread`. `thread` holds the message entries of the main thread at the last step.
@@ -319,7 +314,10 @@ def thread_entries(loaded: pl.DataFrame, session_id: str) -> list[str]:
 def new_rows(nodes: list[Node], facts: ThreadFacts, counter: TokenCounter) -> LiveRows | str:
     """The block rows the loader gives the appended message entries at the end of the main thread
     (or why it cannot be said without a full load)."""
-    msgs, compactions = thread_messages(nodes, set(), [Path(facts.source_file)])
+    entries = Entries()
+    for n in nodes:
+        entries.add(n, n.obj, path_str(Path(facts.source_file)), n.raw.encode("utf-8"))  # type: ignore[arg-type]
+    msgs, compactions = thread_messages(nodes, set())
     if compactions or not msgs:
         return "no message to append"
     if any(m.is_call is False for m in msgs):
@@ -330,7 +328,7 @@ def new_rows(nodes: list[Node], facts: ThreadFacts, counter: TokenCounter) -> Li
     if msgs[0].role != "assistant":
         return "the new entries add to the call already assembled (they do not start with an answer)"
     notes: list[dict[str, Any]] = []
-    table = threads_to_blocks([Thread(facts.session_id, MAIN, FORMAT, facts.source_file, msgs)], notes)
+    table = entries.blocks([ThreadPlan(facts.session_id, MAIN, FORMAT, facts.source_file, msgs)], notes)
     if notes:
         return "a field of a new entry did not fit its column"
     frame = pl.from_arrow(table)

@@ -27,7 +27,6 @@ from ctxreplay.pipeline.loaders.roots import ROOTS_TEXT, default_roots
 
 if TYPE_CHECKING:
     from ctxreplay.pipeline.loaders.load import (
-        ENGINES,
         FILE_LOADERS,
         LoadResult,
         discover,
@@ -35,8 +34,7 @@ if TYPE_CHECKING:
         load_paths,
     )
 
-__all__ = ["ENGINES", "FILE_LOADERS", "ROOTS_TEXT", "LoadResult", "default_roots", "discover", "is_transcript_name",
-           "load_paths"]
+__all__ = ["FILE_LOADERS", "ROOTS_TEXT", "LoadResult", "default_roots", "discover", "is_transcript_name", "load_paths"]
 
 
 def __getattr__(name: str) -> Any:

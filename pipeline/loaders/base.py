@@ -220,24 +220,27 @@ _decoder = json.JSONDecoder(parse_constant=_reject_constant)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def nonblank_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, bytes without the `\\n`) of every physical line that is not blank.
+def nonblank(raw: bytes) -> bool:
+    """Whether a physical line (its bytes) is not blank: blank is nothing but whitespace once
+    decoded (a line holding bytes that are not UTF-8 never is)."""
+    if not raw.strip():
+        return False
+    try:
+        return bool(raw.decode("utf-8").strip())
+    except UnicodeDecodeError:
+        return True
 
-    Blank: nothing but whitespace once decoded (a line holding bytes that are not UTF-8 never is).
-    """
+
+def nonblank_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes without the `\\n`) of every physical line that is not blank."""
     start, n, i = 0, len(data), 1
     while start <= n:
         end = data.find(b"\n", start)
         if end < 0:
             end = n
         raw = data[start:end]
-        if raw.strip():
-            try:
-                blank = not raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                blank = False
-            if not blank:
-                yield i, raw
+        if nonblank(raw):
+            yield i, raw
         start, i = end + 1, i + 1
 
 
@@ -534,12 +537,50 @@ def iter_json_lines(path: Path, load: FileLoad, data: bytes | Lines | None = Non
             yield i, got[0], got[1]
 
 
-def read_line(load: FileLoad, i: int, raw_b: bytes) -> tuple[str, list[Any]] | None:
+_BOM = b"\xef\xbb\xbf"
+
+
+def line_text(raw_b: bytes) -> str:
+    """The text of a line `read_line` read as it is (valid UTF-8, no byte order mark)."""
+    return raw_b.decode("utf-8").rstrip("\r")
+
+
+NOT_PLAIN = object()  # `plain_object`: the line takes `read_line`'s careful way
+
+
+def plain_object(data: bytes, view: memoryview, s: int, e: int, first: bool) -> Any:
+    """The object on the line data[s:e] (`view`: a memoryview of `data`) when the line is plain: one
+    JSON value that orjson reads from its bytes as they are, not nested deeper than MAX_DEPTH, and,
+    on a file's first line (`first`), no byte order mark. Else NOT_PLAIN: the line needs `read_line`'s
+    careful way (bytes that are not UTF-8, a lone surrogate escape, several values, JSON orjson
+    refuses, too deep). What `read_line` reads from a plain line is that object alone, with no note."""
+    if first and data.startswith(_BOM, s, e):
+        return NOT_PLAIN
+    try:
+        o = orjson.loads(view[s:e])
+    except orjson.JSONDecodeError:
+        return NOT_PLAIN
+    # a line cannot nest deeper than its brackets
+    if data.count(b"[", s, e) + data.count(b"{", s, e) <= MAX_DEPTH or not depth_exceeds(o):
+        return o
+    return NOT_PLAIN
+
+
+def read_line(load: FileLoad, i: int, raw_b: bytes, *, text: bool = True,
+              plain: bool = True) -> tuple[str | None, list[Any]] | None:
     """One non-blank physical line (its bytes without the `\\n`) read as `iter_json_lines` reads it:
     (raw line as displayable text, parsed objects), or None when the line is quarantined.
 
     Quarantine rows, notes in `load.recovered` and counters in `load.stats` are recorded exactly as
-    `iter_json_lines` documents; the caller counts the line (`load.lines`) and its digest."""
+    `iter_json_lines` documents; the caller counts the line (`load.lines`) and its digest.
+
+    A plain line (`plain_object`) is parsed once, and with `text=False` its text is not decoded (None
+    in its place: `line_text` gives it); any other line is read the careful way. `plain=False`: the
+    caller found the line not plain already."""
+    if plain:
+        o = plain_object(raw_b, memoryview(raw_b), 0, len(raw_b), i == 1)
+        if o is not NOT_PLAIN:
+            return (line_text(raw_b) if text else None), [o]
     spath = load.path
     text, bad_bytes = decode_line(raw_b)
     if i == 1 and text.startswith("\ufeff"):
@@ -598,6 +639,8 @@ def session_id_from_name(path: Path, *, lowercase_only: bool = False) -> str | N
 def num(v: Any) -> int | None:
     """A JSON number as an int (floats truncated); None for anything else (booleans, strings,
     NaN, infinities, numbers beyond a 64-bit integer)."""
+    if type(v) is int:
+        return v if -(2**63) <= v < 2**63 else None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     if isinstance(v, float) and not math.isfinite(v):
@@ -807,7 +850,13 @@ def threads_to_blocks(threads: list[Thread], notes: list[dict[str, Any]] | None 
                     extra_json=json_text(b.extra) if b.extra else None,
                 )
                 rows.append(r)
-    cols = {f.name: [r.get(f.name) for r in rows] for f in BLOCKS}
+    return blocks_table({f.name: [r.get(f.name) for r in rows] for f in BLOCKS}, notes)
+
+
+def blocks_table(cols: dict[str, list[Any]], notes: list[dict[str, Any]] | None = None) -> pa.Table:
+    """The blocks table of these rows (a list of values per column of BLOCKS, content_sha256 aside,
+    which is computed here), every loader's last step: a value that does not fit its column is made
+    to fit, with a note (`threads_to_blocks`)."""
     try:
         cols["content_sha256"] = _content_shas(cols)
         return _blocks_table(cols)

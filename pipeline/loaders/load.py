@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from ctxreplay.errors import InputError
-from ctxreplay.pipeline.loaders import cc_columnar, claude_code, codex, gemini_cli, openclaw, request
+from ctxreplay.pipeline.loaders import claude_code, codex, gemini_cli, openclaw, request
 from ctxreplay.pipeline.loaders.base import (
     FileLoad,
     QuarantineRow,
@@ -128,44 +128,19 @@ def _first_objects(path: Path, limit: int = 5, scan: int = 200) -> list[Any]:
     return objs
 
 
-# how Claude Code sessions are loaded: "columnar" (pipeline/loaders/cc_columnar.py, the default) or
-# "reference" (claude_code.load_session + threads_to_blocks, row by row in Python). Both give the same
-# blocks table and accounting; the reference is kept as the specification of the columnar path (the
-# tests compare them table for table) and as its fallback for values it does not take.
-ENGINES = ("columnar", "reference")
-
-
-def load_paths(paths: list[Path | str], *, engine: str = "columnar", timings: dict[str, float] | None = None,
-               listed: bool = False, follow_links: bool | None = None, open_sidechains: bool = False) -> LoadResult:
+def load_paths(paths: list[Path | str], *, timings: dict[str, float] | None = None, listed: bool = False,
+               follow_links: bool | None = None, open_sidechains: bool = False) -> LoadResult:
     """Load every transcript under `paths` (files or directories) into one blocks table.
 
-    `engine`: "columnar" (default) or "reference" (see ENGINES). The columnar engine hands the whole
-    call to the reference one when a line it reads the careful way holds a value that does not fit its
-    column (the reference loader then coerces it, with a note), so both always agree, and when the
-    call's Claude Code files are under `cc_columnar.SMALL_BATCH_BYTES` (there it is the faster one).
-    `timings`: when given, seconds per phase of the columnar engine are added to it (benchmarks).
+    `timings`: when given, seconds per phase of the Claude Code loader are added to it (benchmarks).
     `listed`, `follow_links`: as for `discover` (a run's batches are `listed`: a file gone or replaced
     since the run listed it is skipped with the reason, and the run goes on).
     `open_sidechains`: keep a Claude Code inline sidechain that awaits its first answer as a thread
-    of no call (`claude_code.load_session`; the live engine's loads).
+    of no call (`claude_code.load_sessions`; the live engine's loads).
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
-    how = {"listed": listed, "follow_links": follow_links, "open_sidechains": open_sidechains}
-    if engine == "columnar":
-        try:
-            return _load_paths(paths, columnar=True, timings=timings, **how)
-        except cc_columnar.NeedsReference:
-            pass
-    return _load_paths(paths, columnar=False, **how)
-
-
-def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, float] | None = None,
-                listed: bool = False, follow_links: bool | None = None, open_sidechains: bool = False) -> LoadResult:
     files, skipped = discover([Path(p) for p in paths], follow_links=follow_links, listed=listed)
     loads: list[FileLoad] = []
     per_file: list[tuple[FileLoad, list[Thread]]] = []  # files loaded one by one (not Claude Code)
-    cc_threads: list[Any] = []  # Thread (reference) or cc_columnar.ThreadPlan
     stats: Counter[str] = Counter()
     cc_files: list[Path] = []
     cc_first: dict[Path, list[Any]] = {}
@@ -225,44 +200,29 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     # the files are read (a first line of 200 MB stayed parsed through the whole load)
     cc_first.clear()
     first = []
-    columnar_load = None
     by_file: defaultdict[str, Counter[str]] = defaultdict(Counter)
-    if columnar and groups and _batch_bytes(groups) < cc_columnar.SMALL_BATCH_BYTES:
-        columnar = False  # a small batch: the reference loader is faster than the columnar one's fixed cost
-    if columnar and groups:
-        columnar_load = cc_columnar.load_sessions(groups, skipped, timings, open_sidechains=open_sidechains)
-        cc_threads.extend(columnar_load.threads)
-        loads.extend(columnar_load.loads)
-        for group, st in zip(groups, columnar_load.stats, strict=True):
-            stats.update(st)
-            by_file[path_str(group.files[0])].update(st)
-    else:
-        for group in groups:
-            t, lds, st = claude_code.load_session(group, skipped, open_sidechains=open_sidechains)
-            cc_threads.extend(t)
-            loads.extend(lds)
-            stats.update(st)
-            by_file[path_str(group.files[0])].update(st)
+    cc_load = claude_code.load_sessions(groups, skipped, timings, open_sidechains=open_sidechains)
+    cc_threads = cc_load.threads
+    loads.extend(cc_load.loads)
+    for group, st in zip(groups, cc_load.stats, strict=True):
+        stats.update(st)
+        by_file[path_str(group.files[0])].update(st)
     # Gemini CLI copies of a session (a resumed .json beside its .jsonl) are found by message id
     is_gemini = [ld.format in (gemini_cli.FORMAT, gemini_cli.FORMAT_JSON) for ld, _ in per_file]
     other_threads = _dedupe_sessions([p for p, g in zip(per_file, is_gemini, strict=True) if not g]) + \
         gemini_cli.merge_copies([p for p, g in zip(per_file, is_gemini, strict=True) if g])
-    threads = other_threads + cc_threads
+    threads: list[Any] = [*other_threads, *cc_threads]
     _unique_thread_ids(threads, loads)
     for ld in loads:
         stats.update(ld.stats)
         by_file[ld.path].update(ld.stats)
     loads.sort(key=lambda ld: ld.path)
     notes: list[dict[str, Any]] = []
-    if columnar_load is None:
-        blocks = threads_to_blocks(threads, notes) if threads else empty_table(BLOCKS)
-    else:
-        # the other formats' rows first, as in the reference table; the columnar rows all fit their
-        # columns, so a coercion among the others changes none of them
-        parts = [threads_to_blocks(other_threads, notes)] if other_threads else []
-        if cc_threads:
-            parts.append(columnar_load.blocks(cc_threads))
-        blocks = pa.concat_tables(parts) if len(parts) > 1 else parts[0] if parts else empty_table(BLOCKS)
+    # the other formats' rows first, then Claude Code's
+    parts = [threads_to_blocks(other_threads, notes)] if other_threads else []
+    if cc_threads:
+        parts.append(cc_load.blocks(cc_threads, notes))
+    blocks = pa.concat_tables(parts) if len(parts) > 1 else parts[0] if parts else empty_table(BLOCKS)
     if notes:
         by_path = {ld.path: ld for ld in loads}
         seen: set[tuple[Any, ...]] = set()
@@ -276,17 +236,6 @@ def _load_paths(paths: list[Path | str], *, columnar: bool, timings: dict[str, f
     return LoadResult(blocks, loads, skipped, dict(stats), threads=len(threads),
                       stats_by_file={k: dict(v) for k, v in by_file.items()},
                       threads_by_file=dict(Counter(t.source_file for t in threads)))
-
-
-def _batch_bytes(groups: list[claude_code.SessionFiles]) -> int:
-    total = 0
-    for g in groups:
-        for f in g.files:
-            try:
-                total += f.stat().st_size
-            except OSError:
-                pass  # the loader reports it
-    return total
 
 
 def _document_too_big(f: Path) -> FileLoad:
