@@ -267,8 +267,11 @@ def quiet_check(blocks: pl.LazyFrame, params: ResultBudget, ctx: StageContext) -
     parts and versions (a result's first version, and one assistant turn's results, are within
     these). Then no result and no turn's results are over."""
     cap = max(1, min(params.max_result_chars, int(params.max_window_share * ctx.window_tokens * 4)))
-    rows = blocks.filter((pl.col("block_type") == "tool_result") & _has_text()).select(
-        *BLOCK_KEY, _c0=pl.col("first_call").min().over(BLOCK_KEY), _len=pl.col("text").str.len_chars().cast(pl.Int64))
+    # the lengths are taken before the filter: filtering the text column copied every text kept (a
+    # 200 MB tool result twice, issue 23 item 6)
+    rows = blocks.select(*BLOCK_KEY, "first_call", _keep=(pl.col("block_type") == "tool_result") & _has_text(),
+                         _len=pl.col("text").str.len_chars().cast(pl.Int64)).filter("_keep").select(
+        *BLOCK_KEY, _c0=pl.col("first_call").min().over(BLOCK_KEY), _len="_len")
     ok = pl.col("_len").sum().over(BLOCK_KEY) <= cap
     if params.aggregate_max_chars > 0:
         ok = ok & (pl.col("_len").sum().over([*THREAD, "_c0"]) <= params.aggregate_max_chars)

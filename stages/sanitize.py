@@ -277,7 +277,9 @@ def quiet_check(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> pl
     is_result = bt == "tool_result"
     flags = [
         bt.is_null() | bt.str.to_lowercase().is_in([*NULL_BLOCK_TYPES, EMPTY_PLACEHOLDER]),
-        (bt == "text") & (pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")),
+        # blank: no character that is not white space (strip_chars() == "" copied every text, a 200 MB
+        # tool result too; Rust's trim and the regex's \s both mean Unicode White_Space)
+        (bt == "text") & (pl.col("text").is_null() | ~pl.col("text").str.contains(r"\S")),
         ~bt.is_in(sorted(PORTABLE_BLOCK_TYPES)),  # (a type only some targets carry: not quiet, the plan decides)
         pl.col("text").str.contains("ANTHROPIC_MAGIC_STRING_TRIGGER_", literal=True),
         is_result & pl.col("extra_json").is_not_null() & (

@@ -612,13 +612,14 @@ def _dry_run_shrinks(blocks: pl.LazyFrame, tomb: Any, ctx: StageContext) -> pl.L
         return None
     exact = ctx.count_tokens is None or ctx.token_counter_version == CHARS4_COUNTER  # the fast estimate
     placeholder = chars4_tokens(len(CLEARED_TEXT)) if exact else text_tokens([CLEARED_TEXT], ctx)[0]
-    results = blocks.filter(pl.col("block_type") == "tool_result").select(
-        *BLOCK_KEY, "text", "block_type", "part_type", "tool_name", "tool_input", "image_width", "image_height",
-        _len=pl.col("text").str.len_chars().fill_null(0).cast(pl.Int64), _img=is_image_expr().fill_null(False))
+    # each row's tokens are taken before any filter, in one select that keeps no text: filtering the
+    # text column copied every text kept (a 200 MB tool result twice, issue 23 item 6)
+    results = blocks.select(
+        *BLOCK_KEY, _res=pl.col("block_type") == "tool_result",
+        _len=pl.col("text").str.len_chars().fill_null(0).cast(pl.Int64), _img=is_image_expr().fill_null(False),
+        _tok=row_tokens_expr(StageContext() if exact else ctx)).filter("_res")
     may_clear = (pl.col("_len").sum().over(BLOCK_KEY) >= tomb.min_result_chars) | pl.col("_img").any().over(BLOCK_KEY)
-    # only the rows of results it may clear are counted (the fast estimate needs no counter)
-    rows = results.filter(may_clear.fill_null(True)).select(_tok=row_tokens_expr(
-        StageContext() if exact else ctx))
+    rows = results.filter(may_clear.fill_null(True))
     return rows.select(_q=~(pl.col("_tok") < placeholder).fill_null(True).any())
 
 
