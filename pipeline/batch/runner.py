@@ -418,7 +418,8 @@ def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tup
         prices = None
         warnings.append(f"no prices: {exc}")
     facts = totals.frame(totals.facts)
-    prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp")), facts)
+    prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp", "answer_api", "answer_provider", strict=False)),
+                    facts)
     res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices, aliases=totals.aliases)
     return sim_outcome(res, prices, warnings, t0)
 
