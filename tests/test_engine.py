@@ -393,7 +393,9 @@ def test_unknown_session_thread_and_closed_engine_are_clear_errors(tmp_path: Pat
 @pytest.mark.parametrize("sample", ["openclaw-sample.jsonl", "codex-sample.jsonl", "pi-legacy-sample.jsonl"])
 def test_dict_entries_of_other_formats_give_the_batch_requests(tmp_path: Path, sample: str) -> None:
     src = Path(__file__).resolve().parent.parent / "data" / "samples" / sample
-    batch = run([src], SPEC, RunOptions(out_dir=tmp_path / "o", token_counter=CHARS4_COUNTER)).calls
+    # the engine's target (a batch run of the codex sample alone would replay it as openai-responses)
+    batch = run([src], SPEC, RunOptions(out_dir=tmp_path / "o", token_counter=CHARS4_COUNTER,
+                                        target="anthropic")).calls
     entries: list[Any] = []
     for line in src.read_text().splitlines():
         try:

@@ -193,6 +193,9 @@ def test_instructions_developer_and_models(tmp_path: Path) -> None:
         ("system", "Be brief."),
         ("system", "sandbox: read-only"),
     ]
+    # the developer message was an input item: its recorded role stays with it (the base
+    # instructions were the request's `instructions`: no role)
+    assert [(b.extra or {}).get("role") for m in msgs[:2] for b in m.blocks] == [None, "developer"]
     assert [m.is_meta for m in msgs[2:4]] == [True, False]
     assert [m.model for m in msgs if m.role == "assistant"] == ["gpt-a", "gpt-b"]
     assert load.other_lines["session_meta"] == 1  # a meta line feeding the system message is still "other"
@@ -447,3 +450,74 @@ def test_a_request_without_a_recorded_answer_is_a_call_of_its_own_thread(tmp_pat
     assert side.messages[-1].blocks == [] and side.messages[-1].usage == {"input": 200, "cache_read": 1000, "output": 0}
     is_call, _, _ = call_ranges(side)
     assert is_call == [False, False, False, True]      # the first answer is main's call
+
+
+def _developer_mid_session(tmp_path: Path) -> Path:
+    """A rollout whose second turn starts with a developer message (a collaboration-mode switch), as
+    Codex CLI records it: the base instructions in session_meta, developer items in the history."""
+    objs = [
+        meta(base_instructions={"text": "You are Codex."}), turn("gpt-5.4"),
+        item(type="message", role="developer", content=[{"type": "input_text", "text": "sandbox: read-only"}]),
+        user("go " + "word " * 1500), answer("one"), tokens(3000, 0, 10, 3010),
+        item(type="message", role="developer",
+             content=[{"type": "input_text", "text": "<collaboration_mode>plan</collaboration_mode>"}]),
+        user("again"), answer("two"), tokens(3300, 2944, 20, 6330),
+    ]
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write(d, objs)
+    return d
+
+
+@pytest.mark.parametrize("target", [None, "anthropic"])
+def test_developer_messages_are_input_items_where_they_occur(tmp_path: Path, target: str | None) -> None:
+    """Codex CLI sends its base instructions as the Responses request's `instructions` and every
+    developer message as a `developer` input item where it occurs. A run of Codex rollouts replays
+    them in that shape (the native target), so a mid-session developer message is an appended item:
+    the request's prefix holds, and the simulated cache reads it (no preamble break). Replayed for
+    Anthropic (no developer role), the same message is system content: the system prompt changes."""
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
+    from ctxreplay.pipeline.loaders.gemini_cli import native_target
+    from ctxreplay.pipeline.staging.spec import load_spec
+
+    d = _developer_mid_session(tmp_path)
+    assert native_target([d]) == "openai-responses"
+    out = tmp_path / "out"
+    res = run([d], load_spec(preset="identity"), RunOptions(out_dir=out, target=target))
+    assert res.summary["target"] == (target or "openai-responses") and not res.violations
+    (req_file,) = (out / "requests").glob("*.json")
+    req = json.loads(req_file.read_text())
+    calls = res.calls.filter(~pl.col("is_pending")).sort("call")
+    if target is None:
+        assert req["instructions"] == "You are Codex."
+        assert [(x.get("role"), x["content"][0]["text"][:5]) for x in req["input"]] == [
+            ("developer", "sandb"), ("user", "go wo"), ("assistant", "one"), ("developer", "<coll"),
+            ("user", "again"), ("assistant", "two")]
+        assert calls["sim_break_cause"].to_list() == [None, None]
+        assert calls["sim_cache_read_tokens"][1] > 0
+    else:
+        assert [b["text"][:5] for b in req["system"]] == ["You a", "sandb", "<coll"]
+        assert calls["sim_break_cause"].to_list() == [None, "preamble"]
+        assert calls["sim_cache_read_tokens"][1] == 0
+
+
+def test_native_target_of_codex_rollouts(tmp_path: Path) -> None:
+    """Codex rollouts alone replay as openai-responses, whatever the first line's length or spacing;
+    mixed with another agent's transcripts, a run keeps the default target."""
+    from ctxreplay.pipeline.loaders.gemini_cli import native_target
+
+    long_meta = meta(base_instructions={"text": "x" * 100_000})
+    d = tmp_path / "rollouts"
+    d.mkdir()
+    write(d, [long_meta, user("hi")])
+    (d / "compact.jsonl").write_text(orjson_line(meta()) + "\n")
+    assert native_target([d]) == "openai-responses"
+    assert native_target([d, SAMPLES / "openclaw-sample.jsonl"]) is None
+    assert native_target([SAMPLES / "codex-sample.jsonl"]) == "openai-responses"
+    assert native_target([SAMPLES]) is None
+
+
+def orjson_line(o: Any) -> str:
+    import orjson
+
+    return orjson.dumps(o).decode()

@@ -123,10 +123,13 @@ def test_long_texts_are_set_apart_and_every_line_is_short(golden: Path) -> None:
     assert '        {"content":{"$text":"' in pending and '"tool_use_id":"call_A1b2C3d4","type":"tool_result"}' in pending
 
 
-def test_a_one_result_tombstone_changes_at_most_10_lines_of_the_goldens(tmp_path: Path) -> None:
+@pytest.mark.parametrize("target", [None, "anthropic"])
+def test_a_one_result_tombstone_changes_at_most_10_lines_of_the_goldens(tmp_path: Path, target: str | None) -> None:
     """Two snapshots of one session whose policies differ in one tombstoned result (keep_recent 2
     and 1: the codex sample's first result, 7 lines, is cleared at its last call): `git diff` of
-    the goldens touches at most 10 lines, none of them long."""
+    the goldens touches at most 10 lines, none of them long; in the sample's own shape (OpenAI
+    Responses: the result is a function_call_output item) and replayed for Anthropic (a
+    tool_result block)."""
     import difflib
 
     src = SAMPLES / "codex-sample.jsonl"
@@ -134,7 +137,7 @@ def test_a_one_result_tombstone_changes_at_most_10_lines_of_the_goldens(tmp_path
         d = tmp_path / f"keep-{k}"
         d.mkdir()
         (d / "policy.toml").write_text(write_policy(tmp_path, k).read_text())  # one spec name for both
-        snapshot([src], load_spec(d / "policy.toml"), d / "golden", token_counter=CHARS4_COUNTER)
+        snapshot([src], load_spec(d / "policy.toml"), d / "golden", token_counter=CHARS4_COUNTER, target=target)
     a, b = _tree(tmp_path / "keep-2" / "golden"), _tree(tmp_path / "keep-1" / "golden")
     touched = 0  # lines changed, added or removed (a changed line counts once), as difflib pairs them
     shown: list[str] = []
@@ -148,7 +151,9 @@ def test_a_one_result_tombstone_changes_at_most_10_lines_of_the_goldens(tmp_path
     assert touched <= 10, "\n".join(shown)
     assert all(len(x) <= 300 for x in shown), "\n".join(shown)
     # the change itself, on one line of pending.json: the reference to the result's text, cleared
-    cleared = '        {"content":"[Old tool result content cleared]","tool_use_id":"call_A1b2C3d4","type":"tool_result"}'
+    cleared = ('        {"content":"[Old tool result content cleared]","tool_use_id":"call_A1b2C3d4","type":"tool_result"}'
+               if target else
+               '    {"call_id":"call_A1b2C3d4","output":"[Old tool result content cleared]","type":"function_call_output"},')
     assert f"threads/019a7c21-4d2e-7f10-b3a8-5e6f7a8b9c0d/pending.json: +{cleared}" in shown
     print(f"{touched} lines touched:\n" + "\n".join(shown))
 

@@ -50,7 +50,7 @@ import polars as pl
 from ctxreplay.errors import TargetError
 from ctxreplay.pipeline.core.blockops import canonical_json, sort_blocks
 from ctxreplay.pipeline.core.constants import MESSAGE_OVERHEAD_TOKENS, POLARS_ENGINE, REQUEST_OVERHEAD_TOKENS
-from ctxreplay.pipeline.targets import ASSISTANT_ROLES, LogicalMessage, Target, Wire, wire_role
+from ctxreplay.pipeline.targets import ASSISTANT_ROLES, LogicalMessage, Target, Wire, in_envelope, wire_role
 from ctxreplay.pipeline.targets.wire import label, split
 
 CHUNK = 64  # a sha256 state is kept every CHUNK wire messages
@@ -638,7 +638,7 @@ def replay_thread(
         added = sorted(add_at.get(k, ()))
         removed = rem_at.get(k, [])
         if split_system:
-            added, removed, new_system = split_system_rows(rows, system_rows, added, removed)
+            added, removed, new_system = split_system_rows(rows, system_rows, added, removed, target)
             if new_system is not None:
                 system_rows = new_system
                 sys_version += 1
@@ -763,14 +763,16 @@ class _PoolGuard:
 
 
 def split_system_rows(rows: list[dict[str, Any]], system_rows: list[int], added: list[int], removed: list[int],
-                      ) -> tuple[list[int], list[int], list[int] | None]:
+                      target: Target) -> tuple[list[int], list[int], list[int] | None]:
     """For a target that sends system rows apart (its envelope): (the added and removed rows that
-    are not system rows, the new system rows or None when they did not change)."""
-    sys_added = [i for i in added if rows[i]["role"] == "system"]
-    sys_removed = {i for i in removed if rows[i]["role"] == "system"}
+    do not go to the envelope, the new envelope rows or None when they did not change). A system
+    row the target keeps in its list (`in_envelope`: a Responses developer input item) stays there."""
+    sys_added = [i for i in added if in_envelope(target, rows[i])]
+    sys_removed = {i for i in removed if in_envelope(target, rows[i])}
     if not sys_added and not sys_removed:
         return added, removed, None
-    return ([i for i in added if rows[i]["role"] != "system"], [i for i in removed if i not in sys_removed],
+    sa = set(sys_added)
+    return ([i for i in added if i not in sa], [i for i in removed if i not in sys_removed],
             sorted([i for i in system_rows if i not in sys_removed] + sys_added))
 
 

@@ -39,7 +39,8 @@ FACTS_FILE = "call_facts.parquet"
 # 3: `fp` is the sha256 of the whole file (2: of its size and first and last 64 KiB only)
 # 4: call_facts gained `strip_from_call` (the calibration's thinking-strip evidence): a run before
 #    it is not reused (its facts could not be appended to a new batch's)
-MANIFEST_VERSION = 4
+# 5: call_facts gained `answer_api`, `answer_provider` (the provider's cache rules): likewise
+MANIFEST_VERSION = 5
 
 
 def stat_file(path: Path) -> dict[str, Any]:

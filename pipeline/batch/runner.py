@@ -58,7 +58,8 @@ from ctxreplay.version import __version__
 class RunOptions:
     out_dir: Path = Path("ctxreplay-out")
     ledger_path: Path | None = None
-    # None: the spec's `[pipeline] target`, else gemini when the inputs are all Gemini CLI sessions, else
+    # None: the spec's `[pipeline] target`, else gemini when the inputs are all Gemini CLI sessions,
+    # openai-responses when they are all Codex rollouts, else
     # anthropic; a different one than the spec's is refused
     target: str | None = None
     all_calls: bool = False
@@ -116,7 +117,8 @@ def run(paths: list[Path], spec: PipelineSpec, opts: RunOptions) -> RunResult:
         from ctxreplay.pipeline.batch.rayengine import preflight
 
         preflight(opts.address)
-    # fail early on an unknown target; without one, Gemini CLI sessions (and only they) replay as gemini
+    # fail early on an unknown target; without one, inputs all of one agent with its own shape replay in it
+    # (Gemini CLI sessions as gemini, Codex rollouts as openai-responses)
     target = get_target(opts.target or spec.target or native_target(paths) or DEFAULT_TARGET)
     spec = spec.for_target(target.name)
     ledger_path = opts.ledger_path or (opts.out_dir / "ledger.duckdb")
@@ -416,7 +418,8 @@ def _simulate(totals: Totals, calls: pl.DataFrame, applied: pl.DataFrame) -> tup
         prices = None
         warnings.append(f"no prices: {exc}")
     facts = totals.frame(totals.facts)
-    prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp")), facts)
+    prep = Prepared(calibrate.fit(calls, facts.drop("answer_timestamp", "answer_api", "answer_provider", strict=False)),
+                    facts)
     res = simulate(calls, totals.sim_store, prep, decisions=applied, prices=prices, aliases=totals.aliases)
     return sim_outcome(res, prices, warnings, t0)
 

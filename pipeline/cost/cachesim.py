@@ -51,6 +51,11 @@ Rules per provider (`Policy` holds the knobs):
   from GPT-5.6 on.
 - **gemini** (implicit caching): automatic from the model's minimum; no hit is guaranteed by
   Google: modelled as a hit whenever the prefix matches a live request (`gemini_ttl_s`); no write fee.
+- **automatic** (another provider's documented prefix cache: MiniMax outside its Anthropic API,
+  Z.ai GLM): like openai from the provider's minimum, without the 128-token steps, no write fee.
+- which rules a call gets: providers.cache_provider of its model and the API and provider its
+  answer recorded (`answer_api`, `answer_provider` of the facts): MiniMax on `anthropic-messages`
+  gets the anthropic rules (explicit breakpoints, writes charged).
 - the cache is per (scope, model): a model switch reads nothing its predecessor wrote. The scope
   is the account or workspace: `all` (every session of the run is one account, the default) or
   `session` (nothing shared between sessions).
@@ -95,6 +100,7 @@ from ctxreplay.pipeline.cost.providers import (  # noqa: F401  (public here too)
     OPENAI_MIN_TOKENS,
     OPENAI_STEP,
     OPENAI_WRITE_FEE,
+    cache_provider,
     min_cacheable_tokens,
     provider_of,
 )
@@ -483,13 +489,29 @@ def prepare(loaded_blocks: pl.DataFrame, calls: pl.DataFrame, count_tokens: Any,
 
 
 def answer_times(blocks: pl.DataFrame) -> pl.DataFrame:
-    """(session_id, thread_id, call, answer_timestamp): the first recorded line of each call's
-    answer, from when its cache writes are readable."""
+    """(session_id, thread_id, call, answer_timestamp, answer_api, answer_provider): the first
+    recorded line of each call's answer, from when its cache writes are readable, and the API and
+    provider the agent recorded for it (OpenClaw: `api`, `provider`; null where not recorded), from
+    which the simulator takes the provider's cache rules (providers.cache_provider)."""
+    def col(name: str) -> pl.Expr:
+        return pl.col(name).drop_nulls().first() if name in blocks.columns else pl.lit(None, pl.String)
+
     return (blocks.filter(pl.col("is_call"))
             .group_by("session_id", "thread_id", "msg_key")
-            .agg(call=(pl.col("first_call").min() - 1).cast(pl.Int32), answer_timestamp=pl.col("timestamp").min())
-            .select("session_id", "thread_id", "call", "answer_timestamp")
+            .agg(call=(pl.col("first_call").min() - 1).cast(pl.Int32), answer_timestamp=pl.col("timestamp").min(),
+                 answer_api=col("api").cast(pl.String), answer_provider=col("provider").cast(pl.String))
+            .select("session_id", "thread_id", "call", "answer_timestamp", "answer_api", "answer_provider")
             .unique(["session_id", "thread_id", "call"], keep="first").sort("session_id", "thread_id", "call"))
+
+
+def _cache_providers(c: pl.DataFrame) -> pl.DataFrame:
+    """`_cprov`: each call's cache rules (providers.cache_provider of its model and its recorded API
+    and provider), looked up once per distinct (model, api, provider)."""
+    keys = c.select(_m=pl.col("model"), _a=pl.col("answer_api"), _p=pl.col("answer_provider")).unique()
+    rules = keys.with_columns(_cprov=pl.Series([cache_provider(m, a, p) for m, a, p in keys.iter_rows()],
+                                               dtype=pl.String))
+    return c.join(rules, left_on=["model", "answer_api", "answer_provider"], right_on=["_m", "_a", "_p"],
+                  how="left", nulls_equal=True)
 
 
 def _ttl_choice(c: pl.DataFrame, policy: Policy) -> pl.DataFrame:
@@ -543,8 +565,13 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     cal = prep.calibration
     c = calibrate.apply(calls.with_row_index("_row"), cal, prep.facts)
     facts = prep.facts if "recorded_turn" in prep.facts.columns else prep.facts.with_columns(recorded_turn=pl.lit(False))
+    for x in ("answer_api", "answer_provider"):   # facts of an older run, or given by for_calls
+        if x not in facts.columns:
+            facts = facts.with_columns(pl.lit(None, pl.String).alias(x))
     c = c.join(facts.select("session_id", "thread_id", "call", "segment", "recorded_strip", "recorded_turn",
-                            "answer_timestamp"), on=["session_id", "thread_id", "call"], how="left")
+                            "answer_timestamp", "answer_api", "answer_provider"),
+               on=["session_id", "thread_id", "call"], how="left")
+    c = _cache_providers(c)
     c = c.join(cal.threads.select("thread_key", "ratio", "shared_tokens", "system_tokens", "tail_tokens",
                                   "uses_cache", "owner_key", "strips_thinking"), on="thread_key", how="left")
     c = _ttl_choice(c, policy)
@@ -562,7 +589,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     cols = _Columns(store, state.gid_map(store, aliases))
     fields = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
             "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking",
-            "_exo", "_exo_read", "_exo_frac"]
+            "_exo", "_exo_read", "_exo_frac", "_cprov"]
     was = gc.isenabled()
     gc.disable()      # the walk allocates many small long-lived objects: no cyclic GC rescans
     try:
@@ -648,7 +675,7 @@ def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: A
     done = ~pl.col("is_pending") & pl.col("sim_cache_read_tokens").is_not_null()
     # what the previous request left cached: Anthropic, its read and writes (up to its last
     # breakpoint); automatic caching (OpenAI, Gemini), its whole prompt
-    cached = pl.when(_provider_expr() == "anthropic").then(
+    cached = pl.when(pl.col("_cprov") == "anthropic").then(
         pl.col("sim_cache_read_tokens") + pl.col("sim_cache_write_5m_tokens") + pl.col("sim_cache_write_1h_tokens")) \
         .otherwise(pl.col("calibrated_prompt_tokens"))
     prev = c.filter(done).sort("thread_key", "call").select(
@@ -657,7 +684,7 @@ def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: A
         _p_t=pl.col("_t").shift(1).over("thread_key"), _p_ttl=pl.col("_ttl").shift(1).over("thread_key"),
         _p_model=pl.col("model").shift(1).over("thread_key"))
     x = c.join(req, on=["thread_key", "call"], how="left").join(prev, on=["thread_key", "call"], how="left")
-    provider = _provider_expr()
+    provider = pl.col("_cprov").fill_null("")
     hist = (pl.col("preamble_tokens").fill_null(0) + pl.col("ratio").fill_null(1.0) * pl.col("_sum_request")).round(0) \
         .cast(pl.Int64)
     ttl_s = pl.when(pl.col("_p_ttl") == "1h").then(pl.lit(TTL_1H_S)).otherwise(pl.lit(TTL_5M_S))
@@ -691,14 +718,6 @@ def _summary_requests(c: pl.DataFrame, decisions: pl.DataFrame | None, prices: A
         x = x.with_columns(sim_summary_cost_usd=pl.when(pl.col("_sum_request").is_not_null())
                            .then(pl.col("sim_summary_cost_usd")))
     return x.drop([k for k in x.columns if k.startswith("_") and k not in c.columns])
-
-
-def _provider_expr() -> pl.Expr:
-    """provider_of, as an expression (anthropic / openai / gemini / empty)."""
-    m = pl.col("model").fill_null("").str.to_lowercase()
-    return pl.when(m.str.contains("claude") | m.str.starts_with("anthropic")).then(pl.lit("anthropic")) \
-        .when(m.str.contains(r"(?:^|/)(?:gpt|o\d|chatgpt|codex)")).then(pl.lit("openai")) \
-        .when(m.str.contains("gemini")).then(pl.lit("gemini")).otherwise(pl.lit(""))
 
 
 def _decisions_by_thread(decisions: pl.DataFrame | None) -> dict[str, list[tuple[int, str]]]:
@@ -829,20 +848,20 @@ def _extend_chain(w: _Walk, v: int, n: int, horizon: int, cols: _Columns) -> Non
 def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Columns, state: CacheState,
                    policy: Policy, decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
     (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment,
-     strips, exo, exo_read, exo_frac) = row
+     strips, exo, exo_read, exo_frac, provider) = row
     model = model or ""
     first_changed, old_id, env_changed = w.advance(k)
-    provider = provider_of(model)
     if provider is None and uses_cache:
         provider = "openai"
     if not uses_cache:
         provider = None
     anthropic = provider == "anthropic"
-    shared = float(shared or 0) if anthropic or provider in ("openai", "gemini") else 0.0
+    shared = float(shared or 0) if provider is not None else 0.0
     ids = w.ids
     n = len(ids)
 
-    strip = anthropic and policy.strip_thinking and strips is not False
+    # the thinking strip is Claude's (an Anthropic-compatible provider documents none)
+    strip = anthropic and policy.strip_thinking and strips is not False and provider_of(model) == "anthropic"
     h, strip_first = _strip_horizon(w, store, cols, strip)
     change = first_changed if first_changed < len(w.nodes) or env_changed else None
     if strip_first is not None and (change is None or strip_first < change):
@@ -872,7 +891,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
               REQUEST_OVERHEAD_TOKENS + (store.tok[w.env] if w.env >= 0 else 0),
               state.cache("all" if policy.scope == "all" else session, model), min_cacheable_tokens(model, provider),
               TTL_SECONDS[ttl_name] if anthropic else (
-                  policy.openai_ttl_s if provider == "openai" else policy.gemini_ttl_s), float(exo_read or 0))
+                  policy.gemini_ttl_s if provider == "gemini" else policy.openai_ttl_s), float(exo_read or 0))
     prompt = c.pos(n - 1)
     tail = float(tail or 0) if anthropic else 0.0
     prev = w.prev
@@ -903,8 +922,8 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
         cached_end = round(write_end)        # what a later request may read of this one
     if provider == "openai" and not OPENAI_WRITE_FEE.search(model.lower()):
         write_i = 0            # writes are free before GPT-5.6: the uncached prefix is plain input
-    if provider == "gemini":
-        write_i = 0
+    if provider in ("gemini", "automatic"):
+        write_i = 0            # implicit / automatic caching: nothing is charged for a write
     input_i = max(prompt_i - read_i - write_i, 0)
     w5 = write_i if (ttl_name == "5m" or not anthropic) else 0
     w1 = write_i - w5

@@ -1,5 +1,7 @@
-"""What the simulator and the break attribution need to know of a provider from a model id: who
-serves it, and the shortest prompt its cache takes (../shared/docs/cost-and-cache.md §2.1)."""
+"""What the simulator and the break attribution need to know of a provider: who serves a call (from
+its model id, and where the agent recorded them, the call's API and provider), how that provider
+caches prompts, and the shortest prompt its cache takes (../shared/docs/cost-and-cache.md §2.1;
+docs/cache-simulation.md "Which cache rules a call gets" lists the sources)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,37 @@ OPENAI_STEP = 128
 OPENAI_WRITE_FEE = re.compile(r"gpt-(?:5\.(?:[6-9]|\d\d)|[6-9])")
 
 
+# Providers of other models whose caching is documented (docs/cache-simulation.md lists the pages):
+# - MiniMax: on its Anthropic-compatible API (`anthropic-messages`) `cache_control` breakpoints
+#   work as Anthropic's ("explicit caching": tools -> system -> messages, a 20-block lookback, 5
+#   minutes refreshed on use), writes charged at 1.25x input, reads 0.1x; on its other APIs a
+#   passive prefix cache, writes not charged; caching from 512 input tokens.
+# - Z.ai / Zhipu GLM: implicit context caching of repeated prefixes on every API (cached tokens in
+#   `usage.prompt_tokens_details.cached_tokens`), cached-input storage free: no write fee; no
+#   minimum documented.
+_MINIMAX = re.compile(r"minimax")
+_ZAI = re.compile(r"(?:^|[/:])(?:zai|z-ai|zhipu|bigmodel)|(?:^|/)glm-")
+MINIMAX_MIN_TOKENS = 512
+ANTHROPIC_API = "anthropic-messages"
+
+
+def cache_provider(model: str | None, api: str | None = None, provider: str | None = None) -> str | None:
+    """The cache rules a call gets: `anthropic` (explicit breakpoints, writes charged: Claude, and
+    MiniMax on its Anthropic-compatible API), `openai`, `gemini`, `automatic` (another provider's
+    documented automatic prefix cache, writes free: MiniMax on its other APIs, Z.ai GLM), or None
+    (unknown: the simulator takes the OpenAI rules where the thread's recorded usage shows
+    caching). `api` and `provider` are what the agent recorded for the call (OpenClaw), if any."""
+    own = provider_of(model)
+    if own is not None:
+        return own
+    m, p = (model or "").lower(), (provider or "").lower()
+    if _MINIMAX.search(m) or _MINIMAX.search(p):
+        return "anthropic" if api == ANTHROPIC_API else "automatic"
+    if _ZAI.search(p) or _ZAI.search(m):
+        return "automatic"
+    return None
+
+
 def provider_of(model: str | None) -> str | None:
     """anthropic / openai / gemini from a model id (None: unknown)."""
     m = (model or "").lower()
@@ -32,8 +65,12 @@ def provider_of(model: str | None) -> str | None:
 
 def min_cacheable_tokens(model: str | None, provider: str | None) -> int:
     """The model's minimum cacheable prompt (Anthropic per model, default 1,024; OpenAI 1,024;
-    Gemini 2,048 for 2.5, else 4,096)."""
+    Gemini 2,048 for 2.5, else 4,096; MiniMax 512; another `automatic` provider 0: none documented)."""
     m = (model or "").lower()
+    if _MINIMAX.search(m):
+        return MINIMAX_MIN_TOKENS
+    if provider == "automatic":
+        return 0       # Z.ai documents no minimum
     if provider == "anthropic":
         for pat, n in _ANTHROPIC_MIN:
             if pat.search(m):

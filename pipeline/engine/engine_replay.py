@@ -136,7 +136,7 @@ class LiveThread:
         target = self.target
         rows = self.rows
         if target.splits_system():
-            added, gone, new_system = split_system_rows(rows, self.system_rows, added, gone)
+            added, gone, new_system = split_system_rows(rows, self.system_rows, added, gone, target)
             if new_system is not None:
                 self.system_rows = new_system
                 self.sys_version += 1

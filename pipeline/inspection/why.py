@@ -27,6 +27,7 @@ import difflib
 import hashlib
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from ctxreplay.pipeline.core.termtext import terminal_text
 from ctxreplay.pipeline.core.words import plural
 from ctxreplay.pipeline.inspection.threads import RunView, ThreadRef, known_stages, thread_kind
 from ctxreplay.pipeline.inspection.threads import stage_rank as _stage_rank
+from ctxreplay.pipeline.targets import in_envelope
 
 KEY = ("entry_id", "block_pos", "part_pos")
 HEAD_LINES, TAIL_LINES, LINE_CHARS = 4, 2, 240
@@ -296,10 +298,10 @@ def _effective_decisions(view: RunView, ref: ThreadRef, k: int, keys: set[tuple[
     return effective
 
 
-def _group_messages(fin_rows: list[dict[str, Any]], split_system: bool) -> tuple[list[dict[str, Any]], list[Any],
-                                                                                  list[int]]:
-    """Messages as the replay groups them: consecutive visible rows of one msg_key, system rows
-    apart when the target carries them in the envelope. Returns (messages, the wire-bound logical
+def _group_messages(fin_rows: list[dict[str, Any]], split_system: Callable[[dict[str, Any]], bool],
+                    ) -> tuple[list[dict[str, Any]], list[Any], list[int]]:
+    """Messages as the replay groups them: consecutive visible rows of one msg_key, the rows the
+    target carries in its envelope (`split_system(row)`) apart. Returns (messages, the wire-bound logical
     messages, the messages[] index of each)."""
     from ctxreplay.pipeline.targets import LogicalMessage
 
@@ -308,7 +310,7 @@ def _group_messages(fin_rows: list[dict[str, Any]], split_system: bool) -> tuple
     log_index: list[int] = []
     last_by_stream: dict[bool, int] = {}
     for r in fin_rows:
-        is_sys = split_system and r["role"] == "system"
+        is_sys = split_system(r)
         prev = last_by_stream.get(is_sys)
         if prev is not None and messages[prev]["msg_key"] == r["msg_key"]:
             messages[prev]["_rows"].append(r)
@@ -350,7 +352,7 @@ def _wire_places(target: Any, request: dict[str, Any], messages: list[dict[str, 
 
 
 def _place_dropped(dropped: list[dict[str, Any]], messages: list[dict[str, Any]], wire_of: dict[int, list[int | str]],
-                   split_system: bool) -> dict[int, list[int | str]]:
+                   split_system: Callable[[dict[str, Any]], bool]) -> dict[int, list[int | str]]:
     """Put dropped blocks in their message when it is still there, else in a message of their own
     where the transcript had it (messages is changed in place; returns the renumbered wire_of)."""
     by_msg = {m["msg_key"]: i for i, m in reversed(list(enumerate(messages)))}
@@ -368,7 +370,7 @@ def _place_dropped(dropped: list[dict[str, Any]], messages: list[dict[str, Any]]
         rows = [{**r, "_dropped": True} for r in rows]
         first = min(rows, key=lambda r: (r["order_key"], r["block_pos"], r["part_pos"]))
         m = {"role": first["role"], "msg_key": mk, "entry_id": first["entry_id"],
-             "system": split_system and first["role"] == "system", "_rows": rows,
+             "system": split_system(first), "_rows": rows,
              "_order": (first["order_key"], first["block_pos"])}
         orders = [x["_order"] for x in messages]
         at = bisect.bisect_right(orders, m["_order"])
@@ -466,7 +468,9 @@ def build(view: RunView, ref: ThreadRef, opts: WhyOptions) -> dict[str, Any]:
     effective = _effective_decisions(view, ref, k, set(fin_by) | set(rec_by), stage_rank)
     c = _Call(opts, fin_by, rec_by, effective, _stage_matcher(opts.stage, known_stages(view)))
 
-    split_system = target.splits_system()
+    def split_system(r: dict[str, Any]) -> bool:
+        return in_envelope(target, r)
+
     messages, logical, log_index = _group_messages(fin_rows, split_system)
     wire_of, wire_checked = _wire_places(target, request, messages, logical, log_index)
     dropped = [r for r in rec_rows if _key(r) not in fin_by]

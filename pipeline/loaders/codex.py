@@ -3,8 +3,10 @@
 Every line is `{timestamp, type, payload}`. `response_item` payloads are the items that were sent
 to and received from the Responses API, in order; everything else is bookkeeping:
 
-- `message` role user → "user"; role developer (and system) → "system": Codex sends developer
-  messages as developer-role input items, i.e. instructions from the harness, not the user;
+- `message` role user → "user"; role developer (and system) → "system" with the recorded role in
+  each block's extra (`{"role": "developer"}`): instructions from the harness, not the user, that
+  Codex sends as developer-role input items where they occur (only the base instructions go to
+  the request's `instructions`), so the Responses target keeps them there;
   role assistant → part of a model response.
 - A model response is a maximal run of consecutive assistant-side items (reasoning, assistant
   message, function_call, custom_tool_call, local_shell_call, web_search_call): ONE assistant
@@ -38,6 +40,8 @@ import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from ctxreplay.pipeline.core.constants import DATA_URL_PATTERN
 from ctxreplay.pipeline.loaders.base import (
@@ -74,6 +78,34 @@ def sniff(first_objects: list[Any], path: Path) -> str | None:
         if isinstance(o, dict) and one_of(o.get("type"), ROLLOUT_TYPES) and isinstance(o.get("payload"), dict):
             return FORMAT
     return None
+
+
+# a rollout's first line as Codex CLI writes it (serde's field order): its timestamp, then its type
+_ROLLOUT_HEAD = re.compile(rb'\s*\{\s*"timestamp"\s*:\s*"[^"]{0,64}"\s*,\s*"type"\s*:\s*"(?:' + b"|".join(
+    t.encode() for t in sorted(ROLLOUT_TYPES)) + rb')"\s*,\s*"payload"\s*:\s*\{')
+
+
+def is_rollout_file(path: Path) -> bool:
+    """Whether a file is a Codex rollout, from its first bytes only: its first line's opening as
+    Codex writes it (a long first line need not be read whole), else a first line of at most
+    64 KiB that the sniffer takes. A FIFO, device or folder is none (never opened)."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(65536)
+    except OSError:
+        return False
+    if _ROLLOUT_HEAD.match(head):
+        return True
+    first = head.lstrip().split(b"\n", 1)[0]
+    if not first.startswith(b"{"):
+        return False
+    try:
+        o = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return False
+    return sniff([o], path) is not None
 
 
 def _image_from_url(url: Any, **kw: Any) -> Block:
@@ -391,6 +423,10 @@ def _item_message(p: Any, eid: str, spath: str, line_no: int, raw: str, ts: Any,
             is_meta = first.lstrip().startswith(_META_PREFIXES)
             return Message(role="user", blocks=blocks, is_meta=is_meta, **base)
         if role in ("developer", "system"):
+            # an input item of the request (Codex sends only its base instructions as
+            # `instructions`): the recorded role keeps it in the Responses input where it was
+            for b in blocks:
+                b.extra = {**(b.extra or {}), "role": role}
             return Message(role="system", blocks=blocks, **base)
         if role == "assistant":
             return Message(role="assistant", blocks=blocks, model=model, provider=provider,

@@ -803,14 +803,19 @@ def is_session_file(path: Path) -> bool | None:
 
 
 def native_target(paths: list[Path]) -> str | None:
-    """`gemini` when the transcripts under `paths` (files, or folders searched for `*.json` and
-    `*.jsonl`) are Gemini CLI sessions and nothing else: a run without --target and without a spec
-    target then replays them in Gemini's own wire shape. Else None: a run has one target for all its
-    files, so mixed inputs keep the default. Reads the first bytes of each file, and stops at the
-    first transcript of another format."""
+    """The one wire shape the transcripts under `paths` (files, or folders searched for `*.json`
+    and `*.jsonl`) were sent in, when they are all of one agent that has its own: `gemini` for
+    Gemini CLI sessions, `openai-responses` for Codex CLI rollouts (Codex sends the Responses API
+    its base instructions as `instructions` and its developer messages as input items, which only
+    that shape keeps where they were). A run without --target and without a spec target then
+    replays them in that shape. Else None: a run has one target for all its files, so mixed inputs
+    keep the default. Reads the first bytes of each file, and stops at the first transcript of
+    another format."""
     import os
 
-    found = False
+    from ctxreplay.pipeline.loaders.codex import is_rollout_file
+
+    found: set[str] = set()
     for p in map(Path, paths):
         if p.is_dir():
             files = (Path(d) / n for d, _, names in os.walk(p) for n in sorted(names)
@@ -818,8 +823,14 @@ def native_target(paths: list[Path]) -> str | None:
         else:
             files = iter([p])
         for f in files:
-            v = is_session_file(f)
-            if v is False:
+            if is_rollout_file(f):
+                found.add("openai-responses")
+            else:
+                v = is_session_file(f)
+                if v is False:
+                    return None
+                if v:
+                    found.add("gemini")
+            if len(found) > 1:
                 return None
-            found = found or bool(v)
-    return "gemini" if found else None
+    return found.pop() if found else None

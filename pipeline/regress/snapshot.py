@@ -308,17 +308,20 @@ def decode_texts(value: Any, text: Any) -> Any:
     return value
 
 
-def pretty_json(value: Any, indent: int = 0, width: int = PRETTY_WIDTH, depth: int = 0) -> bytes:
+def pretty_json(value: Any, indent: int = 0, width: int = PRETTY_WIDTH, depth: int = 0, parent: str | None = None,
+                ) -> bytes:
     """JSON with sorted keys for pending.json: one block per line. Above BLOCK_DEPTH (request >
     list > message > content list > block) a container that holds containers is spread over
     lines, one of scalars only when it is wider than `width`; a block (or deeper) stays on one line
-    up to BLOCK_CHARS. Its long texts are set apart (encode_texts), so a line stays short and a
-    change to a block is a change to its line."""
+    up to BLOCK_CHARS, and so does an OpenAI Responses input item without a content list (a
+    function call or its output: the Responses form of a block). Its long texts are set apart
+    (encode_texts), so a line stays short and a change to a block is a change to its line."""
     compact = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     if not isinstance(value, dict | list) or not value:
         return compact
     children = value.values() if isinstance(value, dict) else value
-    if depth >= BLOCK_DEPTH:
+    if depth >= BLOCK_DEPTH or (depth == 2 and parent == "input" and isinstance(value, dict)
+                                and not any(isinstance(v, list) for v in children)):
         one_line = len(compact) <= BLOCK_CHARS
     else:
         one_line = not any(isinstance(v, dict | list) and v for v in children) and indent + len(compact) <= width
@@ -326,10 +329,10 @@ def pretty_json(value: Any, indent: int = 0, width: int = PRETTY_WIDTH, depth: i
         return compact
     pad = b" " * (indent + 2)
     if isinstance(value, dict):
-        items = [pad + orjson.dumps(k) + b": " + pretty_json(value[k], indent + 2, width, depth + 1)
+        items = [pad + orjson.dumps(k) + b": " + pretty_json(value[k], indent + 2, width, depth + 1, k)
                  for k in sorted(value)]
         return b"{\n" + b",\n".join(items) + b"\n" + b" " * indent + b"}"
-    items = [pad + pretty_json(v, indent + 2, width, depth + 1) for v in value]
+    items = [pad + pretty_json(v, indent + 2, width, depth + 1, parent) for v in value]
     return b"[\n" + b",\n".join(items) + b"\n" + b" " * indent + b"]"
 
 

@@ -107,6 +107,35 @@ class Target(Protocol):
     # optional: def context_key(self, msg: LogicalMessage) -> Hashable | None
     #   what a LATER wire message may read of this logical message (None: nothing); the replay
     #   re-shapes everything after a change that alters it
+    # optional: def keeps_in_list(self, row: dict[str, Any]) -> bool
+    #   for a target whose splits_system() is True: a system row that stays in the message list
+    #   (OpenAI Responses: a developer message the agent sent as an input item)
+
+
+def recorded_role(row: dict[str, Any]) -> str | None:
+    """The wire role a loader recorded for a system row that was a message of the request's list
+    (its extra's `role`: `developer` for Codex's developer input items and OpenAI chat's developer
+    messages), else None."""
+    e = row.get("extra_json")
+    if not e or '"role"' not in e:
+        return None
+    import orjson
+
+    try:
+        v = orjson.loads(e)
+    except orjson.JSONDecodeError:
+        return None
+    role = v.get("role") if isinstance(v, dict) else None
+    return role if isinstance(role, str) else None
+
+
+def in_envelope(target: Target, row: dict[str, Any]) -> bool:
+    """Whether a block row goes to the target's envelope instead of its message list: a system row
+    of a target that splits system, unless the target keeps that row in the list (`keeps_in_list`)."""
+    if row["role"] != "system" or not target.splits_system():
+        return False
+    keeps = getattr(target, "keeps_in_list", None)
+    return not (keeps is not None and keeps(row))
 
 
 TARGETS: dict[str, Target] = {}

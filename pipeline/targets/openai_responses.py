@@ -4,7 +4,8 @@ Each block becomes one input item (layer-semantics §10): user text and images �
 item (`input_text` / `input_image`); assistant text → a `message` item with `output_text`; a tool
 call → a `function_call` item (`call_id`, `name`, `arguments` as a JSON string); a tool result → a
 `function_call_output` item (`output` as text, images as `[image]`). System messages go to
-`instructions`. Reasoning is not replayed: a reasoning item's encrypted content belongs to the
+`instructions`, except those recorded as input items (a Codex developer message, extra `role`),
+which stay `developer` (or `system`) message items where they were, as Codex CLI sends them. Reasoning is not replayed: a reasoning item's encrypted content belongs to the
 response and model that produced it (it must be followed by an item of that same response, and is
 dropped on a model switch), and the blocks keep neither its item id nor its response, so leaving it
 out is the only shape the API is sure to accept. A refusal is an assistant `refusal` part; the API's
@@ -25,6 +26,7 @@ from ctxreplay.pipeline.targets import (
     Violation,
     Wire,
     group_blocks,
+    recorded_role,
     register,
 )
 from ctxreplay.pipeline.targets.wire import image_data_url, raw_item, result_text, shape_runs
@@ -86,7 +88,7 @@ def message_items(m: LogicalMessage) -> list[dict[str, Any]]:
             parts.append(p)
             part_rows.append(g[0])
     if parts:
-        role = "developer" if m.role == "system" else "user"
+        role = (recorded_role(m.rows[0]) or "developer") if m.role == "system" else "user"
         items.append(Wire({"type": "message", "role": role, "content": parts}, part_rows))
     return items
 
@@ -101,6 +103,13 @@ class OpenAIResponses:
 
     def splits_system(self) -> bool:
         return True
+
+    def keeps_in_list(self, row: dict[str, Any]) -> bool:
+        """A system row recorded as a message of the input list (a Codex developer item, an OpenAI
+        chat developer message) stays an input item where it was: Codex CLI sends its base
+        instructions as `instructions` and every developer message (sandbox policy, collaboration
+        mode, model switch notes) as a `developer` input item in the history."""
+        return recorded_role(row) in ("developer", "system")
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
         # each message on its own; no lead-in: the API takes a history that starts with the assistant
