@@ -517,10 +517,18 @@ class ThreadWalk:
             else:  # a target without row accounting: the rows of the logical messages it starts
                 nxt = split(new[t + 1][0])[0] if t + 1 < len(new) else stop
                 tok = 0 if sub else sum(r["_tok"] for m in self.logical[i:max(nxt, i + 1)] for r in m.rows)
-            role = wire_role(msg)
-            mid = store.add(b, kind="message", role=role, n_blocks=n_blocks(msg), tokens=tok)
             key = (log_start[i], sub)
-            same = t < n_old and self.wkey[wj + t] == key and self.wid[wj + t] == mid
+            if t < n_old and self.wkey[wj + t] == key and self.wb[wj + t] == b:
+                # re-shaped as it was (the message before a change, or one past it): same id, no new hash
+                mid = self.wid[wj + t]
+                role = store.role[mid]
+                if store.tokens[mid] != tok:
+                    store.token_conflicts += 1
+                same = True
+            else:
+                role = wire_role(msg)
+                mid = store.add(b, kind="message", role=role, n_blocks=n_blocks(msg), tokens=tok)
+                same = t < n_old and self.wkey[wj + t] == key and self.wid[wj + t] == mid
             keys.append(key)
             data.append(b)
             ids.append(mid)
