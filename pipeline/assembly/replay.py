@@ -271,34 +271,72 @@ def first_diff(prev: Any, cur: Any, lo: int = 0) -> int | None:
 
 
 class _HashChain:
-    """sha256 states of `{"<list_key>":[m0,m1,...` after every CHUNK-th wire message."""
+    """sha256 states of `{"<list_key>":[m0,m1,...` after every CHUNK-th wire message, and the joined
+    bytes of each complete chunk (`m_{cC},...,m_{cC+C-1}`), kept until a message inside it changes:
+    a tail after a deep change is hashed from these pieces (each update long enough for hashlib
+    to let the replay's Python run), with no join of its messages again."""
 
     def __init__(self, list_key: str, data: list[bytes]) -> None:
         self.data = data  # the thread's wire messages' canonical bytes (the replay edits it in place)
         self.states = [hashlib.sha256(list_prefix(list_key))]
+        self.blobs: list[bytes] = []  # blobs[c]: chunk c's messages joined, for the first complete chunks
 
     def invalidate(self, first_changed: int) -> None:
         del self.states[first_changed // CHUNK + 1:]
 
-    def split_state(self, m: int) -> tuple[Any, bool, list[bytes]]:
-        """(a new hash object, whether a comma comes next, the messages still to hash) for the
-        prefix through message m-1. The kept states grow by at most FAR chunks per call: a long
-        tail (the bytes after a change deep in the history) is left to the caller, who hashes it
-        off the main thread."""
-        states, data = self.states, self.data
+    def edited(self, lo: int, hi: int, moved: bool) -> None:
+        """Messages [lo, hi) were replaced (`moved`: by another number of messages, so every later
+        one moved too): the chunks that hold them are joined again when asked for."""
+        blobs = self.blobs
+        end = len(blobs) if moved else min(len(blobs), (max(hi, lo + 1) - 1) // CHUNK + 1)
+        c = lo // CHUNK
+        if c >= len(blobs):
+            return
+        if moved or end == len(blobs):
+            del blobs[c:]
+        else:
+            for x in range(c, end):
+                blobs[x] = b""
+
+    def blob(self, c: int) -> bytes:
+        """Chunk c's messages joined by commas (c a complete chunk)."""
+        blobs, data = self.blobs, self.data
+        while len(blobs) <= c:
+            x = len(blobs)
+            blobs.append(b",".join(data[x * CHUNK:(x + 1) * CHUNK]))
+        b = blobs[c]
+        if not b:  # (no chunk joins to b"": it holds CHUNK messages of at least 2 bytes)
+            b = blobs[c] = b",".join(data[c * CHUNK:(c + 1) * CHUNK])
+        return b
+
+    def pieces(self, lo: int, m: int) -> list[bytes]:
+        """Messages [lo, m) (lo a chunk boundary) as pieces to join by commas: whole chunks' bytes,
+        then the messages of the last, incomplete one."""
+        out = [self.blob(c) for c in range(lo // CHUNK, m // CHUNK)]
+        tail = max(lo, m // CHUNK * CHUNK)
+        if tail < m:
+            out.append(b",".join(self.data[tail:m]))
+        return out
+
+    def split_state(self, m: int) -> tuple[Any, bool, list[bytes], int]:
+        """(a new hash object, whether a comma comes next, the pieces still to hash, the number of
+        messages they hold) for the prefix through message m-1. The kept states grow by at most
+        FAR chunks per call: a long tail (the bytes after a change deep in the history) is left to
+        the caller, who hashes it off the main thread."""
+        states = self.states
         c = min(m // CHUNK, len(states) - 1 + FAR)
         self._extend(c)
-        return states[c].copy(), c > 0, data[c * CHUNK:m]
+        return states[c].copy(), c > 0, self.pieces(c * CHUNK, m), m - c * CHUNK
 
     def _extend(self, c: int) -> None:
         """Keep hash states through chunk c (each one the previous plus CHUNK more messages)."""
-        states, data = self.states, self.data
+        states = self.states
         while len(states) <= c:
-            lo = (len(states) - 1) * CHUNK
+            x = len(states) - 1
             h = states[-1].copy()
-            if lo:
+            if x:
                 h.update(b",")
-            h.update(b",".join(data[lo:lo + CHUNK]))
+            h.update(self.blob(x))
             states.append(h)
 
     def state(self, m: int) -> Any:
@@ -517,10 +555,18 @@ class ThreadWalk:
             else:  # a target without row accounting: the rows of the logical messages it starts
                 nxt = split(new[t + 1][0])[0] if t + 1 < len(new) else stop
                 tok = 0 if sub else sum(r["_tok"] for m in self.logical[i:max(nxt, i + 1)] for r in m.rows)
-            role = wire_role(msg)
-            mid = store.add(b, kind="message", role=role, n_blocks=n_blocks(msg), tokens=tok)
             key = (log_start[i], sub)
-            same = t < n_old and self.wkey[wj + t] == key and self.wid[wj + t] == mid
+            if t < n_old and self.wkey[wj + t] == key and self.wb[wj + t] == b:
+                # re-shaped as it was (the message before a change, or one past it): same id, no new hash
+                mid = self.wid[wj + t]
+                role = store.role[mid]
+                if store.tokens[mid] != tok:
+                    store.token_conflicts += 1
+                same = True
+            else:
+                role = wire_role(msg)
+                mid = store.add(b, kind="message", role=role, n_blocks=n_blocks(msg), tokens=tok)
+                same = t < n_old and self.wkey[wj + t] == key and self.wid[wj + t] == mid
             keys.append(key)
             data.append(b)
             ids.append(mid)
@@ -544,6 +590,7 @@ class ThreadWalk:
         self.wtok[wj:oj] = toks
         self.wasst[wj:oj] = asst
         self.wfirst[wj:oj] = firsts
+        self.chain.edited(wj, oj, len(ids) != n_old)
         if first is not None:
             self.chain.invalidate(first)
         return first
@@ -556,15 +603,17 @@ class ThreadWalk:
             return n - 1
         return n
 
-    def request_parts(self, m: int, stand_ids: list[int] | None) -> tuple[int, Any, bool, list[bytes]]:
-        """(message tokens, a hash state, whether a comma comes next, the messages still to hash) of
-        a request of the first m wire messages, or, with m = 0, of the target's stand-in messages."""
+    def request_parts(self, m: int, stand_ids: list[int] | None) -> tuple[int, Any, bool, list[bytes], int]:
+        """(message tokens, a hash state, whether a comma comes next, the pieces still to hash, joined
+        by commas: messages or runs of them, and how many messages they hold) of a request of the
+        first m wire messages, or, with m = 0, of the target's stand-in messages."""
         if m:
-            h, comma, rest = self.chain.split_state(m)
-            return self.wtok_total - (self.wtok[-1] if m < len(self.wb) else 0), h, comma, rest
+            h, comma, rest, n_rest = self.chain.split_state(m)
+            return self.wtok_total - (self.wtok[-1] if m < len(self.wb) else 0), h, comma, rest, n_rest
         ids = stand_ids or []
         store = self.store
-        return sum(store.tokens[i] for i in ids), self.chain.states[0].copy(), False, [store.data[i] for i in ids]
+        return (sum(store.tokens[i] for i in ids), self.chain.states[0].copy(), False, [store.data[i] for i in ids],
+                len(ids))
 
     def hold(self, m: int, excluded: tuple[int, int] | None) -> tuple[int, int] | None:
         """The first m wire messages make this call's request: a trailing one left out stops
@@ -662,7 +711,7 @@ def replay_thread(
         m = th.sent_length(keep_trailing=is_pending)
         excluded = th.hold(m, excluded)
         if m:
-            msg_tok, h, comma, rest = th.request_parts(m, None)
+            msg_tok, h, comma, rest, n_rest = th.request_parts(m, None)
             head = th.wid[:min(m, MAX_STAND_IN)]
             if stand_first is not None:
                 if spans is not None:
@@ -676,9 +725,9 @@ def replay_thread(
                 stand_ids = stand_in_messages(target, store)
             if stand_first is None:
                 stand_first = k
-            msg_tok, h, comma, rest = th.request_parts(0, stand_ids)
+            msg_tok, h, comma, rest, n_rest = th.request_parts(0, stand_ids)
             head = array("i", stand_ids[:MAX_STAND_IN])
-        if len(rest) > CHUNK:  # a long tail: hashed by the worker while the replay goes on
+        if n_rest > CHUNK:  # a long tail: hashed by the worker while the replay goes on
             if pool is None:
                 pool = guard.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxreplay-hash")
             sha: Any = pool.submit(finish_hash, h, comma, rest, env_suffix)
@@ -732,12 +781,16 @@ def replay_thread(
 
 
 def finish_hash(h: Any, comma: bool, rest: list[bytes], env_suffix: bytes) -> str:
-    """The request hash from a prefix state: the remaining messages, then the envelope. (hashlib
-    lets other threads run while it hashes more than 2 KiB.)"""
-    if rest:
+    """The request hash from a prefix state: the remaining pieces (messages, or runs of them joined)
+    with commas between, then the envelope. (hashlib lets other threads run while it hashes more
+    than 2 KiB: the long pieces; the short ones are joined first.)"""
+    if len(rest) == 1 or (rest and len(rest[0]) < 2048):
+        rest = [b",".join(rest)]
+    for piece in rest:
         if comma:
             h.update(b",")
-        h.update(b",".join(rest))
+        h.update(piece)
+        comma = True
     h.update(env_suffix)
     return str(h.hexdigest())
 

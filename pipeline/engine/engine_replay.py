@@ -149,13 +149,13 @@ class LiveThread:
         th = self.th
         m = th.sent_length(keep_trailing=awaiting_user)
         if m:
-            msg_tok, h, comma, rest = th.request_parts(m, None)
+            msg_tok, h, comma, rest, _ = th.request_parts(m, None)
             body = b",".join(th.wb[:m])
             ids = th.wid[:m]
         else:  # nothing before the first call: the target's stand-in turn
             if self.stand_ids is None:
                 self.stand_ids = stand_in_messages(target, self.store)
-            msg_tok, h, comma, rest = th.request_parts(0, self.stand_ids)
+            msg_tok, h, comma, rest, _ = th.request_parts(0, self.stand_ids)
             body = b",".join(rest)
             ids = array("i", self.stand_ids)
         length = len(ids)

@@ -19,7 +19,7 @@ import orjson
 
 from ctxreplay.pipeline.core.constants import BOOTSTRAP_TEXT as BOOTSTRAP
 from ctxreplay.pipeline.targets import LogicalMessage, Violation, Wire, group_blocks, register
-from ctxreplay.pipeline.targets.wire import merge_run, shape_runs, tool_input_object
+from ctxreplay.pipeline.targets.wire import Content, memo_content, merge_run, shape_runs, tool_input_object
 
 WIRE_ROLE = {"user": "user", "tool": "user", "assistant": "assistant"}
 
@@ -115,9 +115,9 @@ def _message(msgs: list[LogicalMessage], j: int) -> tuple[str, list[Any], list[A
     return role, [], c, rows
 
 
-def _run(msgs: list[LogicalMessage], i: int) -> tuple[int, list[Any]]:
+def _run(msgs: list[LogicalMessage], i: int, content: Content = _message) -> tuple[int, list[Any]]:
     """One wire message: a run of messages of one wire role."""
-    j, role, results, other, sent = merge_run(msgs, i, _message)
+    j, role, results, other, sent = merge_run(msgs, i, content)
     return j, [] if role is None else [Wire({"role": role, "content": results + other}, sent)]
 
 
@@ -139,7 +139,8 @@ class Anthropic:
     allow_prefill = False  # a request may end with an assistant message (a prefill)
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
-        return shape_runs(msgs, start, _run, _lead_in)
+        content = memo_content(_message)  # (one shape call: the messages do not change under it)
+        return shape_runs(msgs, start, lambda m, i: _run(m, i, content), _lead_in)
 
     def empty_messages(self) -> list[dict[str, Any]]:
         """The stand-in for a request with no recorded message (the API needs one user turn)."""

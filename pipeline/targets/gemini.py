@@ -27,7 +27,15 @@ from ctxreplay.pipeline.targets import (
     group_blocks,
     register,
 )
-from ctxreplay.pipeline.targets.wire import merge_run, raw_item, result_text, shape_runs, tool_input_object
+from ctxreplay.pipeline.targets.wire import (
+    Content,
+    memo_content,
+    merge_run,
+    raw_item,
+    result_text,
+    shape_runs,
+    tool_input_object,
+)
 
 
 def _call_name(msgs: list[LogicalMessage], i: int, call_id: str | None) -> str | None:
@@ -90,9 +98,9 @@ def _message(msgs: list[LogicalMessage], j: int) -> tuple[str, list[Any], list[A
     return ("model" if msgs[j].role == "assistant" else "user"), fr, ps, rows
 
 
-def _run(msgs: list[LogicalMessage], i: int) -> tuple[int, list[Any]]:
+def _run(msgs: list[LogicalMessage], i: int, content: Content = _message) -> tuple[int, list[Any]]:
     """One turn: a run of messages of one role."""
-    j, role, responses, parts, sent = merge_run(msgs, i, _message)
+    j, role, responses, parts, sent = merge_run(msgs, i, content)
     return j, [] if role is None else [Wire({"role": role, "parts": responses + parts}, sent)]
 
 
@@ -114,7 +122,8 @@ class Gemini:
         return True
 
     def shape(self, msgs: list[LogicalMessage], start: int) -> list[tuple[int, dict[str, Any]]]:
-        return shape_runs(msgs, start, _run, _lead_in)
+        content = memo_content(_message)  # (one shape call: the messages do not change under it)
+        return shape_runs(msgs, start, lambda m, i: _run(m, i, content), _lead_in)
 
     def empty_messages(self) -> list[dict[str, Any]]:
         """The stand-in for a request with no recorded message (a history that starts with the model's

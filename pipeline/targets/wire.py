@@ -80,6 +80,21 @@ def shape_runs(msgs: Sequence[Any], start: float, run: Run, lead_in: LeadIn | No
 Content = Callable[[Sequence[Any], int], "tuple[str, list[Any], list[Any], list[Any]] | None"]
 
 
+def memo_content(content: Content) -> Content:
+    """`content` remembered by message index, for ONE `shape` call (one list of messages): merge_run
+    computes the message that ends a run (another wire role) and the next run starts with it, so
+    without this every message's wire blocks would be made twice."""
+    memo: dict[int, Any] = {}
+
+    def get(msgs: Sequence[Any], j: int) -> Any:
+        if j in memo:
+            return memo[j]
+        c = memo[j] = content(msgs, j)
+        return c
+
+    return get
+
+
 def merge_run(msgs: Sequence[Any], i: int,
               content: Content) -> tuple[int, str | None, list[Any], list[Any], list[Any]]:
     """The run from logical message i of the targets that merge adjacent messages of one wire role
