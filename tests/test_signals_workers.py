@@ -162,3 +162,56 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path: Path, after: float) ->
     assert rc == -signal.SIGKILL
     assert workers and not [w for w in workers if w in left], left
     assert not left, left
+
+
+def test_the_workers_state_goes_through_a_file_and_the_spawn_pipe_stays_small(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state a worker is started with (the pipeline, earlier decisions, the token cache:
+    megabytes on a large tree) travels in a file of the run's staging directory, so that what the
+    spawn writes into the worker's pipe fits in it at once: a parent killed while it was still
+    writing left the worker a truncated pickle and a traceback (bench_signals, 50 MB tree, 1 trial
+    in 20). The file is gone once the pool is, and never published."""
+    import pickle
+
+    from ctxreplay.pipeline.batch import workerboot, workers
+    from ctxreplay.pipeline.batch.runner import RunOptions, run
+    from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
+    from ctxreplay.pipeline.staging.spec import load_spec
+
+    seen: list[tuple[object, ...]] = []
+    pool = workers.ProcessPoolExecutor
+
+    def recording(*args: object, **kw: object) -> object:
+        seen.append(tuple(kw["initargs"]))  # type: ignore[arg-type]
+        return pool(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(workers, "ProcessPoolExecutor", recording)
+    written: list[str] = []
+    write = workerboot.write_state
+    monkeypatch.setattr(workerboot, "write_state", lambda d, b: written.append(write(d, b)) or written[-1])
+    out = tmp_path / "out"
+    s = run([ROOT / "data" / "samples", ROOT / "tests" / "fixtures" / "loaders"], load_spec(preset="default"),
+            RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, jobs=2, batch_bytes=20_000)).summary
+    assert s["groups"]["batches"] > 3 and len(seen) == 1 and len(written) == 1
+    init, state, parent = seen[0]
+    assert state == written[0] and isinstance(state, str) and parent == os.getpid()
+    assert len(pickle.dumps(seen[0])) < 4096  # the pipe takes it whole (a pipe holds 64 KiB)
+    assert not Path(written[0]).exists()
+    assert not [p for p in out.rglob("*") if p.name == workerboot.STATE_FILE]
+
+
+def test_boot_reads_the_state_from_bytes_or_from_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+    import types
+
+    from ctxreplay.pipeline.batch import workerboot
+
+    got: list[object] = []
+    mod = types.ModuleType("ctxreplay_test_boot_target")
+    mod.init = got.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setattr(workerboot.signal, "signal", lambda *a: None)  # keep this process's Ctrl-C
+    path = workerboot.write_state(tmp_path, pickle.dumps({"a": 1}))
+    workerboot.boot(f"{mod.__name__}:init", path)
+    workerboot.boot(f"{mod.__name__}:init", pickle.dumps([2]))
+    assert got == [{"a": 1}, [2]]

@@ -47,8 +47,20 @@ def die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, name="ctxreplay-parent-watch", daemon=True).start()
 
 
-def boot(init: str, state: bytes, parent: int | None = None) -> None:
-    """The pool's initializer: Ctrl-C ignored (also one pending since the spawn: the parent held it
+STATE_FILE = ".worker-state.pickle"
+
+
+def write_state(staging: os.PathLike[str] | str, data: bytes) -> str:
+    """The workers' state written to a file of the run's staging directory (removed by the parent
+    once the pool is done; a staging directory a killed run left is removed by the next run)."""
+    path = os.path.join(os.fspath(staging), STATE_FILE)
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return path
+
+
+def boot(init: str, state: bytes | str, parent: int | None = None) -> None:
+    """The pool's initializer (`state`: the pickled state, or the path of the file holding it): Ctrl-C ignored (also one pending since the spawn: the parent held it
     back while spawning), the worker bound to its parent, then `init` ("module:function") called with
     the unpickled state."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -56,5 +68,8 @@ def boot(init: str, state: bytes, parent: int | None = None) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if parent is not None:
         die_with_parent(parent)
+    if isinstance(state, str):  # the path of a file that holds it (write_state)
+        with open(state, "rb") as fh:
+            state = fh.read()
     module, _, name = init.partition(":")
     getattr(importlib.import_module(module), name)(pickle.loads(state))

@@ -122,9 +122,13 @@ def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterat
         return
     ctx = multiprocessing.get_context("spawn")
     # the state goes pickled: unpickling it imports the heavy modules, which the worker does only
-    # after workerboot has bound it to this process (a parent killed meanwhile takes it along)
+    # after workerboot has bound it to this process (a parent killed meanwhile takes it along). It
+    # goes through a file of the run's staging directory, not through the spawn's pipe: the token
+    # cache makes it megabytes, more than a pipe holds, and a parent killed while it was still
+    # writing them left the worker a truncated pickle and a traceback (bench_signals, 50 MB tree)
+    state_file = workerboot.write_state(env.staging, pickle.dumps(state))
     ex = ProcessPoolExecutor(min(n_jobs, len(jobs)), mp_context=ctx, initializer=workerboot.boot,
-                             initargs=(f"{__name__}:init", pickle.dumps(state), os.getpid()))
+                             initargs=(f"{__name__}:init", state_file, os.getpid()))
     finished = False
     try:
         pending: list[Future[Any]] = []
@@ -144,10 +148,14 @@ def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterat
             yield result
         finished = True
     finally:
-        if finished:
-            ex.shutdown(wait=True)
-        else:
-            _stop(ex)
+        try:
+            if finished:
+                ex.shutdown(wait=True)
+            else:
+                _stop(ex)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(state_file)
 
 
 def _stop(ex: ProcessPoolExecutor) -> None:
@@ -163,6 +171,17 @@ def _stop(ex: ProcessPoolExecutor) -> None:
     for p in procs:
         with contextlib.suppress(Exception):
             p.join(5)
+    # the jobs still queued for the killed workers may fill the call queue's pipe, whose read end
+    # this process holds too: its feeder thread would then block for good, and with it the pool's
+    # shutdown and the interpreter's exit (one Ctrl-C in 20 hung a run 60 s). Nothing reads them now.
+    with contextlib.suppress(Exception):
+        ex._call_queue.cancel_join_thread()  # type: ignore[attr-defined]
+    done = threading.Thread(target=_shutdown_quietly, args=(ex,), name="ctxreplay-pool-shutdown", daemon=True)
+    done.start()
+    done.join(10)
+
+
+def _shutdown_quietly(ex: ProcessPoolExecutor) -> None:
     with contextlib.suppress(Exception):
         ex.shutdown(wait=True)
 
