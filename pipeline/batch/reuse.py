@@ -78,8 +78,11 @@ def _messages(prior: Prior, shas: list[str]) -> pa.Table:
     return t.filter(pc.is_in(t.column("sha256"), pa.array(shas, t.schema.field("sha256").type)))
 
 
-def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging: Path) -> BatchResult:
-    """The reused groups of one batch as a BatchResult (no new decisions, no stage time)."""
+def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging: Path,
+                kept: dict[str, tuple[Path, int | None]] | None = None) -> BatchResult:
+    """The reused groups of one batch as a BatchResult (no new decisions, no stage time). `kept`
+    (kept_row_groups): the batch's row groups are copied as they are, so its blocks, which
+    nothing else needs, are not read."""
     run = prior.run_dir
     batches = {r.get("batch") for r in records}
     _read = _reader(prior, batches)
@@ -92,7 +95,9 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
     calls = pl.from_arrow(_read(run / "calls.parquet", "session_id", sessions))
     decisions = _read(run / "decisions.parquet", "session_id", sessions)
     assert isinstance(calls, pl.DataFrame)
-    tables = {"blocks": _read(run / "blocks.parquet", "session_id", sessions), "quarantine": quarantine,
+    blocks = empty_table(pq.read_schema(run / "blocks.parquet")) if kept is not None \
+        else _read(run / "blocks.parquet", "session_id", sessions)
+    tables = {"blocks": blocks, "quarantine": quarantine,
               "decisions": decisions, "messages": _messages(prior, shas),
               "call_messages": call_messages}
     facts = pl.from_arrow(_read(run / FACTS_FILE, "session_id", sessions))
@@ -112,7 +117,31 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
                        applied)
     # the rows of one previous row group each, in the order they were written (sorted_tables')
     presorted = len(batches) == 1 and not _read.scanned  # type: ignore[attr-defined]
-    return BatchResult(index, loaded, out, [], reused=True, presorted=presorted)
+    return BatchResult(index, loaded, out, [], reused=True, presorted=presorted, kept=kept)
+
+
+def kept_row_groups(index: int, keys: set[str], reused: dict[str, dict[str, Any]], prior: Prior,
+                    ) -> dict[str, tuple[Path, int | None]] | None:
+    """Output name -> (previous file, the row group of batch `index` there, or None when it had
+    no rows there), when batch `index` is made of the groups `keys` exactly as in the previous
+    run and all of them are reused: its rows are then that row group of each file, as a cold run
+    would write them (the groups' rows are kept whole, sorted within the batch). None otherwise."""
+    from ctxreplay.pipeline.batch.batchout import FILES
+
+    before = {k for k, r in prior.groups.items() if r.get("batch") == index}
+    if not keys or before != keys or any(k not in reused for k in keys):
+        return None
+    out: dict[str, tuple[Path, int | None]] = {}
+    for name, file in [*FILES.items(), ("call_facts", FACTS_FILE)]:
+        path = prior.run_dir / file
+        n = prior.cache.setdefault("row_groups", {}).get(file)
+        if n is None:
+            n = prior.cache["row_groups"][file] = pq.ParquetFile(path).metadata.num_row_groups
+        where = prior.row_groups.get(file, [] if n == 0 else None)  # no row group: not listed
+        if where is None or len(where) != n or where.count(index) > 1:
+            return None
+        out[name] = (path, where.index(index) if index in where else None)
+    return out
 
 
 def _loaded(records: list[dict[str, Any]], quarantine: pa.Table) -> LoadResult:
@@ -250,4 +279,4 @@ def reuse_all(records: list[dict[str, Any]], prior: Prior, staging: Path, run_id
     return _loaded(records, pq.ParquetFile(run / "quarantine.parquet").read()), None
 
 
-__all__ = ["copy_parquet", "link_requests", "link_spills", "reuse_all", "reuse_batch"]
+__all__ = ["copy_parquet", "kept_row_groups", "link_requests", "link_spills", "reuse_all", "reuse_batch"]
