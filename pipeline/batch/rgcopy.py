@@ -273,7 +273,8 @@ def splice(dest: Path, base: Path, parts: list[tuple[Path, int]]) -> bool:
     try:
         head, _ = footer(base)
         schema = encode(Struct([f for f in head.fields if f[0] == 2]))
-        srcs: dict[Path, Struct] = {}
+        # the base's own row groups are moved in place: its footer's row groups are replaced below
+        srcs: dict[Path, Struct] = {base: head}
         for p, _ in parts:
             if p not in srcs:
                 srcs[p] = footer(p)[0]
