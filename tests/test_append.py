@@ -167,3 +167,26 @@ def test_a_batch_whose_groups_changed_is_not_copied(tmp_path: Path, monkeypatch:
     shutil.rmtree(tmp_path / "fresh", ignore_errors=True)
     _run([tree], tmp_path / "fresh")
     _same_outputs(tmp_path / "fresh", out)
+
+
+@pytest.mark.slow
+def test_the_corpus_grown_by_its_last_call_equals_a_fresh_run(corpus: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real corpus in small batches, its largest session without its last lines, then grown
+    back (an append): the reused batches' row groups are copied, and every output is a fresh run's."""
+    tree = tmp_path / "tree"
+    shutil.copytree(corpus, tree)  # a scratch copy under tmp_path: the file is edited
+    target = max((p for p in tree.rglob("*.jsonl") if "subagents" not in p.parts), key=lambda p: p.stat().st_size)
+    full = target.read_bytes()
+    target.write_bytes(b"".join(full.splitlines(keepends=True)[:-2]))
+    out = tmp_path / "o"
+    _run([tree], out, preset="claude-code", batch_bytes=2_000_000)
+    target.write_bytes(full)
+    copied = _count_splices(monkeypatch)
+    grown = _run([tree], out, preset="claude-code", batch_bytes=2_000_000)
+    monkeypatch.undo()
+    assert grown["groups"]["rerun"] == 1 and grown["groups"]["batches"] > 3
+    assert copied.get("blocks.parquet", 0) >= grown["groups"]["batches"] // 2, copied
+    fresh = _run([tree], tmp_path / "fresh", preset="claude-code", batch_bytes=2_000_000)
+    assert _summary_core(grown, "tokens") == _summary_core(fresh, "tokens")
+    _same_outputs(tmp_path / "fresh", out)
