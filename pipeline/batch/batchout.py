@@ -1,5 +1,6 @@
 """What the runner keeps between batches: the output writers (one Parquet file per output, a row
-group appended per batch), and the totals and per-call facts that only make sense over the whole
+group appended per batch; on a re-run, the row group of a batch whose groups are all reused is
+copied as bytes from the previous run's file: Writers.keep, pipeline/batch/rgcopy.py), and the totals and per-call facts that only make sense over the whole
 run (the summary's counts, the prompt-cache simulation). See pipeline/batch/batchrun.py.
 """
 
