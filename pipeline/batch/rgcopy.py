@@ -65,11 +65,14 @@ class _Reader:
         return b
 
     def varint(self) -> int:
+        data, pos = self.data, self.pos
         out, shift = 0, 0
         while True:
-            b = self.byte()
+            b = data[pos]
+            pos += 1
             out |= (b & 0x7F) << shift
             if not b & 0x80:
+                self.pos = pos
                 return out
             shift += 7
 
@@ -312,6 +315,20 @@ def splice(dest: Path, base: Path, parts: list[tuple[Path, int]]) -> bool:
 
 
 def _copy(src: Any, out: Any, n: int) -> None:
+    """n bytes from src's position to out's: in the kernel where it can (no copy through Python)."""
+    if hasattr(os, "copy_file_range"):
+        out.flush()
+        at, to = src.tell(), out.tell()
+        try:
+            while n:
+                k = os.copy_file_range(src.fileno(), out.fileno(), n, at, to)
+                if k <= 0:
+                    break
+                at, to, n = at + k, to + k, n - k
+        except OSError:
+            pass  # not supported between these files: the bytes that are left, the plain way
+        src.seek(at)
+        out.seek(to)
     while n:
         chunk = src.read(min(n, 1 << 22))
         if not chunk:
