@@ -287,6 +287,7 @@ class _Plan:
         paths = {path_str(f): f for b in batches for g in b.groups for f in g.files}
         reused = {}
         if prior is not None:
+            manifest.hash_candidates(prior, files, paths)
             for key, fs in files.items():
                 rec = prior.reusable(key, fs, paths)
                 if rec is not None:
