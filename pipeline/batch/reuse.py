@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ from ctxreplay.schemas.blocks import BLOCKS
 from ctxreplay.schemas.check import empty_table
 
 KEYS = ["session_id", "thread_id", "call"]
+# row groups of the previous messages.parquet kept decoded between batches (a batch's messages lie in
+# its own row group and a few earlier ones; on the 190 MB tree 1-3 of 13, one of them always the first)
+KEEP_MESSAGE_GROUPS = 4
 
 
 def _reader(prior: Prior, batches: set[int]) -> Any:
@@ -74,7 +78,20 @@ def _messages(prior: Prior, shas: list[str]) -> pa.Table:
     where = {index.get(s) for s in shas}
     if None in where:  # not in the previous run's store: that run's outputs do not belong together
         return _reader(prior, {None})(path, "sha256", shas)
-    t = f.read_row_groups(sorted(where))  # type: ignore[type-var]
+    # a batch's messages lie in its own row group and in a few earlier ones (the first batch's most
+    # of all: what every session shares), so the last row groups read are kept for the next batches
+    recent = prior.cache.setdefault("message_groups", OrderedDict())
+    parts = []
+    for i in sorted(where):  # type: ignore[type-var]
+        got = recent.get(i)
+        if got is None:
+            got = recent[i] = f.read_row_group(i)
+            if len(recent) > KEEP_MESSAGE_GROUPS:
+                recent.popitem(last=False)
+        else:
+            recent.move_to_end(i)
+        parts.append(got)
+    t = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
     return t.filter(pc.is_in(t.column("sha256"), pa.array(shas, t.schema.field("sha256").type)))
 
 
