@@ -190,3 +190,59 @@ def test_the_corpus_grown_by_its_last_call_equals_a_fresh_run(corpus: Path, tmp_
     fresh = _run([tree], tmp_path / "fresh", preset="claude-code", batch_bytes=2_000_000)
     assert _summary_core(grown, "tokens") == _summary_core(fresh, "tokens")
     _same_outputs(tmp_path / "fresh", out)
+
+
+def test_the_previous_messages_row_groups_kept_between_batches_give_a_fresh_runs_outputs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-run keeps the last row groups of the previous messages.parquet it read for the next
+    batches (reuse.KEEP_MESSAGE_GROUPS): with one kept (evicted at every batch) and with four, a
+    grown file's re-run in one-group batches writes a fresh run's outputs, and four read fewer."""
+    from ctxreplay.pipeline.batch import reuse
+
+    # six sessions in batches of their own, all opening with one message (written with the first)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    sids = [f"{i}1111111-2222-4333-8444-555555555555" for i in range(1, 7)]
+    for sid in sids:
+        (tree / f"{sid}.jsonl").write_bytes(_session(sid, ["shared question", f"own question of {sid[:1]}"]))
+    main = tree / f"{sids[-1]}.jsonl"
+    full = _session(sids[-1], ["shared question", f"own question of {sids[-1][:1]}", "one more"])
+    main.write_bytes(full)
+    _run([tree], tmp_path / "fresh", batch_bytes=1)
+    real = pq.ParquetFile.read_row_group
+    reads: dict[int, int] = {}
+    for keep in (1, 4):
+        monkeypatch.setattr(reuse, "KEEP_MESSAGE_GROUPS", keep)
+        main.write_bytes(b"".join(full.splitlines(keepends=True)[:-2]))
+        out = tmp_path / f"o{keep}"
+        _run([tree], out, batch_bytes=1)
+        main.write_bytes(full)
+        reads[keep] = 0
+
+        def counted(self: pq.ParquetFile, i: int, *a: Any, _k: int = keep, **kw: Any) -> pa.Table:
+            if kw.get("columns") is None and not a and self.schema_arrow.names[:2] == ["sha256", "kind"]:
+                reads[_k] += 1
+            return real(self, i, *a, **kw)
+
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+        _run([tree], out, batch_bytes=1)
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", real)
+        _same_outputs(tmp_path / "fresh", out)
+    assert 0 < reads[4] < reads[1], reads
+
+
+def test_the_content_hashes_taken_beforehand_are_those_reuse_compares(tmp_path: Path) -> None:
+    """manifest.hash_candidates hashes (on threads) every file of a group whose paths and sizes are
+    the previous run's, and no other: a grown file keeps no hash (its size tells already)."""
+    from ctxreplay.pipeline.batch.manifest import Prior, content_sha256, hash_candidates
+
+    files = {}
+    for name, data in (("a", b"x" * 5000), ("b", b"y" * 7000), ("c", b"z" * 100)):
+        (tmp_path / name).write_bytes(data)
+        files[name] = tmp_path / name
+    old = {"g1": {"files": [{"path": "a", "size": 5000, "fp": "old"}, {"path": "b", "size": 7000, "fp": "old"}]},
+           "g2": {"files": [{"path": "c", "size": 99, "fp": "old"}]}}
+    now = {"g1": [{"path": "a", "size": 5000}, {"path": "b", "size": 7000}], "g2": [{"path": "c", "size": 100}]}
+    hash_candidates(Prior(tmp_path, old, {}), now, files)
+    assert [f.get("fp") for f in now["g1"]] == [content_sha256(files["a"]), content_sha256(files["b"])]
+    assert "fp" not in now["g2"][0]
