@@ -1,11 +1,13 @@
 """What the runner keeps between batches: the output writers (one Parquet file per output, a row
-group appended per batch), and the totals and per-call facts that only make sense over the whole
+group appended per batch; on a re-run, the row group of a batch whose groups are all reused is
+copied as bytes from the previous run's file: Writers.keep, pipeline/batch/rgcopy.py), and the totals and per-call facts that only make sense over the whole
 run (the summary's counts, the prompt-cache simulation). See pipeline/batch/batchrun.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,15 +48,52 @@ class Writers:
         # per file: the batch index of each row group written (one row group per batch that has rows),
         # so that a re-run reads back only the row groups of the batches it reuses (manifest.json)
         self.row_groups: dict[str, list[int]] = {}
+        # per file, its row groups in order: ("new", i) the i-th this run encoded, or ("old", path, j)
+        # the j-th of a previous run's file, copied as bytes at close (pipeline/batch/rgcopy.py)
+        self.entries: dict[str, list[tuple[Any, ...]]] = {}
+        self.kept_row_groups = 0  # row groups copied from the previous run's files
 
-    def write_batch(self, tables: dict[str, pa.Table], batch: int) -> None:
+    def write_batch(self, tables: dict[str, pa.Table], batch: int, kept: dict[str, tuple[Path, int | None]] | None = None,
+                    ) -> None:
+        """A batch's rows appended to each output. `kept`: output name -> (previous run's file, the
+        row group of this batch there, or None when it had none): the batch's rows are those of
+        that row group (every group reused, the batch made of the same groups), so the row group
+        is copied as it is, not encoded again; `tables[name]` is not written then (blocks need not
+        even be read). messages.parquet's row group is copied only when this run keeps the same
+        messages in it (a message is written once, in the first batch that has it)."""
         crashpoints.phase("write")
         for name in FILES:
             table = tables[name]
             if name == "messages":
                 table = self._new_messages(table)
-            self.append(name, table, batch)
+            if kept is not None and name in kept and self._keepable(name, table, *kept[name]):
+                self.keep(name, *kept[name], batch)
+            else:
+                self.append(name, table, batch)
             crashpoints.point("write")
+
+    @staticmethod
+    def _keepable(name: str, table: pa.Table, path: Path, rg: int | None) -> bool:
+        if name == "blocks":  # not read back: the previous run's row group is the batch's rows
+            return True
+        if rg is None:
+            return not table.num_rows
+        if name != "messages":
+            return True
+        # the messages this run writes for the batch must be those the previous run wrote there
+        old = pq.ParquetFile(path).read_row_group(rg, columns=["sha256"]).column(0)
+        return old.to_pylist() == table.column("sha256").to_pylist()
+
+    def keep(self, name: str, path: Path, rg: int | None, batch: int) -> None:
+        """The `rg`-th row group of `path` (a previous run's output) as this batch's rows of `name`."""
+        if rg is None:
+            return
+        file = FILES.get(name, f"{name}.parquet")
+        if name not in self.open:  # this run's footer (its schema, its run id) needs a writer
+            self._open(name, pq.ParquetFile(path).schema_arrow)
+        self.entries.setdefault(file, []).append(("old", path, rg))
+        self.row_groups.setdefault(file, []).append(batch)
+        self.kept_row_groups += 1
 
     def _new_messages(self, t: pa.Table) -> pa.Table:
         keep = []
@@ -68,26 +107,33 @@ class Writers:
 
     def append(self, name: str, table: pa.Table, batch: int) -> None:
         file = FILES.get(name, f"{name}.parquet")
-        path = self.staging / file
         try:
-            w = self.open.get(name)
-            if w is None:
-                meta = {**(table.schema.metadata or {}), RUN_ID_KEY: self.run_id.encode()}
-                schema = table.schema.with_metadata(meta)
-                # without the Arrow schema in the file, dictionary-encoded columns read back as strings
-                plain = name == "call_messages" or any(f.name in SHARED for f in schema)
-                w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=not plain,
-                                                       write_statistics=statistics_columns(schema),
-                                                       use_dictionary=dictionary_columns(schema))
-                if plain:  # no Arrow schema: the run id (and the schema's own metadata) go in as the file's
-                    w.add_key_value_metadata(meta if name != "call_messages" else {RUN_ID_KEY: self.run_id.encode()})
+            w = self.open.get(name) or self._open(name, table.schema)
             if table.num_rows or w.schema is None:
                 if not table.schema.equals(w.schema, check_metadata=False):
                     table = table.cast(w.schema)
                 w.write_table(table.replace_schema_metadata(w.schema.metadata), row_group_size=max(table.num_rows, 1))
                 self.row_groups.setdefault(file, []).append(batch)
+                entries = self.entries.setdefault(file, [])
+                entries.append(("new", sum(1 for e in entries if e[0] == "new")))
         except OSError as exc:
             raise output_error(self.out_dir, exc) from exc
+
+    def _open(self, name: str, schema: pa.Schema) -> pq.ParquetWriter:
+        path = self.staging / FILES.get(name, f"{name}.parquet")
+        try:
+            meta = {**(schema.metadata or {}), RUN_ID_KEY: self.run_id.encode()}
+            schema = schema.with_metadata(meta)
+            # without the Arrow schema in the file, dictionary-encoded columns read back as strings
+            plain = name == "call_messages" or any(f.name in SHARED for f in schema)
+            w = self.open[name] = pq.ParquetWriter(path, schema, store_schema=not plain,
+                                                   write_statistics=statistics_columns(schema),
+                                                   use_dictionary=dictionary_columns(schema))
+            if plain:  # no Arrow schema: the run id (and the schema's own metadata) go in as the file's
+                w.add_key_value_metadata(meta if name != "call_messages" else {RUN_ID_KEY: self.run_id.encode()})
+        except OSError as exc:
+            raise output_error(self.out_dir, exc) from exc
+        return w
 
     def request_store(self, totals: Totals) -> dict[str, Any]:
         """The summary's `request_store` section."""
@@ -99,6 +145,10 @@ class Writers:
         try:
             for w in self.open.values():
                 w.close()
+            self.open = {}
+            for file, entries in self.entries.items():
+                if any(e[0] == "old" for e in entries):
+                    _assemble(self.staging / file, entries)
         except OSError as exc:
             raise output_error(self.out_dir, exc) from exc
         self.open = {}
@@ -108,6 +158,31 @@ class Writers:
             with contextlib.suppress(Exception):  # the run failed already; the staging dir is discarded
                 w.close()
         self.open = {}
+
+
+def _assemble(path: Path, entries: list[tuple[Any, ...]]) -> None:
+    """`path` (this run's row groups, as written) made into the output: its row groups and the
+    previous run's kept ones in batch order, copied as bytes (rgcopy.splice); when the files are
+    not of a shape that copies, every row group read and written again (the same rows)."""
+    from ctxreplay.pipeline.batch.rgcopy import splice
+
+    parts = [(path, e[1]) if e[0] == "new" else (e[1], e[2]) for e in entries]
+    if splice(path, path, parts):
+        return
+    f = pq.ParquetFile(path)
+    schema = f.schema_arrow
+    tmp = path.with_name(f".{path.name}.rebuilt")
+    store_schema = b"ARROW:schema" in (f.metadata.metadata or {})
+    with pq.ParquetWriter(tmp, schema, store_schema=store_schema, write_statistics=statistics_columns(schema),
+                          use_dictionary=dictionary_columns(schema)) as w:
+        if not store_schema:
+            w.add_key_value_metadata(f.metadata.metadata or {})
+        for src, i in parts:
+            t = pq.ParquetFile(src).read_row_group(i) if src != path else f.read_row_group(i)
+            if not t.schema.equals(schema, check_metadata=False):
+                t = t.cast(schema)
+            w.write_table(t.replace_schema_metadata(schema.metadata), row_group_size=max(t.num_rows, 1))
+    os.replace(tmp, path)
 
 
 # free-text columns (a block's text, a line, a message's canonical JSON, ...): no min / max statistics.

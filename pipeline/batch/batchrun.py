@@ -74,6 +74,10 @@ class BatchResult:
     reused: bool = False  # groups taken from the previous run (pipeline/batch/reuse.py)
     # reused rows read from one row group per output file: already in batchout.sorted_tables' order
     presorted: bool = False
+    # every group of the batch reused, the batch made of the same groups as in the previous run:
+    # output name -> (previous file, this batch's row group there or None), copied as bytes
+    # (batchout.Writers.write_batch); its blocks are not read
+    kept: dict[str, tuple[Any, int | None]] | None = None
 
 
 @dataclass

@@ -144,6 +144,27 @@ class Prior:
         return rec
 
 
+def hash_candidates(prior: Prior, files: dict[str, list[dict[str, Any]]], paths: dict[str, Path]) -> None:
+    """The content hashes Prior.reusable will compare, taken beforehand on a few threads (hashlib
+    lets go of the GIL while it hashes): every file of a group whose paths and sizes are those of
+    the previous run. A file that cannot be read gets no hash (reusable then says no)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = []
+    for key, fs in files.items():
+        rec = prior.groups.get(key)
+        if rec is None or any(x.get("size") is None for x in fs):
+            continue
+        if [(x["path"], x.get("size")) for x in rec["files"]] == [(x["path"], x.get("size")) for x in fs]:
+            todo.extend(f for f in fs if not f.get("fp") and f["path"] in paths)
+    if len(todo) < 2:
+        return
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        for f, fp in zip(todo, pool.map(lambda f: content_sha256(paths[f["path"]]), todo), strict=True):
+            if fp is not None:
+                f["fp"] = fp
+
+
 def prior(out_dir: Path, conf: dict[str, Any]) -> tuple[Prior | None, str]:
     """The previous run to reuse groups from, or None and why not."""
     from ctxreplay.pipeline.core.outdir import CURRENT, resolve_run
@@ -193,5 +214,5 @@ def write_manifest(run_dir: Path, conf: dict[str, Any], groups: list[dict[str, A
     os.replace(tmp, run_dir / MANIFEST_FILE)
 
 
-__all__ = ["FACTS_FILE", "MANIFEST_FILE", "Prior", "config", "content_sha256", "fingerprint", "group_files",
+__all__ = ["FACTS_FILE", "MANIFEST_FILE", "Prior", "config", "content_sha256", "fingerprint", "group_files", "hash_candidates",
            "load_from_dict", "load_to_dict", "prior", "same_files", "stat_file", "with_content", "write_manifest"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ from ctxreplay.schemas.blocks import BLOCKS
 from ctxreplay.schemas.check import empty_table
 
 KEYS = ["session_id", "thread_id", "call"]
+# row groups of the previous messages.parquet kept decoded between batches (a batch's messages lie in
+# its own row group and a few earlier ones; on the 190 MB tree 1-3 of 13, one of them always the first)
+KEEP_MESSAGE_GROUPS = 4
 
 
 def _reader(prior: Prior, batches: set[int]) -> Any:
@@ -74,12 +78,28 @@ def _messages(prior: Prior, shas: list[str]) -> pa.Table:
     where = {index.get(s) for s in shas}
     if None in where:  # not in the previous run's store: that run's outputs do not belong together
         return _reader(prior, {None})(path, "sha256", shas)
-    t = f.read_row_groups(sorted(where))  # type: ignore[type-var]
+    # a batch's messages lie in its own row group and in a few earlier ones (the first batch's most
+    # of all: what every session shares), so the last row groups read are kept for the next batches
+    recent = prior.cache.setdefault("message_groups", OrderedDict())
+    parts = []
+    for i in sorted(where):  # type: ignore[type-var]
+        got = recent.get(i)
+        if got is None:
+            got = recent[i] = f.read_row_group(i)
+            if len(recent) > KEEP_MESSAGE_GROUPS:
+                recent.popitem(last=False)
+        else:
+            recent.move_to_end(i)
+        parts.append(got)
+    t = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
     return t.filter(pc.is_in(t.column("sha256"), pa.array(shas, t.schema.field("sha256").type)))
 
 
-def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging: Path) -> BatchResult:
-    """The reused groups of one batch as a BatchResult (no new decisions, no stage time)."""
+def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging: Path,
+                kept: dict[str, tuple[Path, int | None]] | None = None) -> BatchResult:
+    """The reused groups of one batch as a BatchResult (no new decisions, no stage time). `kept`
+    (kept_row_groups): the batch's row groups are copied as they are, so its blocks, which
+    nothing else needs, are not read."""
     run = prior.run_dir
     batches = {r.get("batch") for r in records}
     _read = _reader(prior, batches)
@@ -88,11 +108,20 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
     quarantine = _read(run / "quarantine.parquet", "file", files)
     loaded = _loaded(records, quarantine)
     call_messages = _read(run / CALL_MESSAGES_FILE, "session_id", sessions)
-    shas = sorted(set(call_messages.column("sha256").to_pylist()))
+    listed = set(call_messages.column("sha256").to_pylist())
+    if kept is not None and kept["messages"][1] is not None:
+        # with the messages of the batch's own row group: messages.parquet can hold a message that no
+        # call_messages row lists (one in the corpus' OpenClaw sessions), and a fresh run writes it
+        # with its batch (tests/test_append.py, the corpus case)
+        path, rg = kept["messages"]
+        listed.update(pq.ParquetFile(path).read_row_group(rg, columns=["sha256"]).column(0).to_pylist())
+    shas = sorted(listed)
     calls = pl.from_arrow(_read(run / "calls.parquet", "session_id", sessions))
     decisions = _read(run / "decisions.parquet", "session_id", sessions)
     assert isinstance(calls, pl.DataFrame)
-    tables = {"blocks": _read(run / "blocks.parquet", "session_id", sessions), "quarantine": quarantine,
+    blocks = empty_table(pq.read_schema(run / "blocks.parquet")) if kept is not None \
+        else _read(run / "blocks.parquet", "session_id", sessions)
+    tables = {"blocks": blocks, "quarantine": quarantine,
               "decisions": decisions, "messages": _messages(prior, shas),
               "call_messages": call_messages}
     facts = pl.from_arrow(_read(run / FACTS_FILE, "session_id", sessions))
@@ -112,7 +141,31 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
                        applied)
     # the rows of one previous row group each, in the order they were written (sorted_tables')
     presorted = len(batches) == 1 and not _read.scanned  # type: ignore[attr-defined]
-    return BatchResult(index, loaded, out, [], reused=True, presorted=presorted)
+    return BatchResult(index, loaded, out, [], reused=True, presorted=presorted, kept=kept)
+
+
+def kept_row_groups(index: int, keys: set[str], reused: dict[str, dict[str, Any]], prior: Prior,
+                    ) -> dict[str, tuple[Path, int | None]] | None:
+    """Output name -> (previous file, the row group of batch `index` there, or None when it had
+    no rows there), when batch `index` is made of the groups `keys` exactly as in the previous
+    run and all of them are reused: its rows are then that row group of each file, as a cold run
+    would write them (the groups' rows are kept whole, sorted within the batch). None otherwise."""
+    from ctxreplay.pipeline.batch.batchout import FILES
+
+    before = {k for k, r in prior.groups.items() if r.get("batch") == index}
+    if not keys or before != keys or any(k not in reused for k in keys):
+        return None
+    out: dict[str, tuple[Path, int | None]] = {}
+    for name, file in [*FILES.items(), ("call_facts", FACTS_FILE)]:
+        path = prior.run_dir / file
+        n = prior.cache.setdefault("row_groups", {}).get(file)
+        if n is None:
+            n = prior.cache["row_groups"][file] = pq.ParquetFile(path).metadata.num_row_groups
+        where = prior.row_groups.get(file, [] if n == 0 else None)  # no row group: not listed
+        if where is None or len(where) != n or where.count(index) > 1:
+            return None
+        out[name] = (path, where.index(index) if index in where else None)
+    return out
 
 
 def _loaded(records: list[dict[str, Any]], quarantine: pa.Table) -> LoadResult:
@@ -250,4 +303,4 @@ def reuse_all(records: list[dict[str, Any]], prior: Prior, staging: Path, run_id
     return _loaded(records, pq.ParquetFile(run / "quarantine.parquet").read()), None
 
 
-__all__ = ["copy_parquet", "link_requests", "link_spills", "reuse_all", "reuse_batch"]
+__all__ = ["copy_parquet", "kept_row_groups", "link_requests", "link_spills", "reuse_all", "reuse_batch"]

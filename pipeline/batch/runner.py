@@ -289,6 +289,7 @@ class _Plan:
         paths = {path_str(f): f for b in batches for g in b.groups for f in g.files}
         reused = {}
         if prior is not None:
+            manifest.hash_candidates(prior, files, paths)
             for key, fs in files.items():
                 rec = prior.reusable(key, fs, paths)
                 if rec is not None:
@@ -323,7 +324,7 @@ class _Plan:
 def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_: _Plan,
                  staging: Path) -> list[BatchResult]:
     """The batch's groups that ran again (`result` of run_batch over `fresh`) and those reused."""
-    from ctxreplay.pipeline.batch.reuse import link_spills, reuse_batch
+    from ctxreplay.pipeline.batch.reuse import kept_row_groups, link_spills, reuse_batch
 
     parts = []
     if result is not None:
@@ -333,7 +334,9 @@ def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_
     old = [plan_.reused[g.key] for g in batch.groups if g.key in plan_.reused]
     if old:
         assert plan_.prior is not None
-        parts.append(reuse_batch(batch.index, old, plan_.prior, staging))
+        kept = None if result is not None else \
+            kept_row_groups(batch.index, {g.key for g in batch.groups}, plan_.reused, plan_.prior)
+        parts.append(reuse_batch(batch.index, old, plan_.prior, staging, kept))
         link_spills(plan_.prior.run_dir, staging)
     return parts
 
@@ -395,9 +398,13 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
         totals.add(p)
     if outs:
         tables = sorted_tables([o.tables for o in outs], presorted=len(parts) == 1 and parts[0].presorted)
-        writers.write_batch(tables, parts[0].index)
+        kept = parts[0].kept if len(parts) == 1 else None
+        writers.write_batch(tables, parts[0].index, kept)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
-        writers.append("call_facts", facts.to_arrow(), parts[0].index)
+        if kept is not None and (kept["call_facts"][1] is not None or not facts.height):
+            writers.keep("call_facts", *kept["call_facts"], parts[0].index)
+        else:
+            writers.append("call_facts", facts.to_arrow(), parts[0].index)
         totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"),
                          pl.concat([o.calls.select("thread_key", "call", "is_pending") for o in outs]))
 
