@@ -215,3 +215,29 @@ def test_boot_reads_the_state_from_bytes_or_from_its_file(tmp_path: Path, monkey
     workerboot.boot(f"{mod.__name__}:init", path)
     workerboot.boot(f"{mod.__name__}:init", pickle.dumps([2]))
     assert got == [{"a": 1}, [2]]
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="pthread_kill")
+def test_a_ctrl_c_another_thread_takes_while_workers_spawn_is_raised_after_the_spawn() -> None:
+    """The kernel may hand a Ctrl-C to any thread that does not block it (polars', the pool's);
+    Python then raised KeyboardInterrupt in the main thread inside the pool's `submit`, holding its
+    lock (the shutdown that followed waited for it for good: a run hung) or cutting a worker's
+    start-up data (its `EOFError` traceback). It is raised once the spawn is over."""
+    import threading
+
+    from ctxreplay.pipeline.batch.workers import _sigint_blocked
+
+    go = threading.Event()
+    other = threading.Thread(target=go.wait, daemon=True)
+    other.start()  # started before the block: SIGINT is not blocked there
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_blocked():
+            assert other.ident is not None
+            signal.pthread_kill(other.ident, signal.SIGINT)
+            for _ in range(50):
+                time.sleep(0.002)  # Python would run its handler here
+            reached.append(True)
+    go.set()
+    assert reached == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

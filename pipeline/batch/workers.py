@@ -57,18 +57,36 @@ class SnapshotCache:
 
 @contextlib.contextmanager
 def _sigint_blocked() -> Iterator[None]:
-    """SIGINT held back in this thread while workers are spawned (issue 23, item 8): a spawned
-    process inherits the signal mask, so a Ctrl-C during its start-up (importing, unpickling its
-    state) stays pending there until `workerboot.boot` ignores it, instead of a KeyboardInterrupt traceback.
-    Here, the Ctrl-C is delivered when the mask is restored: it is deferred, not lost."""
+    """Ctrl-C held back while workers are spawned (issue 23, item 8), in two ways.
+
+    - The signal is blocked in this thread: a spawned process inherits the mask, so a Ctrl-C during
+      its start-up (importing, unpickling its state) stays pending there until `workerboot.boot`
+      ignores it, instead of a KeyboardInterrupt traceback.
+    - Python's handler only notes it: blocking it here does not keep the kernel from handing the
+      signal to another of this process's threads (polars', the pool's), and Python then raises
+      KeyboardInterrupt in this thread all the same, inside `submit`, which holds the pool's lock
+      and may be writing a worker's start-up data: the pool's shutdown then waited for that lock
+      for good (1 Ctrl-C in 20 hung a run, bench_signals on a 50 MB tree) and the worker read a
+      cut pipe (`EOFError: Ran out of input`, its traceback).
+
+    The Ctrl-C is delivered when both are restored: deferred, not lost."""
     if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
         yield
         return
+    noted: list[int] = []
+    handler = signal.getsignal(signal.SIGINT)
+    deferring = callable(handler)
+    if deferring:
+        signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if deferring:
+            signal.signal(signal.SIGINT, handler)
+            if noted:
+                handler(signal.SIGINT, None)  # type: ignore[operator]
 
 
 def init(state: tuple[Any, ...]) -> None:
