@@ -39,9 +39,10 @@ Internal control-flow exceptions that never reach a user stay private where they
 caught, and are not part of this hierarchy: `WorkerBug` (ctxreplay.pipeline.batch.rayengine: a
 worker's bug carried back as a traceback), `_Remote` (ctxreplay.pipeline.staging.isolation: a stand-in that carries a plug-in's
 traceback text out of its process into a file), `NotToml` (ctxreplay.pipeline.staging.spec_init: a
-value with no TOML form, shown as its repr instead) and `NotARegularFile` (ctxreplay.pipeline.loaders.inputs:
+value with no TOML form, shown as its repr instead), `NotARegularFile` (ctxreplay.pipeline.loaders.inputs:
 an OSError for a listed input that turned out a FIFO, a device or a directory; the run lists the file
-under skipped_files and goes on).
+under skipped_files and goes on) and `_Unexpected` (ctxreplay.pipeline.batch.rgcopy: a previous
+output's Parquet footer it does not expect; the batch is then encoded again instead of copied).
 """
 
 from __future__ import annotations

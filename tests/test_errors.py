@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ["ctxreplay", "pipeline", "stages", "schemas"]
 
 # internal control flow: raised and caught inside ctxreplay, never shown to a user as such
-PRIVATE = {"WorkerBug", "_Remote", "NotToml", "NotARegularFile"}
+PRIVATE = {"WorkerBug", "_Remote", "NotToml", "NotARegularFile",
+           "_Unexpected"}  # rgcopy: a footer it does not expect; caught there, the batch re-encoded
 # the CLI's wrapper that shows a CtxReplayError (pipeline/commands/cli.py)
 CLI_SHOWN = "_Shown"
 
