@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ctxreplay.pipeline.batch import rgcopy
-from tests.test_scale import _cc_line, _run, _same_outputs, _summary_core, _tree
+from tests.test_scale import _cc_line, _run, _run_before_the_last_lines, _same_outputs, _summary_core, _tree
 
 SID_A = "11111111-2222-4333-8444-555555555555"
 SID_B = "99999999-2222-4333-8444-555555555555"
@@ -91,12 +91,7 @@ def _count_splices(monkeypatch: pytest.MonkeyPatch, result: bool | None = None) 
 @pytest.mark.parametrize("splice_works", [True, False])
 def test_a_grown_file_copies_the_other_batches_row_groups_and_equals_a_fresh_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, splice_works: bool) -> None:
-    tree = _tree(tmp_path)
-    main = next((tree / "samples" / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
-    full = main.read_bytes()
-    main.write_bytes(b"".join(full.splitlines(keepends=True)[:-4]))
-    out = tmp_path / "o"
-    _run([tree], out, batch_bytes=1)
+    tree, main, full, out = _run_before_the_last_lines(tmp_path)
     main.write_bytes(full)
     copied = _count_splices(monkeypatch, None if splice_works else False)
     grown = _run([tree], out, batch_bytes=1)

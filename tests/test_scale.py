@@ -141,6 +141,18 @@ def _tree(tmp: Path) -> Path:
     return tree
 
 
+def _run_before_the_last_lines(tmp_path: Path) -> tuple[Path, Path, bytes, Path]:
+    """A tree of the samples and fixtures whose main Claude Code session lacks its last 4 lines, run
+    in batches of one group into OUT: (tree, that file, its whole bytes, OUT)."""
+    tree = _tree(tmp_path)
+    main = next((tree / "samples" / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
+    full = main.read_bytes()
+    main.write_bytes(b"".join(full.splitlines(keepends=True)[:-4]))
+    out = tmp_path / "o"
+    _run([tree], out, batch_bytes=1)
+    return tree, main, full, out
+
+
 def _same_outputs(a: Path, b: Path) -> None:
     x, y = _outputs(a), _outputs(b)
     for name in x:
@@ -195,12 +207,7 @@ def test_a_run_whose_call_facts_lack_a_column_is_not_reused(tmp_path: Path) -> N
     """The per-call facts gained `strip_from_call` (the calibration's thinking-strip evidence): the
     facts of a run made before (manifest version 3) cannot go beside a new batch's, so such a run is
     not reused; a grown file then runs everything again instead of failing on the facts' schema."""
-    tree = _tree(tmp_path)
-    main = next((tree / "samples" / "claude-projects").rglob("5f0c1d2e-*.jsonl"))
-    full = main.read_bytes()
-    main.write_bytes(b"".join(full.splitlines(keepends=True)[:-4]))
-    out = tmp_path / "o"
-    _run([tree], out, batch_bytes=1)
+    tree, main, full, out = _run_before_the_last_lines(tmp_path)
     run_dir = (out / "current").resolve()
     facts = run_dir / "call_facts.parquet"
     pl.read_parquet(facts).drop("strip_from_call").write_parquet(facts)      # as a version 3 run wrote them

@@ -61,6 +61,7 @@ from ctxreplay.pipeline.loaders.base import (
     path_str,
     session_id_from_name,
 )
+from ctxreplay.pipeline.loaders.inputs import first_bytes
 
 FORMAT = "codex"
 ROLLOUT_TYPES = {"session_meta", "response_item", "event_msg", "turn_context", "compacted"}
@@ -89,12 +90,8 @@ def is_rollout_file(path: Path) -> bool:
     """Whether a file is a Codex rollout, from its first bytes only: its first line's opening as
     Codex writes it (a long first line need not be read whole), else a first line of at most
     64 KiB that the sniffer takes. A FIFO, device or folder is none (never opened)."""
-    if not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(65536)
-    except OSError:
+    head = first_bytes(path)
+    if head is None:
         return False
     if _ROLLOUT_HEAD.match(head):
         return True

@@ -65,6 +65,7 @@ from ctxreplay.pipeline.loaders.base import (
     scrub,
     session_id_from_name,
 )
+from ctxreplay.pipeline.loaders.inputs import first_bytes
 
 FORMAT = "gemini_cli"            # the JSONL record stream (and the source_format of every row)
 FORMAT_JSON = "gemini_cli_json"  # the older whole-document session-*.json
@@ -782,12 +783,8 @@ def is_session_file(path: Path) -> bool | None:
     """True for a Gemini CLI session file, False for a JSONL transcript of another format, None for
     anything else (a `.json` that is no Gemini session, an empty, unreadable or special file):
     judged from the file's first bytes only."""
-    if not path.is_file():
-        return None
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(65536)
-    except OSError:
+    head = first_bytes(path)
+    if head is None:
         return None
     if path.name.endswith(".json"):
         return True if sniff_document(None, head) else None

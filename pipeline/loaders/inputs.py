@@ -291,6 +291,18 @@ def head(path: Path | str, n: int = LONG_LINE_PREFIX) -> tuple[bytes, int, str]:
     return first, size, h.hexdigest()
 
 
+def first_bytes(path: Path, n: int = 65536) -> bytes | None:
+    """A regular file's first `n` bytes, to tell its format; None for a FIFO, a device or a folder
+    (never opened) and for a file that cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(n)
+    except OSError:
+        return None
+
+
 def unreadable(path: Path | str, exc: OSError) -> dict[str, str]:
     """The `skipped_files` entry of an input that could not be read: gone since it was listed (deleted,
     or renamed: OpenClaw renames a session file to `*.jsonl.deleted.<time>` on every reset), not a
@@ -407,5 +419,5 @@ def _walk(root: Path, wanted: Callable[[str], bool], follow: bool,
 
 
 __all__ = ["DEFAULT_MAX_LINE_BYTES", "FOLLOW_LINKS", "MAX_LINE_BYTES", "Lines", "LongLine", "NotARegularFile",
-           "file_kind", "head", "list_files", "max_line_bytes", "open_input", "path_str", "raw_lines", "read_document",
+           "file_kind", "first_bytes", "head", "list_files", "max_line_bytes", "open_input", "path_str", "raw_lines", "read_document",
            "read_file", "read_lines", "unreadable"]
