@@ -23,6 +23,12 @@ from typing import Any
 INTERRUPTED = b"ctxreplay: interrupted\n"
 TERMINATED = b"ctxreplay: terminated (SIGTERM)\n"
 
+# Threads of a stopped worker pool that could not end (pipeline/batch/workers.py `_stop`): a worker
+# killed while it was writing a result leaves its message cut in the result pipe, whose write end
+# this process holds too, so the pool's thread waits for the rest of it for good; Python's exit
+# would join it. `main` then ends the process itself once the command is done.
+STUCK: list[Any] = []
+
 
 def exit_at_once(signum: int) -> None:
     """End the process now for SIGINT (130) or SIGTERM (143) with one line, never a traceback.
@@ -65,8 +71,19 @@ def main() -> None:
     ours = install()
     from ctxreplay.pipeline.commands.cli import main as cli_main
 
+    status = 0
     try:
         cli_main()
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        raise
     finally:
         if ours:  # (a handler someone else set is theirs to keep)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if any(t.is_alive() for t in STUCK):  # the command is done: what it printed is flushed
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except BaseException:  # noqa: BLE001, S110 - exiting either way
+                    pass
+            os._exit(status)

@@ -241,3 +241,43 @@ def test_a_ctrl_c_another_thread_takes_while_workers_spawn_is_raised_after_the_s
     go.set()
     assert reached == [True]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_pool_whose_worker_died_mid_result_is_noted_stuck_and_the_command_line_exits(tmp_path: Path) -> None:
+    """A worker killed while writing its result leaves the message cut in the result pipe, whose
+    write end the parent holds too: the pool's thread waits for the rest for good and Python's exit
+    joined it (a Ctrl-C in 10-20 hung the run, bench_signals on a 50 MB tree). `_stop` notes such a
+    thread (ctxreplay.entry.STUCK) within its bounded wait, and the entry point then ends the process
+    with the command's status once the command is done."""
+    script = (
+        "import multiprocessing, os, sys, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from ctxreplay import entry\n"
+        "from ctxreplay.pipeline.batch import workers\n"
+        "from tests import poolkit\n"
+        "if __name__ == '__main__':\n"
+        "    ex = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'))\n"
+        "    ex.submit(poolkit.die_mid_result)\n"
+        "    time.sleep(3)\n"
+        "    t0 = time.monotonic()\n"
+        "    workers._stop(ex)\n"
+        "    print(len(entry.STUCK), all(t.is_alive() for t in entry.STUCK), round(time.monotonic() - t0), flush=True)\n"
+        "    os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    stuck, alive, took = r.stdout.split()
+    assert (stuck, alive) == ("1", "True") and int(took) <= 10, r.stderr
+    # the entry point: a command that leaves such a thread ends with its status, not in Python's join
+    main = (
+        "import sys, threading\n"
+        "from ctxreplay import entry\n"
+        "import ctxreplay.pipeline.commands.cli as cli\n"
+        "def command():\n"
+        "    t = threading.Thread(target=threading.Event().wait)\n"
+        "    t.start()\n"
+        "    entry.STUCK.append(t)\n"
+        "    print('interrupted', file=sys.stderr)\n"
+        "    raise SystemExit(130)\n"
+        "cli.main = command\n"
+        "entry.main()\n")
+    r = subprocess.run([sys.executable, "-c", main], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr.strip()) == (130, "interrupted")

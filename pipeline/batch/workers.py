@@ -182,6 +182,7 @@ def _stop(ex: ProcessPoolExecutor) -> None:
     than waited for, then the pool shut down, which frees its queues and their semaphores (no
     `leaked semaphore` warning)."""
     procs = list((getattr(ex, "_processes", None) or {}).values())
+    manager = getattr(ex, "_executor_manager_thread", None)  # (shutdown forgets it)
     ex.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         with contextlib.suppress(Exception):
@@ -196,7 +197,18 @@ def _stop(ex: ProcessPoolExecutor) -> None:
         ex._call_queue.cancel_join_thread()  # type: ignore[attr-defined]
     done = threading.Thread(target=_shutdown_quietly, args=(ex,), name="ctxreplay-pool-shutdown", daemon=True)
     done.start()
-    done.join(10)
+    done.join(STOP_WAIT_S)
+    # a worker killed while writing its result leaves the message cut in the result pipe (this
+    # process holds its write end too): the pool's thread waits for the rest for good, and Python's
+    # exit would join it (1 Ctrl-C in 10-20 hung a run, bench_signals on a 50 MB tree). The command
+    # line then ends the process once the command is done (ctxreplay.entry.STUCK)
+    if manager is not None and manager.is_alive():
+        from ctxreplay import entry
+
+        entry.STUCK.append(manager)
+
+
+STOP_WAIT_S = 3.0  # the pool's own shutdown after its workers were killed: well under a second
 
 
 def _shutdown_quietly(ex: ProcessPoolExecutor) -> None:
