@@ -105,6 +105,40 @@ def test_an_empty_directory_is_used_and_becomes_ours(tmp_path: Path) -> None:
     assert set(record["links"]) == {p.name for p in (out / ".runs" / shown.run_id).iterdir()}
 
 
+def test_a_new_out_that_holds_only_a_record_temp_file_is_taken_and_cleaned(tmp_path: Path) -> None:
+    """A Ctrl-C while the first run of a new OUT wrote its record left `.ctxreplay-out.json.tmp-*`
+    and nothing else (bench_signals, 1 SIGINT in 20): the next run refused OUT as not ours. Such a
+    file is ours by its name; one that only looks like it is still foreign."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / f"{OWNED}.tmp-475d404c").write_bytes(b'{"format": "ctxre')
+    res = _run(out)
+    assert out_state(out).run_id == res.summary["run_id"]
+    assert not [p for p in out.iterdir() if p.name.startswith(f"{OWNED}.tmp-")]
+    other = tmp_path / "p"
+    other.mkdir()
+    (other / f"{OWNED}.tmp-mine").write_bytes(b"not ctxreplay's")
+    r = _cli("run", *ARGS, "--out", str(other))
+    assert "is not a ctxreplay output directory" in _paragraph(r)
+    assert sorted(p.name for p in other.iterdir()) == [f"{OWNED}.tmp-mine"]
+
+
+def test_a_record_write_stopped_by_ctrl_c_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ctxreplay.pipeline.core import outdir
+
+    out = tmp_path / "o"
+    out.mkdir()
+    od = outdir.OutputDir(out)
+
+    def interrupted(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outdir.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        od.adopt()
+    assert list(out.iterdir()) == []
+
+
 def test_out_empty_string_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()

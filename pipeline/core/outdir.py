@@ -56,6 +56,7 @@ CURRENT = "current"
 LOCK = ".lock"
 # what ctxreplay made in OUT: the runs it staged and the links it published (see the module docstring)
 OWNED = ".ctxreplay-out.json"
+_RECORD_TEMP = re.compile(re.escape(OWNED) + r"\.tmp-[0-9a-f]{8}")
 OUT_FORMAT = "ctxreplay-out"
 # every name a run may publish in OUT (a link into current/): a foreign file of one of these names is
 # in a run's way; it is refused, never replaced (tests/test_foreign_outputs.py checks a run's names)
@@ -254,7 +255,9 @@ class OutputDir:
         elif self._today_layout():
             pass  # written by a ctxreplay before OWNED: adopted under the lock (adopt)
         else:
-            foreign = [n for n in names if n not in {LOCK, *own}]
+            # a temp file of our record is ours by its name: a run stopped (Ctrl-C) while writing the
+            # record of a new OUT left it and nothing else; the next run takes OUT and removes it
+            foreign = [n for n in names if n not in {LOCK, *own} and not self._is_record_temp(n)]
             if foreign:
                 raise OutputError(
                     f"--out {p} is not a ctxreplay output directory: it holds {_describe(foreign)} and no {OWNED} "
@@ -273,6 +276,11 @@ class OutputDir:
                           f"(not in {OWNED}) but where a run writes its outputs; ctxreplay does not replace files "
                           f"it did not write. Move {'it' if len(names) == 1 else 'them'} out of {self.path}, or "
                           f"pass another --out")
+
+    def _is_record_temp(self, name: str) -> bool:
+        """A temp file `_save_record` writes (`.ctxreplay-out.json.tmp-` and 8 hex digits), a plain file."""
+        f = self.path / name
+        return _RECORD_TEMP.fullmatch(name) is not None and f.is_file() and not f.is_symlink()
 
     def _today_layout(self) -> bool:
         """OUT written by a ctxreplay of before OWNED: `current` links to a run directory in .runs
@@ -333,9 +341,11 @@ class OutputDir:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.record_path)
-        except OSError as exc:
+        except BaseException as exc:  # a Ctrl-C too: no temp file is left for the next run to judge
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            if not isinstance(exc, OSError):
+                raise
             raise OutputError(f"cannot write {self.record_path}: {exc.strerror or exc}. Pass an --out you can "
                               f"write to") from exc
         _fsync_dir(self.path)
@@ -422,7 +432,7 @@ class OutputDir:
                 if rid != keep:
                     removed += self._remove_run(rid)
             for f in sorted(self.path.iterdir()):
-                if f.name.startswith(f"{OWNED}.tmp-") and f.is_file() and not f.is_symlink():
+                if self._is_record_temp(f.name):
                     f.unlink()
                     removed.append(f.name)
         except OSError as exc:
