@@ -23,11 +23,9 @@ from typing import Any
 INTERRUPTED = b"ctxreplay: interrupted\n"
 TERMINATED = b"ctxreplay: terminated (SIGTERM)\n"
 
-# Threads of a stopped worker pool that could not end (pipeline/batch/workers.py `_stop`): a worker
-# killed while it was writing a result leaves its message cut in the result pipe, whose write end
-# this process holds too, so the pool's thread waits for the rest of it for good; Python's exit
-# would join it. `main` then ends the process itself once the command is done.
-STUCK: list[Any] = []
+# where a stopped worker pool notes the threads of its own that could not end (`STUCK`): a module of
+# the standard library only, looked up, not imported (a command that ran no pool never loaded it)
+POOL_NOTES = "ctxreplay.pipeline.batch.workerboot"
 
 
 def exit_at_once(signum: int) -> None:
@@ -80,7 +78,9 @@ def main() -> None:
     finally:
         if ours:  # (a handler someone else set is theirs to keep)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if any(t.is_alive() for t in STUCK):  # the command is done: what it printed is flushed
+        notes = sys.modules.get(POOL_NOTES)
+        if notes is not None and any(t.is_alive() for t in getattr(notes, "STUCK", ())):
+            # the command is done (what it printed is flushed); Python's exit would join those threads
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()

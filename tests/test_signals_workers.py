@@ -193,7 +193,7 @@ def test_the_workers_state_goes_through_a_file_and_the_spawn_pipe_stays_small(tm
     s = run([ROOT / "data" / "samples", ROOT / "tests" / "fixtures" / "loaders"], load_spec(preset="default"),
             RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, jobs=2, batch_bytes=20_000)).summary
     assert s["groups"]["batches"] > 3 and len(seen) == 1 and len(written) == 1
-    init, state, parent = seen[0]
+    _init, state, parent = seen[0]
     assert state == written[0] and isinstance(state, str) and parent == os.getpid()
     assert len(pickle.dumps(seen[0])) < 4096  # the pipe takes it whole (a pipe holds 64 KiB)
     assert not Path(written[0]).exists()
@@ -231,13 +231,12 @@ def test_a_ctrl_c_another_thread_takes_while_workers_spawn_is_raised_after_the_s
     other = threading.Thread(target=go.wait, daemon=True)
     other.start()  # started before the block: SIGINT is not blocked there
     reached = []
-    with pytest.raises(KeyboardInterrupt):
-        with _sigint_blocked():
-            assert other.ident is not None
-            signal.pthread_kill(other.ident, signal.SIGINT)
-            for _ in range(50):
-                time.sleep(0.002)  # Python would run its handler here
-            reached.append(True)
+    with pytest.raises(KeyboardInterrupt), _sigint_blocked():
+        assert other.ident is not None
+        signal.pthread_kill(other.ident, signal.SIGINT)
+        for _ in range(50):
+            time.sleep(0.002)  # Python would run its handler here
+        reached.append(True)
     go.set()
     assert reached == [True]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -247,13 +246,12 @@ def test_a_pool_whose_worker_died_mid_result_is_noted_stuck_and_the_command_line
     """A worker killed while writing its result leaves the message cut in the result pipe, whose
     write end the parent holds too: the pool's thread waits for the rest for good and Python's exit
     joined it (a Ctrl-C in 10-20 hung the run, bench_signals on a 50 MB tree). `_stop` notes such a
-    thread (ctxreplay.entry.STUCK) within its bounded wait, and the entry point then ends the process
+    thread (workerboot.STUCK) within its bounded wait, and the entry point then ends the process
     with the command's status once the command is done."""
     script = (
         "import multiprocessing, os, sys, time\n"
         "from concurrent.futures import ProcessPoolExecutor\n"
-        "from ctxreplay import entry\n"
-        "from ctxreplay.pipeline.batch import workers\n"
+        "from ctxreplay.pipeline.batch import workerboot, workers\n"
         "from tests import poolkit\n"
         "if __name__ == '__main__':\n"
         "    ex = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'))\n"
@@ -261,23 +259,24 @@ def test_a_pool_whose_worker_died_mid_result_is_noted_stuck_and_the_command_line
         "    time.sleep(3)\n"
         "    t0 = time.monotonic()\n"
         "    workers._stop(ex)\n"
-        "    print(len(entry.STUCK), all(t.is_alive() for t in entry.STUCK), round(time.monotonic() - t0), flush=True)\n"
+        "    print(len(workerboot.STUCK), all(t.is_alive() for t in workerboot.STUCK), round(time.monotonic() - t0), flush=True)\n"
         "    os._exit(0)\n")
-    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     stuck, alive, took = r.stdout.split()
     assert (stuck, alive) == ("1", "True") and int(took) <= 10, r.stderr
     # the entry point: a command that leaves such a thread ends with its status, not in Python's join
     main = (
         "import sys, threading\n"
         "from ctxreplay import entry\n"
+        "from ctxreplay.pipeline.batch import workerboot\n"
         "import ctxreplay.pipeline.commands.cli as cli\n"
         "def command():\n"
         "    t = threading.Thread(target=threading.Event().wait)\n"
         "    t.start()\n"
-        "    entry.STUCK.append(t)\n"
+        "    workerboot.STUCK.append(t)\n"
         "    print('interrupted', file=sys.stderr)\n"
         "    raise SystemExit(130)\n"
         "cli.main = command\n"
         "entry.main()\n")
-    r = subprocess.run([sys.executable, "-c", main], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", main], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert (r.returncode, r.stderr.strip()) == (130, "interrupted")

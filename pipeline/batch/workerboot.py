@@ -22,6 +22,13 @@ import time
 
 PR_SET_PDEATHSIG = 1
 
+# Threads of a stopped worker pool that could not end (pipeline/batch/workers.py `_stop`): a worker
+# killed while it was writing a result leaves its message cut in the result pipe, whose write end
+# the parent holds too, so the pool's thread waits for the rest of it for good, and Python's exit
+# would join it. The command line's entry point (ctxreplay/entry.py) then ends the process itself
+# once the command is done.
+STUCK: list[threading.Thread] = []
+
 
 def die_with_parent(parent: int) -> None:
     """A worker exits when the process that started it dies (killed with SIGKILL, or by the OOM

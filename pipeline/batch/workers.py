@@ -201,11 +201,9 @@ def _stop(ex: ProcessPoolExecutor) -> None:
     # a worker killed while writing its result leaves the message cut in the result pipe (this
     # process holds its write end too): the pool's thread waits for the rest for good, and Python's
     # exit would join it (1 Ctrl-C in 10-20 hung a run, bench_signals on a 50 MB tree). The command
-    # line then ends the process once the command is done (ctxreplay.entry.STUCK)
+    # line then ends the process once the command is done (workerboot.STUCK)
     if manager is not None and manager.is_alive():
-        from ctxreplay import entry
-
-        entry.STUCK.append(manager)
+        workerboot.STUCK.append(manager)
 
 
 STOP_WAIT_S = 3.0  # the pool's own shutdown after its workers were killed: well under a second
