@@ -51,6 +51,22 @@ parent died; OUT none 9 / previous 9 / new 2, ledger absent 6 / as before 11 / o
 re-run exit 0 with the clean run's request hashes: 0 inconsistent states. The three -2 were each a
 Ctrl-C while Python tore down after a finished, published run; the entry point now ignores Ctrl-C once
 the command has returned (ctxreplay/entry.py; tests/test_startup_sigint.py).
+
+2026-12-04, the same 16.5 MB tree (`--seed 0`, clean run 8.0 s, signals at 0.2-6.4 s): SIGINT exit
+130 in 13, 0 in 7; SIGKILL -9 in 6, 0 in 14; 0 tracebacks, 0 left, 0 inconsistent. Runs that short
+mostly end before the signal, so the 50 MB tree of `gen_tree.py --size 50MB` (2,944 calls, a clean
+run 3.8-7 s) was tried too, and found four defects, each in 1 or 2 trials of 20: a Ctrl-C hung the
+run (py-spy: Python's exit joining the pool's thread, blocked reading a result a killed worker had
+cut; and, once, KeyboardInterrupt raised inside the pool's submit, which holds its lock); a SIGKILL
+left a worker's `UnpicklingError: pickle data was truncated` (its state came through the spawn's
+pipe) and a Ctrl-C a worker's `EOFError`; a Ctrl-C while a new OUT's record was written left only
+its temp file, and the next run refused OUT. Fixed in pipeline/batch/workers.py, workerboot.py,
+ctxreplay/entry.py and pipeline/core/outdir.py (tests/test_signals_workers.py,
+tests/test_foreign_outputs.py). After the fixes (`--seed 4`, clean run 4.7 s,
+signals at 0.2-3.8 s, all mid-run): SIGINT, 20 trials: exit 130 in 20, 0 tracebacks, 0 internal
+errors, 0 left; OUT none 10 / previous 10, ledger absent 1 / as before 19. SIGKILL, 20 trials: exit
+-9 in 20, 0 tracebacks, 0 left 5 s after the parent died; OUT none 10 / previous 10, ledger as
+before 20. Every re-run exit 0 with the clean run's request hashes: 0 inconsistent states.
 """
 
 from __future__ import annotations
