@@ -62,10 +62,12 @@ CORPUS = ROOT.parent / "shared" / "corpus"
 FENCE = re.compile(r"^(\s*)(```+)\s*([\w+-]*)\s*$")
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 ELLIPSIS = "..."
-# run ids and timings differ from run to run
+# run ids and timings differ from run to run; the price table's release from install to install
+# (`genai-prices>=...`: a fresh venv takes the newest; the figures it gives are still compared)
 VOLATILE = [
     (re.compile(r"\b\d{8}T\d{6,12}Z-\d+-[0-9a-f]{6}\b"), "<run-id>"),
     (re.compile(r"\btook \d+(?:\.\d+)? s\b"), "took <seconds> s"),
+    (re.compile(r"\bgenai-prices \d+(?:\.\d+)+\S*"), "genai-prices <version>"),
 ]
 
 
