@@ -506,10 +506,13 @@ def answer_times(blocks: pl.DataFrame) -> pl.DataFrame:
 
 def _cache_providers(c: pl.DataFrame) -> pl.DataFrame:
     """`_cprov`: each call's cache rules (providers.cache_provider of its model and its recorded API
-    and provider), looked up once per distinct (model, api, provider)."""
+    and provider), and `_claude`: whether its model is Claude's (the thinking strip is: an
+    Anthropic-compatible provider documents none), looked up once per distinct (model, api, provider)."""
     keys = c.select(_m=pl.col("model"), _a=pl.col("answer_api"), _p=pl.col("answer_provider")).unique()
     rules = keys.with_columns(_cprov=pl.Series([cache_provider(m, a, p) for m, a, p in keys.iter_rows()],
-                                               dtype=pl.String))
+                                               dtype=pl.String),
+                              _claude=pl.Series([provider_of(m) == "anthropic" for m, _, _ in keys.iter_rows()],
+                                                dtype=pl.Boolean))
     return c.join(rules, left_on=["model", "answer_api", "answer_provider"], right_on=["_m", "_a", "_p"],
                   how="left", nulls_equal=True)
 
@@ -589,7 +592,7 @@ def simulate(calls: pl.DataFrame, store: SimStore, prep: Prepared, *, decisions:
     cols = _Columns(store, state.gid_map(store, aliases))
     fields = ["thread_key", "session_id", "call", "model", "_t", "_ta", "_ttl", "preamble_tokens", "ratio",
             "shared_tokens", "system_tokens", "tail_tokens", "uses_cache", "owner_key", "segment", "strips_thinking",
-            "_exo", "_exo_read", "_exo_frac", "_cprov"]
+            "_exo", "_exo_read", "_exo_frac", "_cprov", "_claude"]
     was = gc.isenabled()
     gc.disable()      # the walk allocates many small long-lived objects: no cyclic GC rescans
     try:
@@ -848,7 +851,7 @@ def _extend_chain(w: _Walk, v: int, n: int, horizon: int, cols: _Columns) -> Non
 def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Columns, state: CacheState,
                    policy: Policy, decs: list[tuple[int, str]] | None) -> tuple[Any, ...]:
     (_key, session, k, model, t, ta, ttl_name, pre, ratio, shared, system, tail, uses_cache, owner, segment,
-     strips, exo, exo_read, exo_frac, provider) = row
+     strips, exo, exo_read, exo_frac, provider, claude) = row
     model = model or ""
     first_changed, old_id, env_changed = w.advance(k)
     if provider is None and uses_cache:
@@ -861,7 +864,7 @@ def _simulate_call(w: _Walk, row: tuple[Any, ...], store: SimStore, cols: _Colum
     n = len(ids)
 
     # the thinking strip is Claude's (an Anthropic-compatible provider documents none)
-    strip = anthropic and policy.strip_thinking and strips is not False and provider_of(model) == "anthropic"
+    strip = anthropic and policy.strip_thinking and strips is not False and bool(claude)
     h, strip_first = _strip_horizon(w, store, cols, strip)
     change = first_changed if first_changed < len(w.nodes) or env_changed else None
     if strip_first is not None and (change is None or strip_first < change):
