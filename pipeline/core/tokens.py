@@ -298,7 +298,7 @@ def tokens_expr(text: pl.Expr, count: Callable[[pl.Series], pl.Series] | None) -
     """Tokens of a text column: the counter when given (StageContext.count_tokens), else ceil(chars/4)."""
     if count is None:
         return fast_token_estimate(text.fill_null("").str.len_chars())
-    return text.fill_null("").map_batches(lambda s: count(s).cast(pl.Int64), return_dtype=pl.Int64)
+    return text.fill_null("").map_batches(lambda s: count(s).cast(pl.Int64), return_dtype=pl.Int64, is_elementwise=True)
 
 
 def is_image_expr() -> pl.Expr:
@@ -312,7 +312,8 @@ def row_tokens_expr(count: Callable[[pl.Series], pl.Series] | None) -> pl.Expr:
     if count is None:
         per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
     else:  # the counter counts a null as the empty text (`series_counter`)
-        per_text = per_token_text(lambda t: t.map_batches(lambda s: count(s).cast(pl.Int64), return_dtype=pl.Int64))
+        per_text = per_token_text(lambda t: t.map_batches(lambda s: count(s).cast(pl.Int64), return_dtype=pl.Int64,
+                                                          is_elementwise=True))
     return pl.when(is_image_expr()).then(image_tokens_expr()).otherwise(per_text).cast(pl.Int64)
 
 
