@@ -241,3 +241,47 @@ def test_the_content_hashes_taken_beforehand_are_those_reuse_compares(tmp_path: 
     hash_candidates(Prior(tmp_path, old, {}), now, files)
     assert [f.get("fp") for f in now["g1"]] == [content_sha256(files["a"]), content_sha256(files["b"])]
     assert "fp" not in now["g2"][0]
+
+
+def test_a_message_no_request_holds_is_not_written(tmp_path: Path) -> None:
+    """A message version that lives for no call (made and replaced before the next call: its
+    stretch is empty) is not in messages.parquet: that file holds what the requests hold."""
+    from ctxreplay.pipeline.assembly.replay import MessageStore, SpanLog
+    from ctxreplay.pipeline.assembly.store import store_tables
+
+    store, spans = MessageStore(), SpanLog()
+    spans.begin_thread("s", "t", "s/t")
+    def add(text: str) -> int:
+        return store.add(f'{{"role":"user","content":"{text}"}}'.encode(), kind="message", role="user", n_blocks=1,
+                         tokens=5)
+
+    held = [add("held 0"), add("held 1")]
+    gone = add("replaced at once")
+    spans.add(0, 0, 2, held[0])
+    spans.add(1, 1, 1, gone)  # an empty stretch: no call holds it
+    spans.add(1, 1, 3, held[1])
+    messages, call_messages = store_tables(store, spans, "anthropic", "messages")
+    assert messages.column("sha256").to_pylist() == [store.sha256[i] for i in held]
+    assert sorted(set(call_messages.column("sha256").to_pylist())) == sorted(messages.column("sha256").to_pylist())
+
+
+def test_a_reused_group_beside_a_rerun_one_keeps_a_fresh_runs_messages(corpus: Path, tmp_path: Path) -> None:
+    """The corpus' OpenClaw session e3063350 makes a message version no call holds. In one batch with
+    a session that grows (so the batch is re-run around the reused group), the re-run's outputs are
+    a fresh run's: the reused group's messages are those its call_messages rows list, and a fresh
+    run writes no other (before: the fresh run wrote the unheld message, the re-run lost it)."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("e3063350-9fbd-46dd-99f7-0559c3d78207.jsonl", "b1a9203a-456c-43ac-8f93-da28a4589d43.jsonl"):
+        shutil.copyfile(corpus / "openclaw" / f"okbest2024__openclaw-backup__{name}", tree / name)
+    grows = tree / "b1a9203a-456c-43ac-8f93-da28a4589d43.jsonl"
+    full = grows.read_bytes()
+    grows.write_bytes(b"".join(full.splitlines(keepends=True)[:-2]))
+    out = tmp_path / "o"
+    first = _run([tree], out, batch_bytes=64 << 20)
+    assert first["groups"]["batches"] == 1
+    grows.write_bytes(full)
+    again = _run([tree], out, batch_bytes=64 << 20)
+    assert (again["groups"]["rerun"], again["groups"]["reused"]) == (1, 1)
+    _run([tree], tmp_path / "fresh", batch_bytes=64 << 20)
+    _same_outputs(tmp_path / "fresh", out)

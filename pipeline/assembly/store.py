@@ -58,13 +58,19 @@ def _int32(a: array) -> pa.Array:  # type: ignore[type-arg]
 
 def store_tables(store: MessageStore, spans: SpanLog, target: str, list_key: str) -> tuple[pa.Table, pa.Table]:
     """(messages, call_messages) tables, call_messages sorted by thread, slot and first call. Its
-    repeated strings are dictionary-encoded in memory and on disk (they read back as strings)."""
+    repeated strings are dictionary-encoded in memory and on disk (they read back as strings).
+    A message of the store that no stretch holds (a version that lived for no call: made and
+    replaced before the next call) is left out: messages.parquet is what the requests hold, so a
+    re-run that reuses a group's messages by its call_messages rows writes what a fresh run writes."""
     messages = pa.Table.from_arrays(
         [pa.array(store.sha256, pa.string()), pa.array(store.kind, pa.string()), pa.array(store.role, pa.string()),
          pa.array(store.n_blocks, pa.int32()), pa.array(store.tokens, pa.int64()),
          pa.array(store.data, pa.binary())],
         schema=MESSAGES)
     n = len(spans)
+    held = pc.unique(_int32(spans.id))
+    if len(held) < messages.num_rows:
+        messages = messages.take(held.take(pc.sort_indices(held)))  # in the store's order
     thread = _int32(spans.thread)
     raw_slot = pa.Array.from_buffers(pa.int64(), n, [None, pa.py_buffer(spans.slot)])
     slot = pc.if_else(pc.equal(raw_slot, ENVELOPE_SLOT), pa.scalar(None, pa.int64()), raw_slot)

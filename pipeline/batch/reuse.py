@@ -108,14 +108,8 @@ def reuse_batch(index: int, records: list[dict[str, Any]], prior: Prior, staging
     quarantine = _read(run / "quarantine.parquet", "file", files)
     loaded = _loaded(records, quarantine)
     call_messages = _read(run / CALL_MESSAGES_FILE, "session_id", sessions)
-    listed = set(call_messages.column("sha256").to_pylist())
-    if kept is not None and kept["messages"][1] is not None:
-        # with the messages of the batch's own row group: messages.parquet can hold a message that no
-        # call_messages row lists (one in the corpus' OpenClaw sessions), and a fresh run writes it
-        # with its batch (tests/test_append.py, the corpus case)
-        path, rg = kept["messages"]
-        listed.update(pq.ParquetFile(path).read_row_group(rg, columns=["sha256"]).column(0).to_pylist())
-    shas = sorted(listed)
+    # messages.parquet holds what some call_messages row lists, nothing else (store_tables)
+    shas = sorted(set(call_messages.column("sha256").to_pylist()))
     calls = pl.from_arrow(_read(run / "calls.parquet", "session_id", sessions))
     decisions = _read(run / "decisions.parquet", "session_id", sessions)
     assert isinstance(calls, pl.DataFrame)
