@@ -115,7 +115,7 @@ def _write(path: Path, table: pa.Table, **kw: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
-        pq.write_table(table, tmp, **kw)
+        pq.write_table(table, tmp, compression="zstd", compression_level=1, **kw)  # as the runner's outputs
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -267,7 +267,12 @@ def _patch_footer(footer: bytes, old: bytes, new: bytes) -> bytes | None:
 def copy_parquet(src: Path, dest: Path, run_id: str, *, store_schema: bool = True) -> None:
     """A whole output file of the previous run under this run's id: relabelled in place when it
     can be, else rewritten row group by row group."""
-    from ctxreplay.pipeline.batch.batchout import RUN_ID_KEY, dictionary_columns, statistics_columns
+    from ctxreplay.pipeline.batch.batchout import (
+        COMPRESSION,
+        RUN_ID_KEY,
+        dictionary_columns,
+        statistics_columns,
+    )
 
     if _relabel(src, dest, run_id):
         return
@@ -276,7 +281,7 @@ def copy_parquet(src: Path, dest: Path, run_id: str, *, store_schema: bool = Tru
     schema = f.schema_arrow
     schema = schema.with_metadata({**(schema.metadata or {}), RUN_ID_KEY: run_id.encode()})
     with pq.ParquetWriter(dest, schema, store_schema=store_schema, write_statistics=statistics_columns(schema),
-                          use_dictionary=dictionary_columns(schema)) as w:
+                          use_dictionary=dictionary_columns(schema), **COMPRESSION) as w:
         if not store_schema:  # no Arrow schema to carry it: the run id as the file's own metadata
             w.add_key_value_metadata({RUN_ID_KEY: run_id.encode()})
         for i in range(f.num_row_groups):

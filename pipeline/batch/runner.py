@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from ctxreplay.errors import CheckFailed, NothingToDo, OutputError
 from ctxreplay.pipeline.batch import manifest
 from ctxreplay.pipeline.batch.batches import DEFAULT_BATCH_BYTES, plan
-from ctxreplay.pipeline.batch.batchout import RUN_ID_KEY, Totals, Writers, sorted_tables
+from ctxreplay.pipeline.batch.batchout import COMPRESSION, RUN_ID_KEY, Totals, Writers, sorted_tables
 from ctxreplay.pipeline.batch.batchrun import BatchCounter, BatchResult, Env, output_error
 from ctxreplay.pipeline.batch.workers import batch_results, default_jobs
 from ctxreplay.pipeline.core import crashpoints
@@ -501,7 +501,7 @@ def _write_parquet(path: Path, table: pa.Table, *, run_id: str, out_dir: Path, *
     published); the run id goes into the file's metadata, so a reader can tell runs apart."""
     meta = {**(table.schema.metadata or {}), RUN_ID_KEY: run_id.encode()}
     try:
-        pq.write_table(table.replace_schema_metadata(meta), path, **options)
+        pq.write_table(table.replace_schema_metadata(meta), path, **{**COMPRESSION, **options})
     except OSError as exc:
         raise output_error(out_dir, exc) from exc
 
