@@ -36,11 +36,10 @@ import warnings
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import PIL
 import polars as pl
-from PIL import Image, ImageOps
 
 from ctxreplay.pipeline.core.blockops import sha256_hex
 from ctxreplay.pipeline.core.constants import IMAGE_OMITTED_TEXT as OMITTED
@@ -59,6 +58,9 @@ from ctxreplay.pipeline.stageapi.marks import (
     start_marks,
 )
 from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
+
+if TYPE_CHECKING:
+    from PIL import Image  # PIL.Image is imported where an image is decoded (~10 ms a run that decodes none)
 
 SIDES = (1800, 1600, 1400, 1200, 1000, 800)
 QUALITIES = (85, 75, 65, 55, 45, 35)
@@ -136,6 +138,7 @@ def _b64len(n: int) -> int:
 
 def _flatten(img: Image.Image) -> Image.Image:
     """RGB image: EXIF orientation applied, alpha flattened on white, metadata left behind."""
+    from PIL import Image, ImageOps
     img = ImageOps.exif_transpose(img)
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
@@ -155,6 +158,7 @@ def _encode_jpeg(img: Image.Image, quality: int) -> bytes:
 
 def fit_image(data: str | None, declared: str | None, p: Images) -> ImageResult:
     """Decide one image payload (pure: same input and params → same result and bytes)."""
+    from PIL import Image
     raw = _payload(data, declared, p)
     if isinstance(raw, ImageResult):
         return raw
@@ -204,6 +208,7 @@ def _payload(data: str | None, declared: str | None, p: Images) -> bytes | Image
 def _open(raw: bytes, sniffed: str, p: Images) -> tuple[Image.Image, int, int] | ImageResult:
     """The image (header read only) and its size with EXIF orientation applied; a header claiming
     more than `max_pixels` is refused before any pixel is decoded (decompression bombs)."""
+    from PIL import Image
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -226,6 +231,7 @@ def _open(raw: bytes, sniffed: str, p: Images) -> tuple[Image.Image, int, int] |
 
 def _resize(img: Image.Image, w: int, h: int, limit: int, sniffed: str, p: Images) -> ImageResult:
     """Sides [min(limit, long edge), 1800, …, 800] × JPEG qualities [85, …, 35]: the first that fits."""
+    from PIL import Image
     base = _flatten(img)
     long_edge = max(w, h)
     sides = sorted({min(s, limit, long_edge) for s in (limit, *SIDES)}, reverse=True)

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ctxreplay.pipeline.assembly.store import CALL_MESSAGES_FILE, MESSAGES_FILE
@@ -96,6 +95,7 @@ class Writers:
         self.kept_row_groups += 1
 
     def _new_messages(self, t: pa.Table) -> pa.Table:
+        import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
         keep = []
         for sha in t.column("sha256").to_pylist():  # a batch's parts may share a message: once
             keep.append(sha not in self.seen)
@@ -229,6 +229,7 @@ def _decoded(t: pa.Table) -> pa.Table:
     """Dictionary-encoded columns as plain values (batches from a run and from the previous run's
     files then concatenate; on disk they are plain strings either way), but the SHARED ones, which
     become (or stay) dictionary-encoded."""
+    import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
     for i, f in enumerate(t.schema):
         if f.name in SHARED:
             if pa.types.is_string_view(f.type):
@@ -251,6 +252,7 @@ def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False) -> 
     every other plain column, so that the rows come out the same whatever the run. `presorted`:
     one source whose rows (but its messages) are in that order already (rows of one row group of
     the previous run, pipeline/batch/reuse.py)."""
+    import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
     out: dict[str, pa.Table] = {}
     for name, first in SORT_KEYS.items():
         tables = [_decoded(p[name]) for p in parts if p[name].num_rows] or [_decoded(parts[0][name])]
@@ -353,6 +355,7 @@ class Totals:
 
 def _add_to_sim(st: Any, messages: pa.Table, call_messages: pa.Table) -> None:
     """SimStore.from_tables, one batch at a time (messages already in the store are kept once)."""
+    import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
     cols = [messages.column(c).to_pylist() for c in ("sha256", "kind", "role", "n_blocks", "tokens",
                                                       "canonical_json")]
     for sha, kind, role, nb, tok, data in zip(*cols, strict=True):

@@ -13,7 +13,6 @@ from typing import Any
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ctxreplay.pipeline.assembly.store import CALL_MESSAGES_FILE, MESSAGES_FILE
@@ -38,6 +37,7 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
 
     def read(path: Path, column: str, values: list[Any]) -> pa.Table:
         # a line's text, repeated on each of its blocks: read as a dictionary, once (batchout.SHARED)
+        import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
         shared = sorted(SHARED & set(pq.read_schema(path).names))
         f = pq.ParquetFile(path, read_dictionary=shared)
         if not values:
@@ -65,6 +65,7 @@ def _messages(prior: Prior, shas: list[str]) -> pa.Table:
     """The rows of the previous messages.parquet with these sha256: read from the row groups that
     hold them (an index of its sha256 column, read once per run), not by a filtered scan of the
     whole file per batch (what made an append re-run read every message once per batch)."""
+    import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
     path = prior.run_dir / MESSAGES_FILE
     f = pq.ParquetFile(path)
     if not shas:
