@@ -19,12 +19,13 @@ from typing import Any, Literal
 
 import polars as pl
 
-from ctxreplay.pipeline.core.blockops import null_columns
+from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, empty_decisions, null_columns, sort_blocks
 from ctxreplay.pipeline.core.constants import (
     BLOCK_KEY,
     CACHE_EDIT_SUFFIX,
     NO_CALL,
     PART_KEY,
+    POLARS_ENGINE,
     THINKING_TYPES,
     THREAD,
     TOOL_CALL_TYPES,
@@ -404,6 +405,8 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     if forced is not None:
         forced = forced.select(list(_ASSIGN_SCHEMA)).cast(_ASSIGN_SCHEMA)  # type: ignore[arg-type]
         assign = materialize(pl.concat([assign.join(forced, on=BLOCK_KEY, how="anti"), forced]))
+    if not assign.select(pl.len()).collect(engine=POLARS_ENGINE).item():  # nothing to clear: the rows as they are
+        return StageResult(sort_blocks(blocks), empty_decisions())
     return _apply(blocks, assign, params, owners if params.clear_tool_inputs else None)
 
 
@@ -517,10 +520,19 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
     one REASONING_OMITTED text block (`replace`)."""
     a = assign.select(*BLOCK_KEY, "kind", _call="clear_call", _epoch="epoch",
                       _reason=_why(pl.col("reason"), params))
+    owner = None if owners is None else a.filter(pl.col("kind") == "result").join(owners, on=BLOCK_KEY) \
+        .sort("_call").select(*THREAD, entry_id="_use_entry", block_pos="_use_pos", _in_call="_call",
+                              _in_epoch="_epoch")
+    # only the messages holding a block to clear go through the marks (whole messages: the thinking
+    # rules look at a message's other blocks); the other rows are left as they are, what `finish`
+    # gives an unmarked row
+    keys = a.select(BLOCK_KEY) if owner is None else pl.concat([a.select(BLOCK_KEY), owner.select(BLOCK_KEY)])
+    msg = [*THREAD, "msg_key"]
+    hit_msgs = blocks.join(keys.unique(), on=BLOCK_KEY, how="semi").select(msg).unique()
+    rest = blocks.join(hit_msgs, on=msg, how="anti", nulls_equal=True)
+    blocks = blocks.join(hit_msgs, on=msg, how="semi", nulls_equal=True)
     marked = blocks.join(a.filter(pl.col("kind") == "result").drop("kind"), on=BLOCK_KEY, how="left")
-    if owners is not None:
-        owner = a.filter(pl.col("kind") == "result").join(owners, on=BLOCK_KEY).sort("_call").select(
-            *THREAD, entry_id="_use_entry", block_pos="_use_pos", _in_call="_call", _in_epoch="_epoch")
+    if owner is not None:
         marked = marked.join(owner.unique(subset=BLOCK_KEY, keep="first"), on=BLOCK_KEY, how="left")
     if params.clear_thinking_keep != "all":
         th = a.filter(pl.col("kind") == "think").select(*BLOCK_KEY, _th_call="_call", _th_epoch="_epoch")
@@ -553,7 +565,8 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
         w = mark_drop(w, think & ~pl.col("_kept_block"), _why(pl.lit("clear_thinking"), params),
                       from_call=pl.col("_th_call"),
                       epoch=pl.col("_th_epoch"))
-    return finish(w)
+    res = finish(w)
+    return StageResult(sort_blocks(pl.concat([rest.select(BLOCK_SCHEMA.names()), res.blocks])), res.decisions)
 
 
 # ---------------------------------------------------------------------------------------------

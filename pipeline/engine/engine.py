@@ -77,6 +77,7 @@ from ctxreplay.pipeline.staging.spec import DEFAULT_TARGET, PipelineSpec, load_s
 from ctxreplay.pipeline.staging.stagerun import (
     CallMap,
     LedgerView,
+    ReapplyMemo,
     StageFailure,
     StagesResult,
     position_names,
@@ -259,6 +260,8 @@ class _Session:
     # the rows the live path made for the last step's lines when a stage still needed a full pass:
     # that pass appends them to the kept rows instead of loading the spool again
     follow: LiveRows | None = None
+    # each position's re-application of its frozen decisions in the last pass (reused while it holds)
+    memo: ReapplyMemo = field(default_factory=ReapplyMemo)
 
 
 def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
@@ -522,7 +525,8 @@ class Engine:
         def observe(name: str, out: pl.DataFrame) -> None:
             outs[name] = out
 
-        staged = run_stages(blocks, run_spec, view, ctx, observe=observe if spec is None and main_sid else None)
+        staged = run_stages(blocks, run_spec, view, ctx, observe=observe if spec is None and main_sid else None,
+                            memo=s.memo if spec is None else None)
         t2 = time.perf_counter()
         new = 0
         written = []

@@ -41,6 +41,7 @@ import polars as pl
 
 from ctxreplay.errors import CtxReplayError, StageFailed
 from ctxreplay.pipeline.core import crashpoints, profile
+from ctxreplay.pipeline.core.blockops import sort_blocks
 from ctxreplay.pipeline.core.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
 from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
@@ -272,6 +273,57 @@ def _conflicts(targets: pl.LazyFrame, led: pl.LazyFrame) -> tuple[pl.LazyFrame, 
     return targets.filter(ok_hash), conflicts
 
 
+@dataclass
+class _Kept:
+    """One position's re-application in the last pass: its ledger view, the hash of each input row,
+    and what it gave."""
+
+    earlier: pl.DataFrame
+    hashes: pl.Series
+    result: Reapplied
+
+
+class ReapplyMemo:
+    """What each position's re-application gave in the last pass over one session (the live
+    engine keeps one per session). A pass whose input holds every row of the last one, unchanged,
+    plus rows no frozen decision targets, and whose ledger view is the same, gets the same blocks
+    with the new rows added, the same decisions and conflicts: re-applying is row by row, and a row
+    no decision targets is left as it is."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, _Kept] = {}
+
+    def reapply(self, name: str, stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame) -> Reapplied:
+        if stage.rebuild is not None or not earlier.height:  # a rebuild looks at every row
+            self._kept.pop(name, None)
+            return reapply(stage, blocks, earlier)
+        hashes = blocks.hash_rows()
+        kept = self._kept.get(name)
+        if kept is not None and kept.earlier.equals(earlier):
+            new = ~hashes.is_in(kept.hashes)
+            added = blocks.filter(new)
+            if blocks.height - added.height == kept.hashes.len() and not _targeted(added, stage, earlier):
+                r = kept.result
+                out = r.blocks if not added.height else sort_blocks(pl.concat([r.blocks.lazy(), added.lazy()])) \
+                    .collect(engine=POLARS_ENGINE)
+                res = Reapplied(out, r.decisions, r.conflicts, r.view)
+                self._kept[name] = _Kept(earlier, hashes, res)
+                return res
+        res = reapply(stage, blocks, earlier)
+        self._kept[name] = _Kept(earlier, hashes, res)
+        return res
+
+
+def _targeted(rows: pl.DataFrame, stage: RegisteredStage, earlier: pl.DataFrame) -> bool:
+    """Some row is a version that one of the stage's frozen decisions (of `earlier`) targets."""
+    if not rows.height:
+        return False
+    led = earlier.filter(pl.col("action").is_in(list(stage.frozen))).select(*PART_KEY, _lf=pl.col("from_call"))
+    hit = rows.select(*VERSION_KEY, "last_call").join(led, on=PART_KEY, how="inner", nulls_equal=True).filter(
+        (pl.col("first_call") <= pl.col("_lf")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_lf"))))
+    return hit.height > 0
+
+
 def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame) -> Reapplied:
     """Step 1 for one stage: its frozen decisions re-applied (see the module docstring's policy),
     its inserted rows rebuilt; the view the stage gets is `earlier` without old conflict rows,
@@ -314,7 +366,12 @@ def _apply(blocks: pl.LazyFrame, good: pl.LazyFrame) -> StageResult:
             *VERSION_KEY, _rf="_lf", _ra="_la", _rr="_lr", _rrep="_lrep", _re="_le")
     drops = good.filter(pl.col("_lrep").is_null()).sort(first).unique(VERSION_KEY, keep="first").select(
         *VERSION_KEY, _df="_lf", _da="_la", _dr="_lr", _de="_le")
-    w = start_marks(blocks.join(reps, on=VERSION_KEY, how="left", nulls_equal=True)
+    # only the versions a decision targets go through the marks: the others are left as they are
+    # (what `finish` gives an unmarked row), and a long session's ledger targets a few of its rows
+    targeted = pl.concat([reps.select(VERSION_KEY), drops.select(VERSION_KEY)]).unique()
+    rest = blocks.join(targeted, on=VERSION_KEY, how="anti", nulls_equal=True)
+    touched = blocks.join(targeted, on=VERSION_KEY, how="semi", nulls_equal=True)
+    w = start_marks(touched.join(reps, on=VERSION_KEY, how="left", nulls_equal=True)
                     .join(drops, on=VERSION_KEY, how="left", nulls_equal=True))
     rep = pl.col("_rrep").str.json_decode(_replacement_struct())
     values = {c: rep.struct.field(c) for c in CONTENT_COLUMNS}
@@ -322,7 +379,8 @@ def _apply(blocks: pl.LazyFrame, good: pl.LazyFrame) -> StageResult:
     w = mark_replace_from(w, pl.col("_rf").is_not_null(), values, pl.col("_rr"), pl.col("_rf"), action=pl.col("_ra"))
     w = mark_drop(w, pl.col("_df").is_not_null(), pl.col("_dr"), from_call=pl.col("_df"), action=pl.col("_da"),
                   epoch=pl.col("_de"))
-    return finish(w)
+    res = finish(w)
+    return StageResult(sort_blocks(pl.concat([rest.select(BLOCK_SCHEMA.names()), res.blocks])), res.decisions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +430,7 @@ class _Run:
     # the checks asked ahead: queries, positions asked, seconds (and collects when counted)
     asked: dict[str, Any] = field(default_factory=lambda: {"queries": 0, "positions": 0, "seconds": 0.0})
     _earlier: dict[str, pl.DataFrame] = field(default_factory=dict)
+    memo: ReapplyMemo | None = None  # the last pass's re-applications (the live engine's, per session)
 
     def earlier(self, name: str) -> pl.DataFrame:
         """The ledger view of one position (read once per pass)."""
@@ -383,12 +442,14 @@ class _Run:
 
 def run_stages(blocks: pl.DataFrame, spec: Any, view: LedgerView, ctx: StageContext,
                progress: Progress | None = None,
-               observe: Callable[[str, pl.DataFrame], None] | None = None, checks: bool = True) -> StagesResult:
+               observe: Callable[[str, pl.DataFrame], None] | None = None, checks: bool = True,
+               memo: ReapplyMemo | None = None) -> StagesResult:
     """Run every stage of `spec` in order over `blocks` (see the module docstring). `observe`, when
     given, is called with each position's name and the blocks it leaves (the live engine measures
     what a stage saw and did). `checks=False`: no stage's quick check is asked (every plan runs;
-    tests and benchmarks compare both)."""
-    state = _Run(spec, view, ctx, progress, checks=checks)
+    tests and benchmarks compare both). `memo`: the re-applications of the last pass over the same
+    session, used where they still hold and updated (ReapplyMemo)."""
+    state = _Run(spec, view, ctx, progress, checks=checks, memo=memo)
     names = position_names(spec.stages)
     n = len(spec.stages)
     for i, (rs, name) in enumerate(zip(spec.stages, names, strict=True), start=1):
@@ -495,7 +556,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
         out, decisions = blocks, NO_DECISIONS  # quiet after a quiet position: already in block order
     elif st.is_builtin:
         out, decisions = reapply_and_run(st, blocks, rs.params, earlier, ctx, name, position,
-                                         quiet=known if state.checks else False)
+                                         quiet=known if state.checks else False, memo=state.memo)
     else:
         out, decisions, failed = run_isolated(st, blocks, rs.params, earlier, ctx, name, position,
                                               budget=rs.time_budget_seconds, skip=skip,
@@ -528,7 +589,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
 def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earlier: pl.DataFrame,
                      ctx: StageContext, name: str, position: int,
                      invoke: Callable[..., tuple[pl.DataFrame, pl.DataFrame]] = invoke_inline,
-                     quiet: bool | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+                     quiet: bool | None = None, memo: ReapplyMemo | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Re-apply the stage's frozen decisions, run it, and return (blocks, every decision applied).
 
     A stage with a quick check (`@stage(quiet=...)`) and no earlier decision is asked it first
@@ -547,7 +608,7 @@ def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earl
         except Exception as exc:  # the check is the stage's code
             raise stage_raised(st, name, position, exc) from exc
     try:
-        re = reapply(st, blocks, earlier)
+        re = reapply(st, blocks, earlier) if memo is None else memo.reapply(name, st, blocks, earlier)
     except CtxReplayError:
         raise
     except Exception as exc:  # the re-application of a plug-in's decisions counts as the plug-in's
