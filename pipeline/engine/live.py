@@ -44,9 +44,11 @@ from ctxreplay.pipeline.loaders.claude_code import (
     MESSAGE_TYPES,
     Entries,
     Node,
+    ThreadBuild,
     ThreadPlan,
     build_thread,
     entry_problem,
+    extend_thread,
     make_node,
     thread_messages,
 )
@@ -59,6 +61,16 @@ FIRST_OBJECTS = 5  # the loaders sniff a file's format and session id from its f
 
 # ---------------------------------------------------------------------------------------------
 # reading the spool
+
+
+@dataclass
+class _Built:
+    """The last main thread: the loader's bookkeeping of its build, its row groups, its order."""
+
+    build: ThreadBuild
+    groups: set[str]
+    order: list[str]
+    last: str | None  # the key of its last row group
 
 
 @dataclass
@@ -82,6 +94,7 @@ class TailScan:
     thread: list[str] = field(default_factory=list)  # uuids of the main thread's message entries
     msg_keys: set[str] = field(default_factory=set)
     tool_ids: set[str] = field(default_factory=set)  # tool_use and tool_result ids
+    built: _Built | None = None  # how the last main thread was built (extended while it can be)
 
     def scan(self, lines: list[bytes]) -> tuple[list[Node], str | None]:
         """Read lines[scanned:] (the state follows them whatever they are). Returns the message
@@ -93,6 +106,7 @@ class TailScan:
         elif self.scanned < FIRST_OBJECTS:
             why = f"the file had fewer than {FIRST_OBJECTS} entries (its format is sniffed from its first ones)"
         new: list[Node] = []
+        added: list[Node] = []
         keys: set[str] = set()
         ids: set[str] = set()
         while self.scanned < len(lines):
@@ -105,6 +119,7 @@ class TailScan:
             if node is None:
                 continue  # an entry without uuid (not a message): the loader only counts it
             self._add(node)
+            added.append(node)
             if node.type == "system" and node.subtype == "compact_boundary":
                 why = why or "a compaction boundary"
             if node.is_message:
@@ -121,10 +136,10 @@ class TailScan:
             if node.msg_key:
                 keys.add(node.msg_key)
             ids.update(node.tool_use_ids, node.tool_result_ids)
+        old = self.thread
+        self.thread = self._extended(added)  # (before the new ids join tool_ids: it asks which are new)
         self.msg_keys |= keys
         self.tool_ids |= ids
-        old = self.thread
-        self.thread = self.main_thread()
         if why is None and (not old or self.thread[:len(old)] != old
                             or self.thread[len(old):] != _row_order([n for n in new])):
             why = "an entry that does not continue the main thread (a rewind, a branch)"
@@ -134,11 +149,43 @@ class TailScan:
         """The message entries of the main thread as the loader builds it (its last message
         entry's ancestry, parallel tool calls and their results recovered), in the order of their
         rows (the entries of a message split over several lines together, at its first)."""
+        self.built = None
         if self.tip is None:
             return []
+        keep: list[ThreadBuild] = []
         entries, boundaries = build_thread(self.nodes[self.tip], self.nodes, self.by_key,  # type: ignore[arg-type]
-                                            self.result_by_tool_id, self.prev_in_file, Counter())  # type: ignore[arg-type]
-        return _row_order([n for n in entries if n.is_message and n.uuid not in boundaries])
+                                            self.result_by_tool_id, self.prev_in_file, Counter(),  # type: ignore[arg-type]
+                                            keep)
+        msgs = [n for n in entries if n.is_message and n.uuid not in boundaries]
+        self.built = _Built(keep[0], {_group_key(n) for n in msgs}, _row_order(msgs),
+                            _group_key(_last_group(msgs)) if msgs else None)
+        return self.built.order
+
+    def _extended(self, added: list[Node]) -> list[str]:
+        """`main_thread()` after the nodes `added`: the last thread with the entries the loader's
+        build appends (`claude_code.extend_thread`), or built again where that cannot be said."""
+        b = self.built
+        if b is None or self.tip is None:
+            return self.main_thread()
+        if not added and self.tip == b.build.tip:
+            return b.order
+        got = extend_thread(b.build, self.nodes[self.tip], {n.uuid for n in added}, self.nodes,  # type: ignore[arg-type]
+                            self.by_key, self.result_by_tool_id, self.tool_ids)  # type: ignore[arg-type]
+        if got is None:
+            return self.main_thread()
+        entries, build = got
+        msgs = [n for n in entries if n.is_message]
+        if not msgs:
+            self.built = _Built(build, b.groups, b.order, b.last)
+            return b.order
+        groups = {_group_key(n) for n in msgs}
+        shared = groups & b.groups
+        # a message of the last thread that gets more lines: only its last, continued by the first new line
+        if shared and (shared != {b.last} or _group_key(msgs[0]) != b.last):
+            return self.main_thread()
+        order = _row_order(msgs)
+        self.built = _Built(build, b.groups | groups, b.order + order, _group_key(_last_group(msgs)))
+        return self.built.order
 
     def _add(self, node: Node) -> None:
         self.nodes[node.uuid] = node
@@ -290,13 +337,25 @@ def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFram
         keyed=keyed, schema=dict(final.schema), carried=start_rules(positions, base, outs, mine))
 
 
+def _group_key(n: Node) -> str:
+    """The key `_row_order` groups an entry by."""
+    return n.msg_key if n.type == "assistant" and n.msg_key else n.uuid
+
+
+def _last_group(entries: list[Node]) -> Node:
+    """The first entry of the group `_row_order` puts last."""
+    first: dict[str, Node] = {}
+    for n in entries:
+        first.setdefault(_group_key(n), n)
+    return list(first.values())[-1]
+
+
 def _row_order(entries: list[Node]) -> list[str]:
     """Message entries in the order of their rows: `claude_code.thread_messages` puts every assistant
     entry of one message (its key) at the message's first."""
     groups: dict[str, list[str]] = {}
     for n in entries:
-        key = n.msg_key if n.type == "assistant" and n.msg_key else n.uuid
-        groups.setdefault(key, []).append(n.uuid)
+        groups.setdefault(_group_key(n), []).append(n.uuid)
     return [u for g in groups.values() for u in g]
 
 

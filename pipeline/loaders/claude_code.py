@@ -1112,17 +1112,36 @@ def opens_sidechain(roles: list[Any]) -> bool:
     return bool(roles) and "assistant" not in roles
 
 
+@dataclass
+class ThreadBuild:
+    """What `build_thread` decided for one thread, kept so that the thread can be extended when
+    entries are appended (`extend_thread`, the live engine): the tip, the entries taken (`seen`:
+    chain and recovered), the tool call ids of its answers, those answered (on the chain, or by a
+    recovered result), the msg keys of its answers, and whether a later node cannot change the walk
+    (`at_root`: it stopped at a node without parent that is not a compaction boundary, and crossed
+    each boundary by a logical parent present, or by the file's order where it names none)."""
+
+    tip: str
+    seen: set[str]
+    tool_ids: set[str]
+    answered: set[str]
+    keys: set[str]
+    at_root: bool
+
+
 def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]],
                   result_by_tool_id: dict[str, list[Node]], prev_in_file: dict[str, str],
-                  stats: Counter[str]) -> tuple[list[Node], set[str]]:
+                  stats: Counter[str], keep: list[ThreadBuild] | None = None) -> tuple[list[Node], set[str]]:
     """A thread's entries, in order: the tip's ancestry (a compaction boundary crossed through its
     logical parent), then the entries its answers' other lines hold and the tool results that
-    answer their calls (parallel tool calls sit off the chain); and its compaction boundaries."""
+    answer their calls (parallel tool calls sit off the chain); and its compaction boundaries.
+    `keep`: the build's bookkeeping is appended to it (ThreadBuild)."""
     chain: list[Node] = []
     seen: set[str] = set()
     boundaries: set[str] = set()
     get = nodes.get
     cur: Node | None = tip
+    at_root, fixed = False, True  # fixed: every boundary crossed by a reference that later lines cannot change
     while cur is not None:
         u = cur.uuid
         if u in seen:
@@ -1132,9 +1151,12 @@ def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]
         nxt = cur.parent
         if nxt is None:
             if cur.type != "system" or cur.subtype != "compact_boundary":
+                at_root = True
                 break
             boundaries.add(u)
             nxt = cur.logical_parent
+            if nxt is not None and nxt not in nodes:
+                fixed = False
             if (nxt is None or nxt not in nodes) and u in prev_in_file:
                 # logicalParentUuid missing or pointing nowhere: the conversation before the boundary
                 # is what the file holds right before it
@@ -1146,32 +1168,14 @@ def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]
         if cur is None:
             stats["parent_not_found"] += 1
     chain.reverse()
-    recovered: list[Node] = []
-    tool_ids: set[str] = set()
     answered: set[str] = set()
     for n in chain:
         if n.tool_result_ids:
             answered.update(n.tool_result_ids)
-    for n in chain:
-        if n.type == "assistant" and n.msg_key:
-            sibs = by_key.get(n.msg_key, ())
-            for sib in sibs:
-                if sib.uuid not in seen:  # (the chain is in `seen`)
-                    seen.add(sib.uuid)
-                    recovered.append(sib)
-            for sib in sibs:
-                if sib.tool_use_ids:
-                    tool_ids.update(sib.tool_use_ids)
-    for tid in sorted(tool_ids):
-        if tid in answered:
-            continue
-        for r in result_by_tool_id.get(tid, []):
-            if r.uuid not in seen:
-                seen.add(r.uuid)
-                recovered.append(r)
-                answered.add(tid)
-                stats["recovered_parallel_results"] += 1
-                break
+    recovered, tool_ids, keys = _siblings(chain, by_key, seen)
+    recovered += _recover_results(sorted(tool_ids), answered, seen, result_by_tool_id, stats)
+    if keep is not None:
+        keep.append(ThreadBuild(tip.uuid, seen, tool_ids, answered, keys, at_root and fixed))
     # order: files in the order the chain reaches them, then file line
     file_rank: dict[int, int] = {}
     for n in chain:
@@ -1184,6 +1188,92 @@ def build_thread(tip: Node, nodes: dict[str, Node], by_key: dict[str, list[Node]
         rank, other = file_rank.get, len(file_rank)
         entries.sort(key=lambda n: (rank(n.file_idx, other), n.line, n.uuid))
     return entries, boundaries
+
+
+def _siblings(chain: list[Node], by_key: dict[str, list[Node]], seen: set[str]) -> tuple[list[Node], set[str], set[str]]:
+    """The other lines of the chain's answers (added to `seen`), the tool call ids they all hold,
+    and the answers' msg keys."""
+    recovered: list[Node] = []
+    tool_ids: set[str] = set()
+    keys: set[str] = set()
+    for n in chain:
+        if n.type == "assistant" and n.msg_key:
+            keys.add(n.msg_key)
+            sibs = by_key.get(n.msg_key, ())
+            for sib in sibs:
+                if sib.uuid not in seen:  # (the chain is in `seen`)
+                    seen.add(sib.uuid)
+                    recovered.append(sib)
+            for sib in sibs:
+                if sib.tool_use_ids:
+                    tool_ids.update(sib.tool_use_ids)
+    return recovered, tool_ids, keys
+
+
+def _recover_results(tool_ids: list[str], answered: set[str], seen: set[str],
+                     result_by_tool_id: dict[str, list[Node]], stats: Counter[str]) -> list[Node]:
+    """For each call not answered on the chain (in this order), the first result entry not taken
+    yet (parallel tool calls: their results sit off the chain); `answered` and `seen` updated."""
+    recovered: list[Node] = []
+    for tid in tool_ids:
+        if tid in answered:
+            continue
+        for r in result_by_tool_id.get(tid, []):
+            if r.uuid not in seen:
+                seen.add(r.uuid)
+                recovered.append(r)
+                answered.add(tid)
+                stats["recovered_parallel_results"] += 1
+                break
+    return recovered
+
+
+def extend_thread(b: ThreadBuild, tip: Node, fresh: set[str], nodes: dict[str, Node],
+                  by_key: dict[str, list[Node]], result_by_tool_id: dict[str, list[Node]],
+                  old_ids: set[str]) -> tuple[list[Node], ThreadBuild] | None:
+    """The entries `build_thread` adds to the thread of `b` (one file) once the nodes `fresh` were
+    read after it, in order, and the new bookkeeping; None where it cannot be said without building
+    the thread again. It can where the build provably gives the old thread with entries appended:
+    the old walk cannot change (`at_root`); the new tip's ancestry reaches the old tip through fresh
+    nodes, and old entries that are not messages and not in the thread; a fresh line of an old
+    answer is on that path; a fresh result answers no call the old thread had answered; the fresh
+    answers' call ids are new (`old_ids`: every tool id read before); fresh lines come after the old
+    ones in the file."""
+    if not b.at_root:
+        return None
+    path: list[Node] = []
+    cur: Node | None = tip
+    while cur is not None and cur.uuid != b.tip:
+        if cur.parent is None:  # a root, a boundary: not the old thread's ancestry
+            return None
+        if cur.uuid not in fresh and (cur.is_message or cur.uuid in b.seen or cur.tool_use_ids
+                                      or cur.tool_result_ids):
+            return None  # a branch off the thread
+        path.append(cur)
+        cur = nodes.get(cur.parent)
+    if cur is None:
+        return None
+    on_path = {n.uuid for n in path}
+    for uid in fresh:
+        n = nodes[uid]
+        if n.type == "assistant" and n.msg_key in b.keys and uid not in on_path:
+            return None  # another line of an old answer, off the thread's end
+        if not b.answered.isdisjoint(n.tool_result_ids):
+            return None
+    path.reverse()
+    seen = b.seen | on_path
+    answered = b.answered | {t for n in path for t in n.tool_result_ids}
+    recovered, _, keys = _siblings(path, by_key, seen)
+    if any(n.uuid not in fresh for n in recovered):
+        return None
+    tool_ids = {t for n in [*path, *recovered] if n.type == "assistant" for t in n.tool_use_ids}
+    if not tool_ids.isdisjoint(old_ids):
+        return None
+    # the calls the old thread left unanswered come in again: a fresh result may answer them now
+    todo = sorted(tool_ids | (b.tool_ids - b.answered))
+    recovered += _recover_results(todo, answered, seen, result_by_tool_id, Counter())
+    entries = sorted([*path, *recovered], key=_line_order)
+    return entries, ThreadBuild(tip.uuid, seen, b.tool_ids | tool_ids, answered, b.keys | keys, True)
 
 
 def _line_order(n: Node) -> tuple[int, str]:
