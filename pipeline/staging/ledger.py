@@ -176,6 +176,7 @@ class Ledger:
         self._pending: list[pa.Table] = []
         self._pending_calls: list[pa.Table] = []
         self._pending_tokens: list[pa.Table] = []
+        self._earlier_all: tuple[tuple[Any, ...], pl.DataFrame] | None = None  # the last earlier_all, with its stamp
 
     def _identify(self) -> str:
         """"ours" (a ctxreplay ledger) or "new" (a database without any table or view); a
@@ -238,6 +239,20 @@ class Ledger:
         schema = {**polars_schema(STAGE_DECISION), "stage": pl.String, "seq": pl.Int64, "call_key": pl.String}
         if not sessions:
             return pl.DataFrame(schema=schema)
+        # the rows are only ever added: the same count and last seq of the namespace's decisions and
+        # call keys mean the same rows (the live engine asks at every pass; reading them again costs more)
+        stamp = self.con.execute(
+            "SELECT (SELECT count(*) FROM decisions WHERE spec_sha256 = $spec), "
+            "(SELECT max(seq) FROM decisions WHERE spec_sha256 = $spec), "
+            "(SELECT count(*) FROM decision_calls WHERE spec_sha256 = $spec)", {"spec": spec_sha256}).fetchall()[0]
+        key = (spec_sha256, tuple(sessions), stamp)
+        if self._earlier_all is not None and self._earlier_all[0] == key:
+            return self._earlier_all[1]
+        got = self._read_earlier_all(spec_sha256, sessions, schema)
+        self._earlier_all = (key, got)
+        return got
+
+    def _read_earlier_all(self, spec_sha256: str, sessions: list[str], schema: dict[str, Any]) -> pl.DataFrame:
         cols = ", ".join(f"d.{f.name}" for f in STAGE_DECISION)
         self.con.register("_sessions", pa.table({"session_id": sessions}))
         try:
