@@ -142,3 +142,21 @@ def test_counting_a_big_text_makes_no_python_copy_of_it() -> None:
         tracemalloc.stop()
     assert got == [6_000_000, 1]
     assert peak < 8 << 20, f"{peak / 2**20:.0f} MiB of Python allocations"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.none(), st.sampled_from(["", "a", "bb", "ccc d", "é日本", "x" * 9, "y y y"]),
+                                   st.text(max_size=12)), max_size=12), min_size=1, max_size=5))
+def test_a_counter_called_again_finds_each_text_it_counted_by_its_hashes(batches: list[list[str | None]]) -> None:
+    """Series after series through one counter (new texts beside ones counted before, repeats, nulls):
+    each count is the one a fresh counter gives that series alone, and a text is counted once in
+    the counter's life (the calls after the first find it in the hash-keyed memo)."""
+    c = TokenCounter(CHARS4_COUNTER)
+    count = c.series_counter()
+    for texts in batches:
+        s = pl.Series("t", texts, pl.String)
+        assert count(s).to_list() == TokenCounter(CHARS4_COUNTER).series_counter()(s).to_list()
+    distinct = {t for b in batches for t in b if t is not None} | ({""} if any(None in b for b in batches) else set())
+    assert c.counted == len(distinct)
+    assert c.by_key.height == len({t for b in batches for t in b})
+    assert c.by_key.get_column("a").is_sorted()

@@ -30,6 +30,8 @@ O200K_FILE = files("ctxreplay.data") / "tokenizer" / "o200k_base.tiktoken.gz"
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
 TIKTOKEN_COUNTER = "tiktoken-o200k_base-v1"
+# the seeds of the two polars hashes that key a text in a counter's memo (`series_counter`)
+_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)
 
 _encoding: Any = None
 
@@ -151,6 +153,8 @@ class TokenCounter:
         self.cache = cache  # ctxreplay.pipeline.staging.ledger.Ledger or None
         self.by_text: dict[str, int] = {}
         self.by_sha: dict[str, int] = {}  # counts of texts counted by their sha256 (`count_big`)
+        # counts by a text's two hashes, sorted by the first (`series_counter`)
+        self.by_key = pl.DataFrame(schema={"a": pl.UInt64, "b": pl.UInt64, "n": pl.Int64})
         self.counted = 0  # texts tokenized in this process
         self.cache_hits = 0
         # polars may evaluate several counting expressions of one plan at once (its in-memory
@@ -221,6 +225,30 @@ class TokenCounter:
                 self.count_many([""])  # a null is the empty text (0 tokens), counted as one as it always was
             if s.dtype != pl.String:
                 return count_small(s)
+            # each text known by two 64-bit hashes of its bytes (polars', two seeds: no two texts of a
+            # process share both): a text counted by an earlier call is found by them in the sorted
+            # memo (`by_key`), never copied into Python again; only the texts this counter has not
+            # seen (a null among them: 0) go the long way, each once
+            keys = pl.DataFrame({"a": s.hash(_SEEDS[0]), "b": s.hash(_SEEDS[1])})
+            memo = self.by_key
+            if memo.height:
+                at = memo.get_column("a").search_sorted(keys.get_column("a")).clip(upper_bound=memo.height - 1)
+                found = memo[at]
+                hit = (found.get_column("a") == keys.get_column("a")) & (found.get_column("b") == keys.get_column("b"))
+                got = found.get_column("n")
+            else:
+                hit = pl.Series([False], dtype=pl.Boolean).new_from_index(0, len(s))
+                got = pl.Series([0], dtype=pl.Int64).new_from_index(0, len(s))
+            if hit.all():
+                return got
+            miss = keys.with_row_index("_i").filter(~hit).unique(["a", "b"], keep="first", maintain_order=True)
+            fresh = miss.select("a", "b", n=count_texts(s.gather(miss.get_column("_i")))).sort("a", "b")
+            with self._lock:
+                self.by_key = self.by_key.merge_sorted(fresh, key="a")
+            new = keys.join(fresh, on=["a", "b"], how="left", maintain_order="left").get_column("n")
+            return got.zip_with(hit, new)
+
+        def count_texts(s: pl.Series) -> pl.Series:
             big = (s.str.len_bytes() > BIG_TEXT_BYTES).fill_null(False)
             if not big.any():
                 return count_small(s)
