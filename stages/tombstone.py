@@ -628,32 +628,34 @@ def measure(thread: LiveThread, min_chars: int) -> Measure:
     ctxreplay.pipeline.stageapi.calls.request_tokens counts them, the latest real user message as
     ctxreplay.pipeline.stageapi.calls.messages finds it, what was cleared as the walk reads it
     (part 0 of a result replaced by the placeholder)."""
-    t = thread.blocks.with_columns(_tok=thread.row_tokens())
+    t = thread.blocks.lazy().with_columns(_tok=thread.row_tokens())
     call = thread.call
-    msgs = t.group_by("msg_key").agg(
+    # one query: the latest real user message's order, and the results still clearable
+    u = t.group_by("msg_key").agg(
         order=pl.col("order_key").min(), first=pl.col("first_call").min(),
         real=(pl.col("role").first() == "user") & ~(pl.col("block_type") == "tool_result").any()
-        & (pl.col("origin").first() != "snip"))
-    u = msgs.filter(pl.col("real") & (pl.col("first") <= call)).get_column("order").max()
-    res = t.filter(pl.col("block_type") == "tool_result")
+        & (pl.col("origin").first() != "snip")).filter(pl.col("real") & (pl.col("first") <= call)).select(
+        u=pl.col("order").max())
     cleared = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)
-    res = res.group_by("entry_id", "block_pos").agg(
+    res = t.filter(pl.col("block_type") == "tool_result").group_by("entry_id", "block_pos").agg(
         order=pl.col("order_key").min(), a=pl.col("first_call").min(), tok=pl.col("_tok").sum(),
         size=pl.col("text").str.len_chars().fill_null(0).sum(), img=is_image_expr().fill_null(False).any(),
         done_call=pl.col("first_call").filter(cleared).min(),
         done_epoch=pl.col("cache_epoch").filter(cleared).sort_by(pl.col("first_call").filter(cleared)).first(),
     ).with_columns(done=pl.col("done_call").is_not_null())
-    own = res.filter(pl.col("done") & ~((pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0)))
-    frontier = own.get_column("order").max()
-    res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img")))
-    if frontier is not None:
-        res = res.filter(pl.col("order") >= frontier)
-    u_order = None if u is None else int(u)  # type: ignore[arg-type]
-    first = res.filter(pl.col("order") < u_order) if u_order is not None else res.clear()
-    second = res.filter(pl.col("order") >= u_order) if u_order is not None else res
-    return Measure(thread.request_tokens(), u_order,
-                   (first.height, int(first.get_column("tok").sum() or 0)),
-                   (second.height, int(second.get_column("tok").sum() or 0)))
+    own = pl.col("done") & ~((pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0))
+    frontier = pl.col("order").filter(own).max()  # null: nothing cleared by this stage yet
+    res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img"))
+                     & (frontier.is_null() | (pl.col("order") >= frontier))).select("order", "tok")
+    u_df, res_df = pl.collect_all([u, res], engine=POLARS_ENGINE)
+    u_order = u_df.item()
+    u_order = None if u_order is None else int(u_order)
+    # (a column, not a literal: a literal's sum would be one row's); no user message yet: all after
+    before = pl.col("order").is_null() & False if u_order is None else pl.col("order") < u_order
+    sums = res_df.select(n1=before.sum(), t1=pl.col("tok").filter(before).sum(),
+                         n2=(~before).sum(), t2=pl.col("tok").filter(~before).sum()).row(0)
+    return Measure(thread.request_tokens(), u_order, (int(sums[0] or 0), int(sums[1] or 0)),
+                   (int(sums[2] or 0), int(sums[3] or 0)))
 
 
 def _idle(p: Tombstone, new: LiveRows) -> str | None:

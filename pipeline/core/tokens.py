@@ -22,7 +22,7 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.errors import CtxReplayError
-from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
+from ctxreplay.pipeline.core.constants import CHARS4_COUNTER, POLARS_ENGINE
 
 # shipped inside the package (ctxreplay.data, the repository's data/): read through importlib.resources
 O200K_FILE = files("ctxreplay.data") / "tokenizer" / "o200k_base.tiktoken.gz"
@@ -231,22 +231,25 @@ class TokenCounter:
             # seen (a null among them: 0) go the long way, each once
             keys = pl.DataFrame({"a": s.hash(_SEEDS[0]), "b": s.hash(_SEEDS[1])})
             memo = self.by_key
-            if memo.height:
-                at = memo.get_column("a").search_sorted(keys.get_column("a")).clip(upper_bound=memo.height - 1)
-                found = memo[at]
-                hit = (found.get_column("a") == keys.get_column("a")) & (found.get_column("b") == keys.get_column("b"))
-                got = found.get_column("n")
-            else:
-                hit = pl.Series([False], dtype=pl.Boolean).new_from_index(0, len(s))
-                got = pl.Series([0], dtype=pl.Int64).new_from_index(0, len(s))
+            if not memo.height:  # nothing counted yet: every text the long way
+                n = count_texts(s)
+                remember(keys, n)
+                return n
+            at = memo.get_column("a").search_sorted(keys.get_column("a")).clip(upper_bound=memo.height - 1)
+            found = memo[at]
+            hit = (found.get_column("a") == keys.get_column("a")) & (found.get_column("b") == keys.get_column("b"))
+            got = found.get_column("n")
             if hit.all():
                 return got
-            miss = keys.with_row_index("_i").filter(~hit).unique(["a", "b"], keep="first", maintain_order=True)
-            fresh = miss.select("a", "b", n=count_texts(s.gather(miss.get_column("_i")))).sort("a", "b")
+            where = (~hit).arg_true()
+            new = count_texts(s.gather(where))
+            remember(keys[where], new)
+            return got.scatter(where, new)
+
+        def remember(keys: pl.DataFrame, n: pl.Series) -> None:
+            fresh = keys.lazy().with_columns(n=n).unique(["a", "b"]).sort("a", "b").collect(engine=POLARS_ENGINE)
             with self._lock:
-                self.by_key = self.by_key.merge_sorted(fresh, key="a")
-            new = keys.join(fresh, on=["a", "b"], how="left", maintain_order="left").get_column("n")
-            return got.zip_with(hit, new)
+                self.by_key = fresh if not self.by_key.height else self.by_key.merge_sorted(fresh, key="a")
 
         def count_texts(s: pl.Series) -> pl.Series:
             big = (s.str.len_bytes() > BIG_TEXT_BYTES).fill_null(False)
