@@ -648,14 +648,13 @@ def measure(thread: LiveThread, min_chars: int) -> Measure:
     res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img"))
                      & (frontier.is_null() | (pl.col("order") >= frontier))).select("order", "tok")
     u_df, res_df = pl.collect_all([u, res], engine=POLARS_ENGINE)
-    u_order = u_df.item()
-    u_order = None if u_order is None else int(u_order)
-    # (a column, not a literal: a literal's sum would be one row's); no user message yet: all after
-    before = pl.col("order").is_null() & False if u_order is None else pl.col("order") < u_order
-    sums = res_df.select(n1=before.sum(), t1=pl.col("tok").filter(before).sum(),
-                         n2=(~before).sum(), t2=pl.col("tok").filter(~before).sum()).row(0)
-    return Measure(thread.request_tokens(), u_order, (int(sums[0] or 0), int(sums[1] or 0)),
-                   (int(sums[2] or 0), int(sums[3] or 0)))
+    u_order = None if u_df.item() is None else int(u_df.item())
+    if u_order is None:  # no real user message yet: every clearable result is after it
+        return Measure(thread.request_tokens(), None, (0, 0), (res_df.height, int(res_df.get_column("tok").sum())))
+    early, late = pl.col("order") < u_order, pl.col("order") >= u_order
+    n1, t1, n2, t2 = res_df.select(early.sum(), pl.col("tok").filter(early).sum().alias("t1"),
+                                   late.sum().alias("n2"), pl.col("tok").filter(late).sum().alias("t2")).row(0)
+    return Measure(thread.request_tokens(), u_order, (int(n1), int(t1)), (int(n2), int(t2)))
 
 
 def _idle(p: Tombstone, new: LiveRows) -> str | None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import orjson
 import polars as pl
+import pyarrow as pa
 
 from ctxreplay.errors import CtxReplayError, StageFailed
 from ctxreplay.pipeline.core import crashpoints, profile
@@ -52,6 +53,7 @@ from ctxreplay.schemas.check import SchemaMismatch, check_frame, conform, polars
 from ctxreplay.schemas.decisions import DECISION_KEY, STAGE_DECISION
 
 DECISION_SCHEMA = polars_schema(STAGE_DECISION)
+_WITH_STAGE = pa.schema([*STAGE_DECISION, pa.field("stage", pa.string())])  # a LedgerView's decisions
 BLOCK_SCHEMA = polars_schema(BLOCKS)
 NO_DECISIONS = pl.DataFrame(schema=DECISION_SCHEMA)  # shared, never changed: a frame from a schema costs ~0.3 ms
 NO_MARKED = pl.DataFrame(schema={**DECISION_SCHEMA, "is_provisional": pl.Boolean})  # no decision applied
@@ -119,6 +121,9 @@ class LedgerView:
     calls: CallMap = field(default_factory=CallMap)
     decisions: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema={**DECISION_SCHEMA,
                                                                                  "stage": pl.String}))
+    # each position's rows (for_stage), split once per view: a filter and a collect per position
+    # and pass cost ~1 ms each
+    _by_stage: dict[str, pl.DataFrame] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def translate(cls, raw: pl.DataFrame, calls: CallMap) -> LedgerView:
@@ -131,16 +136,12 @@ class LedgerView:
         view = both.unique(["stage", *DECISION_KEY], keep="first", maintain_order=True).select(cols)
         return cls(calls, view)
 
-    # each position's rows (for_stage), split once per view: a filter and a collect per position
-    # and pass cost ~1 ms each
-    _by_stage: dict[str, pl.DataFrame] | None = field(default=None, compare=False, repr=False)
-
     def for_stage(self, name: str) -> pl.DataFrame:
         if not self.decisions.height:  # no earlier decision at all (a first run): nothing to filter
             return NO_DECISIONS
         parts = self._by_stage
         if parts is None:
-            whole = self.decisions.select("stage", *(pl.col(n).cast(t) for n, t in DECISION_SCHEMA.items()))
+            whole = conform(self.decisions, _WITH_STAGE).collect(engine=POLARS_ENGINE)
             parts = {k[0]: v for k, v in whole.partition_by("stage", as_dict=True, include_key=False,
                                                               maintain_order=True).items()}
             object.__setattr__(self, "_by_stage", parts)
