@@ -67,6 +67,10 @@ def _before_the_cli(err: str) -> bool:
     site-packages but the import hooks setuptools installs at start-up (its editable-install finder,
     _distutils_hack). The fix is for that second window, of hundreds of milliseconds."""
     frames = re.findall(r'File "([^"]+)"', err)
+    if err.startswith("Fatal Python error: init_") and all(f.startswith("<frozen ") for f in frames):
+        # the interpreter's own initialisation (its sys streams: frozen io), where the interrupt can
+        # surface as another exception (seen: "TypeError: expected a message argument")
+        return True
     if not frames or err.rstrip().splitlines()[-1] != "KeyboardInterrupt":
         return False
     for f in frames:
