@@ -86,6 +86,10 @@ def _before_the_cli(err: str) -> bool:
     return True
 
 
+_SWALLOWED = re.compile(r"Exception ignored in: <function _get_module_lock\.<locals>\.cb at 0x[0-9a-f]+>\n"
+                        r"Traceback \(most recent call last\):\n(?:  File \"<frozen [^>]+>\".*\n)+KeyboardInterrupt: ?\n")
+
+
 def _check(rc: int, err: str, what: str) -> str:
     """The kind of a right outcome; fails on a wrong one."""
     if rc == 130:
@@ -99,6 +103,12 @@ def _check(rc: int, err: str, what: str) -> str:
         return "killed by SIGINT, no handler of Python's"
     if rc in (1, -signal.SIGINT) and _before_the_cli(err):
         return "before ctxreplay's handler"
+    swallowed = _SWALLOWED.match(err)
+    if rc == 0 and swallowed and "Traceback" not in err[swallowed.end():]:
+        # Python's default handler raised it inside importlib's module-lock callback, which prints
+        # and drops it: only before ctxreplay's handler (once it is installed, a Ctrl-C in an import
+        # ends the process with 130), and the command then ran to its end
+        return "swallowed by Python before ctxreplay's handler"
     assert rc == 0 and "Traceback" not in err, f"{what}: exit {rc}\n{err}"
     return "finished"
 
