@@ -89,3 +89,26 @@ def test_seq_is_unique_and_contiguous_per_namespace(tmp_path: Path) -> None:
     assert d.height > 0 and d["stage"].n_unique() > 1
     for _, part in d.group_by("spec_sha256"):
         assert sorted(part["seq"].to_list()) == list(range(part.height))
+
+
+def test_cached_tokens_finds_what_was_committed_after_it_was_first_asked(tmp_path: Path) -> None:
+    """The cache is looked up only for shas whose first 64 bits it holds (read at the first lookup):
+    counts committed after that lookup are found by the same ledger and by a fresh one; a sha that
+    shares those bits with a cached one but is another text is not found; other counters see none."""
+    path = tmp_path / "l.duckdb"
+    a, b = "ab" * 32, "cd" * 32
+    twin = a[:16] + "0" * 48  # the same first 64 bits as `a`, another sha
+    led = Ledger(path)
+    assert led.cached_tokens("c", [a, b]) == {}  # nothing cached yet (the prefixes are read here)
+    led.store_tokens("c", {a: 3})
+    assert led.cached_tokens("c", [a]) == {}  # queued, not committed
+    led.commit_run(None, {}, "s")
+    assert led.cached_tokens("c", [a, b, twin]) == {a: 3}
+    assert led.cached_tokens("other", [a]) == {}
+    led.store_tokens("c", {b: 5})
+    led.commit_run(None, {}, "s")
+    assert led.cached_tokens("c", [b, a]) == {a: 3, b: 5}
+    led.close()
+    fresh = Ledger(path, read_only=True)
+    assert fresh.cached_tokens("c", [twin, b]) == {b: 5}
+    fresh.close()

@@ -150,13 +150,25 @@ def test_counting_a_big_text_makes_no_python_copy_of_it() -> None:
 def test_a_counter_called_again_finds_each_text_it_counted_by_its_hashes(batches: list[list[str | None]]) -> None:
     """Series after series through one counter (new texts beside ones counted before, repeats, nulls):
     each count is the one a fresh counter gives that series alone, and a text is counted once in
-    the counter's life (the calls after the first find it in the hash-keyed memo)."""
-    c = TokenCounter(CHARS4_COUNTER)
-    count = c.series_counter()
-    for texts in batches:
-        s = pl.Series("t", texts, pl.String)
-        assert count(s).to_list() == TokenCounter(CHARS4_COUNTER).series_counter()(s).to_list()
-    distinct = {t for b in batches for t in b if t is not None} | ({""} if any(None in b for b in batches) else set())
-    assert c.counted == len(distinct)
-    assert c.by_key.height == len({t for b in batches for t in b})
-    assert c.by_key.get_column("a").is_sorted()
+    the counter's life (the calls after the first find it in the hash-keyed memo). Both ways of
+    counting the texts it has not seen: a few through a list, more through the columnar path."""
+    from ctxreplay.pipeline.core import tokens
+
+    few = tokens._FEW
+    for limit in (few, 0):
+        tokens._FEW = limit
+        try:
+            c = TokenCounter(CHARS4_COUNTER)
+            count = c.series_counter()
+            for texts in batches:
+                s = pl.Series("t", texts, pl.String)
+                got = count(s).to_list()
+                assert got == TokenCounter(CHARS4_COUNTER).series_counter()(s).to_list()
+                assert got == tokens.chars4([t or "" for t in texts])  # a null is the empty text
+        finally:
+            tokens._FEW = few
+        distinct = {t for b in batches for t in b if t is not None} | ({""} if any(None in b for b in batches) else set())
+        assert c.counted == len(distinct)
+        first, second, counts = c.by_key
+        assert len(first) == len(second) == len(counts) == len({t for b in batches for t in b})
+        assert (first[1:] >= first[:-1]).all()
