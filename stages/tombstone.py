@@ -366,19 +366,23 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
 # plan and stage
 
 
-def _call_owners(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
+def _call_owners(blocks: pl.LazyFrame, ctx: StageContext, inputs: bool) -> pl.LazyFrame:
     """For each tool result: its tool call block (the latest earlier call with that id), the call's
-    tool name (results often carry none) and the tokens that clearing the call's input would free."""
+    tool name (results often carry none) and, with `inputs` (clear_tool_inputs), the tokens that
+    clearing the call's input would free (else 0). `blocks` holds each row's tokens (`_tok`)."""
     results = blocks.filter((pl.col("block_type") == "tool_result") & pl.col("tool_use_id").is_not_null()) \
         .group_by(BLOCK_KEY).agg(pl.col("tool_use_id").first(), order_key=pl.col("order_key").min())
-    calls = blocks.filter(pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & pl.col("tool_use_id").is_not_null()) \
-        .with_columns(_tok=row_tokens_expr(ctx),
-                      _after=tokens_expr(pl.concat_str([pl.col("tool_name"), pl.lit("{}")], separator=" ",
-                                                       ignore_nulls=True), ctx.count_tokens)) \
-        .group_by(BLOCK_KEY).agg(
+    calls = blocks.filter(pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & pl.col("tool_use_id").is_not_null())
+    if inputs:
+        after = tokens_expr(pl.concat_str([pl.col("tool_name"), pl.lit("{}")], separator=" ", ignore_nulls=True),
+                            ctx.count_tokens)
+        saved = pl.col("_tok").sort_by("first_call").first() - pl.col("_after").sort_by("first_call").first()
+        calls = calls.with_columns(_after=after)
+    else:
+        saved = pl.lit(0, pl.Int64)
+    calls = calls.group_by(BLOCK_KEY).agg(
             pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
-            _use_name=pl.col("tool_name").sort_by("first_call").first(),
-            _in_saved=pl.col("_tok").sort_by("first_call").first() - pl.col("_after").sort_by("first_call").first())
+            _use_name=pl.col("tool_name").sort_by("first_call").first(), _in_saved=saved)
     return results.sort("order_key").join_asof(
         calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", "_use_name", _use_entry="entry_id",
                      _use_pos="block_pos")
@@ -395,11 +399,14 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     applied as they are."""
     blocks = materialize(blocks)
     msgs = materialize(messages(blocks))
-    owners = materialize(_call_owners(blocks, ctx))
+    # each row's tokens (`_tok`) counted once, for the owners and the per-call, per-result and
+    # per-thinking facts (each counted them again: a dozen ms of a live engine's full pass)
+    counted = materialize(blocks.with_columns(_tok=row_tokens_expr(ctx)))
+    owners = materialize(_call_owners(counted, ctx, params.clear_tool_inputs))
     cleared_tok, omitted_tok = text_tokens([CLEARED, REASONING_OMITTED], ctx)
-    parts = [_per_call(blocks, msgs, params, ctx), _per_result(blocks, owners, params, ctx, cleared_tok)]
+    parts = [_per_call(counted, msgs, params, ctx), _per_result(counted, owners, params, ctx, cleared_tok)]
     if params.clear_thinking_keep != "all":
-        parts.append(_per_thinking(blocks, msgs, ctx, omitted_tok))
+        parts.append(_per_thinking(counted, msgs, ctx, omitted_tok))
     assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
                                                                               schema=_ASSIGN_SCHEMA))
     if forced is not None:
@@ -412,9 +419,10 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
 
 def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> pl.LazyFrame:
     """Per call: request tokens, the latest real user row (the current tool loop starts after it),
-    its turn, the highest cache epoch so far and whether the idle trigger holds."""
+    its turn, the highest cache epoch so far and whether the idle trigger holds. `blocks` holds
+    each row's tokens (`_tok`)."""
     grid = materialize(call_grid(blocks))
-    tokens = request_tokens(blocks, ctx, grid, msgs)
+    tokens = request_tokens(blocks, ctx, grid, msgs, row_tokens="_tok")
     at_call = [*THREAD, pl.col("first").alias("call")]
     real = msgs.filter("is_real_user").group_by(at_call).agg(u_order=pl.col("order").max(),
                                                              cur_turn=pl.col("turn").max())
@@ -441,7 +449,7 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
                 cleared_tok: int) -> pl.LazyFrame:
     """Per eligible tool result: first appearance, end, order, the tokens clearing it frees (its
     first version, and its call's input with `clear_tool_inputs`), and whether it is cleared already."""
-    rows = blocks.filter(pl.col("block_type") == "tool_result").with_columns(_tok=row_tokens_expr(ctx))
+    rows = blocks.filter(pl.col("block_type") == "tool_result")
     first_version = rows.filter(pl.col("first_call") == pl.col("first_call").min().over(PART_KEY))
     size = first_version.group_by(BLOCK_KEY).agg(
         size=(pl.when(is_image_expr()).then(pl.col("_tok") * 4)
@@ -477,7 +485,7 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
 
 def _per_thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame, ctx: StageContext, omitted_tok: int) -> pl.LazyFrame:
     """Per thinking block: order, first call, turn, end, and the tokens clearing it frees."""
-    think = _thinking(blocks, msgs).with_columns(_tok=row_tokens_expr(ctx)).group_by(BLOCK_KEY).agg(
+    think = _thinking(blocks, msgs).group_by(BLOCK_KEY).agg(
         order=pl.col("order_key").min(), a=pl.col("first_call").min(), turn=pl.col("turn").min(),
         z=open_max("last_call"),
         last=pl.col("last_call").max(),

@@ -131,11 +131,13 @@ def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: s
 
 
 def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame | None = None,
-                   msgs: pl.LazyFrame | None = None) -> pl.LazyFrame:
-    """Estimated request tokens per call: blocks visible at the call plus a per-message overhead."""
+                   msgs: pl.LazyFrame | None = None, row_tokens: str | None = None) -> pl.LazyFrame:
+    """Estimated request tokens per call: blocks visible at the call plus a per-message overhead.
+    `row_tokens`: the column of `blocks` that holds each row's tokens already (row_tokens_expr)."""
     grid = call_grid(blocks) if grid is None else grid
     msgs = messages(blocks) if msgs is None else msgs
-    rows = blocks.select(*THREAD, "first_call", "last_call", _t=row_tokens_expr(ctx))
+    rows = blocks.select(*THREAD, "first_call", "last_call",
+                         _t=row_tokens_expr(ctx) if row_tokens is None else pl.col(row_tokens))
     over = msgs.select(*THREAD, first_call="first", last_call="last", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
     both = pl.concat([rows, over.select(rows.collect_schema().names())])
     return per_call_sum(both, "_t", grid).rename({"_t": "tokens"})
