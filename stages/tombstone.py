@@ -424,15 +424,15 @@ def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: 
     grid = materialize(call_grid(blocks))
     tokens = request_tokens(blocks, ctx, grid, msgs, row_tokens="_tok")
     at_call = [*THREAD, pl.col("first").alias("call")]
-    real = msgs.filter("is_real_user").group_by(at_call).agg(u_order=pl.col("order").max(),
-                                                             cur_turn=pl.col("turn").max())
-    req = msgs.group_by(at_call).agg(t_req=pl.col("timestamp").sort_by("order").last())
-    asst = msgs.filter(pl.col("role") == "assistant").group_by(at_call).agg(
-        t_asst=pl.col("timestamp").sort_by("order").last())
+    # per call where messages start: the latest real user message's order and turn, the last
+    # message's timestamp and the last answer's (null where the call starts none of them)
+    real, asst = pl.col("is_real_user"), pl.col("role") == "assistant"
+    events = msgs.group_by(at_call).agg(
+        u_order=pl.col("order").filter(real).max(), cur_turn=pl.col("turn").filter(real).max(),
+        t_req=pl.col("timestamp").sort_by("order").last(),
+        t_asst=pl.col("timestamp").filter(asst).sort_by(pl.col("order").filter(asst)).last())
     ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
-    per_call = forward_by_call(real.join(req, on=[*THREAD, "call"], how="full", coalesce=True)
-                               .join(asst, on=[*THREAD, "call"], how="full", coalesce=True),
-                               grid, ["u_order", "cur_turn", "t_req", "t_asst"])
+    per_call = forward_by_call(events, grid, ["u_order", "cur_turn", "t_req", "t_asst"])
     per_call = per_call.join(ep, on=[*THREAD, "call"], how="left").join(tokens, on=[*THREAD, "call"], how="left") \
         .sort([*THREAD, "call"]).with_columns(
             pl.col("ep").fill_null(0).cum_max().over(THREAD, order_by="call"),
