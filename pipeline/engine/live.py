@@ -275,7 +275,7 @@ def start_rules(positions: tuple[Position, ...], base: LiveThread, outs: dict[st
         if rule is None:
             continue
         out = outs[pos.name]  # the same frame for positions that left their input as it was
-        thread = base.with_blocks(base.measured("thread", lambda out=out: out.filter(mine), out), pos.name)
+        thread = base.with_blocks(base.measured("thread", lambda out=out: only(out, mine), out), pos.name)
         try:
             carried[pos.name] = rule.start(thread, pos.params, pos.ctx)
         except Exception as exc:
@@ -324,11 +324,11 @@ def thread_facts(loaded: pl.DataFrame, final: pl.DataFrame, applied: pl.DataFram
                  count_tokens: Any) -> ThreadFacts | None:
     """The facts of the session's main thread after a full pass (None: it has none)."""
     mine = (pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN)
-    rows = loaded.filter(mine)
+    rows = only(loaded, mine)
     if not rows.height:
         return None
     files = rows.get_column("source_file").unique().to_list()
-    dec = applied.filter(mine)
+    dec = only(applied, mine)
     base = LiveThread(session_id, MAIN, calls, "", tuple(p.name for p in positions), rows, rows, dec, count_tokens)
     return ThreadFacts(
         session_id=session_id, source_file=files[0] if len(files) == 1 else "",
@@ -362,8 +362,15 @@ def _row_order(entries: list[Node]) -> list[str]:
 def thread_entries(loaded: pl.DataFrame, session_id: str) -> list[str]:
     """The entry ids of the main thread's messages in the loaded blocks, in order (a message split
     over several lines gives each line's entry)."""
-    rows = loaded.filter((pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN))
+    rows = loaded.select("session_id", "thread_id", "entry_order", "block_pos", "part_pos", "entry_id") \
+        .filter((pl.col("session_id") == session_id) & (pl.col("thread_id") == MAIN))
     return rows.sort("entry_order", "block_pos", "part_pos").get_column("entry_id").unique(maintain_order=True).to_list()
+
+
+def only(frame: pl.DataFrame, rows: pl.Expr) -> pl.DataFrame:
+    """frame.filter(rows), or the frame itself when every row is one of them (a session of one
+    thread: filtering copied each of its columns, several times a pass)."""
+    return frame if frame.select(rows.fill_null(False).all()).item() else frame.filter(rows)
 
 
 # ---------------------------------------------------------------------------------------------
