@@ -325,6 +325,7 @@ class Engine:
                             f"holds it, or open this one on another ledger_path") from None
         try:
             self.ledger = Ledger(ledger_path)
+            self.ledger.exclusive = True  # the lock held above: no other writer while the engine is open
             self.ledger.con.execute(USAGE_DDL)
         except BaseException:
             self._lock.release()

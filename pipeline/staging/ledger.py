@@ -179,6 +179,10 @@ class Ledger:
         self._pending_tokens: list[pa.Table] = []
         self._earlier_all: tuple[tuple[Any, ...], pl.DataFrame] | None = None  # the last earlier_all, with its stamp
         # per counter, the first 64 bits of every sha256 its token_cache rows hold, sorted (`cached_tokens`)
+        # True when no one else writes this file while this object lives (the live engine holds the
+        # ledger's lock): what it read stays true until its own next commit (`earlier_all`)
+        self.exclusive = False
+        self._commits = 0  # commits made through this object
         self._cached_prefixes: dict[str, np.ndarray] = {}
 
     def _identify(self) -> str:
@@ -243,8 +247,9 @@ class Ledger:
         if not sessions:
             return pl.DataFrame(schema=schema)
         # the rows are only ever added: the same count and last seq of the namespace's decisions and
-        # call keys mean the same rows (the live engine asks at every pass; reading them again costs more)
-        stamp = self.con.execute(
+        # call keys mean the same rows (the live engine asks at every pass; reading them again costs
+        # more); with no other writer, no commit of its own since means the same rows too
+        stamp = ("commits", self._commits) if self.exclusive else self.con.execute(
             "SELECT (SELECT count(*) FROM decisions WHERE spec_sha256 = $spec), "
             "(SELECT max(seq) FROM decisions WHERE spec_sha256 = $spec), "
             "(SELECT count(*) FROM decision_calls WHERE spec_sha256 = $spec)", {"spec": spec_sha256}).fetchall()[0]
@@ -326,6 +331,7 @@ class Ledger:
                          orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
             if run is None:
                 con.execute("COMMIT")
+                self._commits += 1
                 self._tokens_committed()
                 return
             seq = con.execute("SELECT coalesce(max(run_seq), -1) + 1 FROM runs").fetchall()[0][0]
@@ -336,6 +342,7 @@ class Ledger:
             ])
             crashpoints.point("ledger")
             con.execute("COMMIT")
+            self._commits += 1
             self._tokens_committed()
         except Exception as exc:
             try:
