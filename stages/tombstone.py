@@ -37,11 +37,10 @@ from ctxreplay.pipeline.core.tokens import is_image_expr, tokens_expr
 from ctxreplay.pipeline.stageapi.calls import (
     call_grid,
     firing_epoch,
-    forward_by_call,
     materialize,
     messages,
     open_max,
-    request_tokens,
+    request_token_deltas,
     row_tokens_expr,
     text_tokens,
 )
@@ -422,7 +421,7 @@ def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: 
     its turn, the highest cache epoch so far and whether the idle trigger holds. `blocks` holds
     each row's tokens (`_tok`)."""
     grid = materialize(call_grid(blocks))
-    tokens = request_tokens(blocks, ctx, grid, msgs, row_tokens="_tok")
+    deltas = request_token_deltas(blocks, ctx, msgs, row_tokens="_tok")
     at_call = [*THREAD, pl.col("first").alias("call")]
     # per call where messages start: the latest real user message's order and turn, the last
     # message's timestamp and the last answer's (null where the call starts none of them)
@@ -432,15 +431,27 @@ def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: 
         t_req=pl.col("timestamp").sort_by("order").last(),
         t_asst=pl.col("timestamp").filter(asst).sort_by(pl.col("order").filter(asst)).last())
     ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
-    per_call = forward_by_call(events, grid, ["u_order", "cur_turn", "t_req", "t_asst"])
-    per_call = per_call.join(ep, on=[*THREAD, "call"], how="left").join(tokens, on=[*THREAD, "call"], how="left") \
-        .sort([*THREAD, "call"]).with_columns(
-            pl.col("ep").fill_null(0).cum_max().over(THREAD, order_by="call"),
-            pl.col("u_order").cum_max().over(THREAD, order_by="call"),
-            pl.col("cur_turn").cum_max().over(THREAD, order_by="call"),
-            idle=((pl.col("t_req") - pl.col("t_asst")).dt.total_seconds() >= max(params.trigger_idle_seconds, 1))
-            & (params.trigger_idle_seconds > 0),
-        )
+    # every call of the grid with what starts there, then carried over the thread's calls in one
+    # pass: the request tokens cumulated, the message facts carried forward (the user message's
+    # order and turn, and the highest epoch, never going back)
+    key = [*THREAD, "call"]
+    at = grid.join(events, on=key, how="left").join(ep, on=key, how="left").join(deltas, on=key, how="left") \
+        .sort(key)
+
+    def carried(e: pl.Expr) -> pl.Expr:
+        return e.over(THREAD, order_by="call")
+
+    per_call = at.with_columns(
+        carried(pl.col("_d").fill_null(0).cum_sum()).alias("tokens"),
+        carried(pl.col("u_order").forward_fill().cum_max()),
+        carried(pl.col("cur_turn").forward_fill().cum_max()),
+        carried(pl.col("t_req").forward_fill()),
+        carried(pl.col("t_asst").forward_fill()),
+        carried(pl.col("ep").fill_null(0).cum_max()),
+    ).with_columns(
+        idle=((pl.col("t_req") - pl.col("t_asst")).dt.total_seconds() >= max(params.trigger_idle_seconds, 1))
+        & (params.trigger_idle_seconds > 0),
+    )
     return per_call.select(*THREAD, kind=pl.lit("call"), call="call", tokens="tokens", u_order="u_order",
                            cur_turn="cur_turn", ep="ep", idle="idle")
 
@@ -449,22 +460,24 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
                 cleared_tok: int) -> pl.LazyFrame:
     """Per eligible tool result: first appearance, end, order, the tokens clearing it frees (its
     first version, and its call's input with `clear_tool_inputs`), and whether it is cleared already."""
-    rows = blocks.filter(pl.col("block_type") == "tool_result")
-    first_version = rows.filter(pl.col("first_call") == pl.col("first_call").min().over(PART_KEY))
-    size = first_version.group_by(BLOCK_KEY).agg(
-        size=(pl.when(is_image_expr()).then(pl.col("_tok") * 4)
-              .otherwise(pl.col("text").str.len_chars().fill_null(0))).sum(),
-        tok=pl.col("_tok").sum(),
-    )
-    placeholder = rows.filter((pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).group_by(BLOCK_KEY).agg(
-        done_call=pl.col("first_call").min(), done_epoch=pl.col("cache_epoch").sort_by("first_call").first())
+    rows = blocks.filter(pl.col("block_type") == "tool_result").with_columns(
+        _first=pl.col("first_call") == pl.col("first_call").min().over(PART_KEY))  # each part's first version
+    first = pl.col("_first")
+    placeholder = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)
     res = rows.group_by(BLOCK_KEY).agg(
         order=pl.col("order_key").min(),
         a=pl.col("first_call").min(),
         z=open_max("last_call"),
         tool_name=pl.col("tool_name").drop_nulls().first(),
         pinned=pl.col("extra_json").fill_null("").str.contains('"pinned":true', literal=True).any(),
-    ).join(size, on=BLOCK_KEY, how="left").join(placeholder, on=BLOCK_KEY, how="left").with_columns(
+        # the first versions' size and tokens (every result has some: each part has a first version)
+        size=(pl.when(is_image_expr()).then(pl.col("_tok") * 4)
+              .otherwise(pl.col("text").str.len_chars().fill_null(0))).filter(first).sum(),
+        tok=pl.col("_tok").filter(first).sum(),
+        # where it holds the placeholder already (null: nowhere)
+        done_call=pl.col("first_call").filter(placeholder).min(),
+        done_epoch=pl.col("cache_epoch").filter(placeholder).sort_by(pl.col("first_call").filter(placeholder)).first(),
+    ).with_columns(
         done=pl.col("done_call").is_not_null(),
     )
     res = res.join(owners.select(*BLOCK_KEY, "_in_saved", "_use_name"), on=BLOCK_KEY, how="left").with_columns(

@@ -115,13 +115,19 @@ def call_grid(blocks: pl.LazyFrame) -> pl.LazyFrame:
     )
 
 
-def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: str = "first_call",
-                 last: str = "last_call") -> pl.LazyFrame:
-    """Sum of `value` over the rows visible at each call (+v at `first`, -v at `last`, cumulated)."""
+def call_deltas(rows: pl.LazyFrame, value: str, *, first: str = "first_call", last: str = "last_call") -> pl.LazyFrame:
+    """Per thread and call, the change of the sum of `value` over the visible rows (+v at `first`,
+    -v at `last`), as `_d`: cumulated over the calls, the sum at each call (per_call_sum)."""
     plus = rows.select(*THREAD, call=pl.col(first).cast(pl.Int32), _d=pl.col(value).cast(pl.Int64))
     minus = rows.filter(pl.col(last).is_not_null()).select(
         *THREAD, call=pl.col(last).cast(pl.Int32), _d=-pl.col(value).cast(pl.Int64))
-    deltas = pl.concat([plus, minus]).group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
+    return pl.concat([plus, minus]).group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
+
+
+def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: str = "first_call",
+                 last: str = "last_call") -> pl.LazyFrame:
+    """Sum of `value` over the rows visible at each call (+v at `first`, -v at `last`, cumulated)."""
+    deltas = call_deltas(rows, value, first=first, last=last)
     return (
         grid.join(deltas, on=[*THREAD, "call"], how="left")
         .sort([*THREAD, "call"])
@@ -131,16 +137,28 @@ def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: s
 
 
 def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame | None = None,
-                   msgs: pl.LazyFrame | None = None, row_tokens: str | None = None) -> pl.LazyFrame:
-    """Estimated request tokens per call: blocks visible at the call plus a per-message overhead.
-    `row_tokens`: the column of `blocks` that holds each row's tokens already (row_tokens_expr)."""
+                   msgs: pl.LazyFrame | None = None) -> pl.LazyFrame:
+    """Estimated request tokens per call: blocks visible at the call plus a per-message overhead."""
     grid = call_grid(blocks) if grid is None else grid
     msgs = messages(blocks) if msgs is None else msgs
+    return per_call_sum(_request_rows(blocks, ctx, msgs), "_t", grid).rename({"_t": "tokens"})
+
+
+def request_token_deltas(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame,
+                         row_tokens: str | None = None) -> pl.LazyFrame:
+    """request_tokens as changes per call (`call_deltas`: cumulated over a thread's calls, its
+    request tokens), for a caller that builds its own per-call frame. `row_tokens`: the column of
+    `blocks` that holds each row's tokens already (row_tokens_expr)."""
+    return call_deltas(_request_rows(blocks, ctx, msgs, row_tokens), "_t")
+
+
+def _request_rows(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame,
+                  row_tokens: str | None = None) -> pl.LazyFrame:
+    """What a request counts: each row's tokens and each message's overhead, with their visible span."""
     rows = blocks.select(*THREAD, "first_call", "last_call",
                          _t=row_tokens_expr(ctx) if row_tokens is None else pl.col(row_tokens))
     over = msgs.select(*THREAD, first_call="first", last_call="last", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
-    both = pl.concat([rows, over.select(rows.collect_schema().names())])
-    return per_call_sum(both, "_t", grid).rename({"_t": "tokens"})
+    return pl.concat([rows, over.select(rows.collect_schema().names())])
 
 
 def forward_by_call(events: pl.LazyFrame, grid: pl.LazyFrame, cols: list[str]) -> pl.LazyFrame:
