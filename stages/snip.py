@@ -588,18 +588,19 @@ def quiet_check(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> pl.Exp
     ref = ctx.peer("tombstone")
     if ref is None:
         return check
-    own = blocks.select(check.fill_null(False))
+    own = blocks.select(_own=check.fill_null(False))
     shrinks = _dry_run_shrinks(blocks, ref.params, ctx)
+    if shrinks is not None:
+        shrinks = shrinks.select(_shrinks=pl.first())
     if ref.stage.quiet is None:
         return own if shrinks is None else pl.concat([own, shrinks], how="horizontal").select(pl.all_horizontal(pl.all()))
     peer = ref.stage.quiet.check(blocks, ref.params, ctx)
-    peer_plan = blocks.select(peer.fill_null(False)) if isinstance(peer, pl.Expr) else \
-        peer.select(pl.first().fill_null(False).all())
+    peer_plan = blocks.select(_peer=peer.fill_null(False)) if isinstance(peer, pl.Expr) else \
+        peer.select(_peer=pl.first().fill_null(False).all())
     parts = [own, peer_plan] if shrinks is None else [own, peer_plan, shrinks]
-    both = pl.concat(parts, how="horizontal")
-    names = both.collect_schema().names()
-    peer_or_shrinks = pl.col(names[1]) if shrinks is None else (pl.col(names[1]) | pl.col(names[2]))
-    return both.select(pl.col(names[0]) & peer_or_shrinks)
+    # named columns: the plan's schema is not resolved to find them (~1 ms of every pass that asks)
+    peer_or_shrinks = pl.col("_peer") if shrinks is None else (pl.col("_peer") | pl.col("_shrinks"))
+    return pl.concat(parts, how="horizontal").select(pl.col("_own") & peer_or_shrinks)
 
 
 def _dry_run_shrinks(blocks: pl.LazyFrame, tomb: Any, ctx: StageContext) -> pl.LazyFrame | None:

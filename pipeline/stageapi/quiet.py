@@ -45,9 +45,8 @@ def plans(blocks: pl.LazyFrame, checks: list[pl.Expr | pl.LazyFrame]) -> pl.Lazy
     exprs = {f"_q{i}": c.fill_null(False).all() for i, c in enumerate(checks) if isinstance(c, pl.Expr)}
     parts = [blocks.select(**exprs)] if exprs else []
     for i, c in enumerate(checks):
-        if isinstance(c, pl.LazyFrame):
-            col = c.collect_schema().names()[0]
-            parts.append(c.select(pl.col(col).fill_null(False).all().alias(f"_q{i}")))
+        if isinstance(c, pl.LazyFrame):  # its first column (no schema resolved to name it)
+            parts.append(c.select(pl.first().fill_null(False).all().alias(f"_q{i}")))
     return pl.concat(parts, how="horizontal").select([f"_q{i}" for i in range(len(checks))])
 
 
