@@ -225,8 +225,8 @@ def _count_upto(frames: pl.LazyFrame, counts: pl.LazyFrame, *, at: str, out: str
 
 def live_start(thread: LiveThread, params: Pairing, ctx: StageContext) -> frozenset[str]:
     """The live rule carries the thread's tool-call ids, as loaded and as this position left them."""
-    return frozenset(thread.loaded.get_column("tool_use_id").drop_nulls().to_list()) | \
-        frozenset(thread.blocks.get_column("tool_use_id").drop_nulls().to_list())
+    ids = pl.concat([thread.loaded.get_column("tool_use_id"), thread.blocks.get_column("tool_use_id")])
+    return frozenset(ids.drop_nulls().unique().to_list())
 
 
 def live_step(ids: frozenset[str], new: LiveRows, p: Pairing, ctx: StageContext) -> Live:

@@ -201,13 +201,15 @@ def unsettled_tail(rows: pl.DataFrame) -> bool:
     message with content: true when such a message could still come for one (an assistant message
     after the last message with content; content as sanitize counts it, blank texts and
     placeholders not)."""
+    # blank: no character that is not white space (strip_chars() copied every text; Rust's trim and
+    # the regex's \s both mean Unicode White_Space)
     content = ~pl.col("block_type").str.to_lowercase().is_in(["null", "none", "", "empty"]) & ~(
-        (pl.col("block_type") == "text") & (pl.col("text").is_null() | (pl.col("text").str.strip_chars() == "")))
-    msgs = rows.group_by("entry_order").agg(content=content.fill_null(False).any(),
-                                            assistant=(pl.col("role") == "assistant").any())
-    last = msgs.filter("content").get_column("entry_order").max()
-    after = msgs if last is None else msgs.filter(pl.col("entry_order") > last)
-    return bool(after.get_column("assistant").any())
+        (pl.col("block_type") == "text") & (pl.col("text").is_null() | ~pl.col("text").str.contains(r"\S")))
+    # a message has content when one of its rows has: the last such message is the last entry_order
+    # of a row with content; an assistant row after it (or anywhere, with none) is the unsettled turn
+    last = pl.col("entry_order").filter(content.fill_null(False)).max()
+    after = (pl.col("entry_order") > last).fill_null(True)
+    return bool(rows.select(((pl.col("role") == "assistant") & after).any()).item())
 
 
 def live_start(thread: LiveThread, params: Sanitize, ctx: StageContext) -> LiveCarry:
