@@ -168,3 +168,35 @@ def test_disabled_does_nothing() -> None:
 def test_fast_estimator_is_ceil_chars_over_four() -> None:
     df = pl.DataFrame({"n": [0, 1, 4, 5]})
     assert df.select(fast_token_estimate(pl.col("n")))["n"].to_list() == [0, 1, 1, 2]
+
+
+def _dry_run_shrinks(parts: list[str], min_chars: int, **tomb: Any) -> bool | None:
+    """Whether snip's bound holds for one tool result of these parts (tombstone dry-run with
+    min_result_chars = min_chars, the fast estimate): None where tombstone's params could lengthen
+    any request."""
+    from ctxreplay.stages.snip import _dry_run_shrinks as shrinks
+
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "text": "go"},
+        {"role": "assistant", "blocks": [{"type": "tool_use", "tool_use_id": "t0", "tool_name": "Read", "tool_input": {}}]},
+        {"role": "user", "blocks": [{"type": "tool_result", "tool_use_id": "t0", "text": text, "part_type": "text",
+                                     "part_pos": i} for i, text in enumerate(parts)]},
+        {"role": "user", "blocks": [{"type": "tool_result", "tool_use_id": "t9", "text": "x" * 400}]},  # long, cleared short
+    ]
+    params = resolve_params(get_stage("tombstone"), {"min_result_chars": min_chars, **tomb}, where="test")
+    plan = shrinks(make_blocks(msgs), params, StageContext())
+    return None if plan is None else bool(plan.collect().item())
+
+
+def test_the_dry_run_of_tombstone_shrinks_unless_a_result_it_may_clear_has_a_row_under_the_placeholder() -> None:
+    """The placeholder ("[Old tool result content cleared]", 33 characters) is 9 tokens by the fast
+    estimate: a row of 33-36 characters is 9 (not under it), 32 characters 8 (under it). A result
+    may be cleared when all its parts' text is at least min_result_chars."""
+    assert _dry_run_shrinks(["a" * 32], 32) is False  # may clear (32 >= 32), its row under the placeholder
+    assert _dry_run_shrinks(["a" * 32], 33) is True  # too short to clear
+    assert _dry_run_shrinks(["a" * 33], 33) is True  # clearable, but not under the placeholder
+    # two parts: their text together makes it clearable, the short part is under the placeholder
+    assert _dry_run_shrinks(["a" * 40, "b" * 8], 48) is False
+    assert _dry_run_shrinks(["a" * 40, "b" * 8], 49) is True
+    assert _dry_run_shrinks(["a" * 40, "b" * 36], 70) is True  # every row at least the placeholder
+    assert _dry_run_shrinks(["a" * 32], 32, clear_tool_inputs=True) is None  # an input may become longer
