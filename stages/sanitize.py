@@ -312,7 +312,7 @@ def quiet_blocks(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> p
 
 
 @stage("sanitize", version=2, params=Sanitize, live=LiveRule(live_start, live_step),  # the first layer: it needs no other
-       quiet=Quiet(quiet_check, quiet_blocks))
+       quiet=Quiet(quiet_check, quiet_blocks, sorted=True))
 def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: StageContext) -> StageResult:
     """Clean messages per provider rules: null and blank blocks, display-only rows, failed turns,
     thinking policy, invalid tool calls, non-model tool-result fields, magic strings.

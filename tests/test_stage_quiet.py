@@ -470,3 +470,22 @@ def test_pairing_same_id_expression_never_claims_an_id_that_changes(mode: str, t
         assert not same or keeps, (tid, mode, target)  # never "kept" where the id changes
         if tid is not None and tid.isascii() and tid.isprintable() and tid.strip() == tid and tid:
             assert bool(same) == keeps, (tid, mode, target)  # and exact on plain ids
+
+
+def test_quiet_blocks_declared_sorted_are_in_block_order() -> None:
+    """A stage whose quiet blocks say they are in block order (`Quiet(sorted=True)`: the runner hands
+    them on unsorted to the quiet positions after it) returns them in that order, from rows given
+    in any order."""
+    from ctxreplay.pipeline.core.blockops import sort_blocks
+    from ctxreplay.pipeline.stageapi.registry import load_stages
+
+    declared = [st for st in load_stages().values() if st.quiet is not None and st.quiet.sorted]
+    assert [st.name for st in declared] == ["sanitize"]
+    for st in declared:
+        assert st.quiet is not None and st.quiet.blocks is not None
+        blocks = make_blocks(sanitize_clean()).collect()
+        shuffled = blocks.sample(fraction=1.0, shuffle=True, seed=7).lazy()
+        p = resolve_params(st, {}, where="test")
+        out = st.quiet.blocks(shuffled, p, CTX).collect()
+        assert out.equals(sort_blocks(out.lazy()).collect())
+        assert out.height == blocks.height

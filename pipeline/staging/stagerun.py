@@ -578,7 +578,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
         decisions = pl.concat([decisions, _failed_decisions(blocks, failed | dict.fromkeys(skip))])
     if st.spilled_texts is not None and decisions.height and decisions.filter(pl.col("action") == "spill").height:
         state.spills.append(st.spilled_texts(blocks.lazy(), decisions.lazy()).select("sha256", "text").collect(engine=POLARS_ENGINE))
-    if known is True and st.quiet is not None and st.quiet.blocks is None:
+    if known is True and st.quiet is not None and (st.quiet.blocks is None or st.quiet.sorted):
         state.sorted_out = out
     state.ahead = known is True
     counted = profile.collects() - c0 if profile.active() else None
