@@ -178,11 +178,11 @@ class Ledger:
         self._pending_calls: list[pa.Table] = []
         self._pending_tokens: list[pa.Table] = []
         self._earlier_all: tuple[tuple[Any, ...], pl.DataFrame] | None = None  # the last earlier_all, with its stamp
-        # per counter, the first 64 bits of every sha256 its token_cache rows hold, sorted (`cached_tokens`)
         # True when no one else writes this file while this object lives (the live engine holds the
         # ledger's lock): what it read stays true until its own next commit (`earlier_all`)
         self.exclusive = False
         self._commits = 0  # commits made through this object
+        # per counter, the first 64 bits of every sha256 its token_cache rows hold, sorted (`cached_tokens`)
         self._cached_prefixes: dict[str, np.ndarray] = {}
 
     def _identify(self) -> str:
