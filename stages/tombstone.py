@@ -380,8 +380,8 @@ def _call_owners(blocks: pl.LazyFrame, ctx: StageContext, inputs: bool) -> pl.La
     else:
         saved = pl.lit(0, pl.Int64)
     calls = calls.group_by(BLOCK_KEY).agg(
-            pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
-            _use_name=pl.col("tool_name").sort_by("first_call").first(), _in_saved=saved)
+        pl.col("tool_use_id").sort_by("first_call").first(), _use_order=pl.col("order_key").min(),
+        _use_name=pl.col("tool_name").sort_by("first_call").first(), _in_saved=saved)
     return results.sort("order_key").join_asof(
         calls.select(*THREAD, "tool_use_id", "_use_order", "_in_saved", "_use_name", _use_entry="entry_id",
                      _use_pos="block_pos")
@@ -497,7 +497,8 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
 
 
 def _per_thinking(blocks: pl.LazyFrame, msgs: pl.LazyFrame, ctx: StageContext, omitted_tok: int) -> pl.LazyFrame:
-    """Per thinking block: order, first call, turn, end, and the tokens clearing it frees."""
+    """Per thinking block: order, first call, turn, end, and the tokens clearing it frees. `blocks`
+    holds each row's tokens (`_tok`)."""
     think = _thinking(blocks, msgs).group_by(BLOCK_KEY).agg(
         order=pl.col("order_key").min(), a=pl.col("first_call").min(), turn=pl.col("turn").min(),
         z=open_max("last_call"),
