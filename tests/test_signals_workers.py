@@ -231,15 +231,16 @@ def test_a_ctrl_c_another_thread_takes_while_workers_spawn_is_raised_after_the_s
     other = threading.Thread(target=go.wait, daemon=True)
     other.start()  # started before the block: SIGINT is not blocked there
     reached = []
-    with pytest.raises(KeyboardInterrupt), _sigint_blocked():
-        assert other.ident is not None
-        signal.pthread_kill(other.ident, signal.SIGINT)
-        for _ in range(50):
-            time.sleep(0.002)  # Python would run its handler here
-        reached.append(True)
-    go.set()
-    assert reached == [True]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with ctrl_c_as_in_a_terminal():  # (a suite started from a shell's background job inherits SIGINT ignored)
+        with pytest.raises(KeyboardInterrupt), _sigint_blocked():
+            assert other.ident is not None
+            signal.pthread_kill(other.ident, signal.SIGINT)
+            for _ in range(50):
+                time.sleep(0.002)  # Python would run its handler here
+            reached.append(True)
+        go.set()
+        assert reached == [True]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_pool_whose_worker_died_mid_result_is_noted_stuck_and_the_command_line_exits(tmp_path: Path) -> None:

@@ -256,7 +256,9 @@ def test_ctrl_c_during_imports_that_outlast_the_wait_exits_130_at_once(tmp_path:
             "sys.argv = ['ctxreplay', 'probe-slow-import']\ncli.main()\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    with ctrl_c_as_in_a_terminal():  # (SIGINT ignored in a shell's background job: the child would inherit it)
+        r = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
+                           env=env, timeout=120)
     took = time.monotonic() - t0
     assert r.returncode == 130, (r.returncode, r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and r.stderr.strip().splitlines() == ["ctxreplay: interrupted"], r.stderr
