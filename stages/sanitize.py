@@ -134,7 +134,10 @@ def row_family_expr() -> pl.Expr:
 
 
 def is_blank(col: str) -> pl.Expr:
-    return pl.col(col).is_null() | (pl.col(col).str.strip_chars() == "")
+    r"""Null, or no character that is not white space. (strip_chars() == "" copied every text, a
+    200 MB tool result too; Rust's trim and the regex's \s both mean Unicode White_Space: the two
+    agree on every code point.)"""
+    return pl.col(col).is_null() | ~pl.col(col).str.contains(r"\S")
 
 
 def signed_expr() -> pl.Expr:
@@ -201,10 +204,8 @@ def unsettled_tail(rows: pl.DataFrame) -> bool:
     message with content: true when such a message could still come for one (an assistant message
     after the last message with content; content as sanitize counts it, blank texts and
     placeholders not)."""
-    # blank: no character that is not white space (strip_chars() copied every text; Rust's trim and
-    # the regex's \s both mean Unicode White_Space)
     content = ~pl.col("block_type").str.to_lowercase().is_in(["null", "none", "", "empty"]) & ~(
-        (pl.col("block_type") == "text") & (pl.col("text").is_null() | ~pl.col("text").str.contains(r"\S")))
+        (pl.col("block_type") == "text") & is_blank("text"))
     # a message has content when one of its rows has: the last such message is the last entry_order
     # of a row with content; an assistant row after it (or anywhere, with none) is the unsettled turn
     last = pl.col("entry_order").filter(content.fill_null(False)).max()
@@ -279,9 +280,7 @@ def quiet_check(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> pl
     is_result = bt == "tool_result"
     flags = [
         bt.is_null() | bt.str.to_lowercase().is_in([*NULL_BLOCK_TYPES, EMPTY_PLACEHOLDER]),
-        # blank: no character that is not white space (strip_chars() == "" copied every text, a 200 MB
-        # tool result too; Rust's trim and the regex's \s both mean Unicode White_Space)
-        (bt == "text") & (pl.col("text").is_null() | ~pl.col("text").str.contains(r"\S")),
+        (bt == "text") & is_blank("text"),
         ~bt.is_in(sorted(PORTABLE_BLOCK_TYPES)),  # (a type only some targets carry: not quiet, the plan decides)
         pl.col("text").str.contains("ANTHROPIC_MAGIC_STRING_TRIGGER_", literal=True),
         is_result & pl.col("extra_json").is_not_null() & (
@@ -335,7 +334,7 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     w = mark_drop(
         w,
         pl.col("role").is_in(["user", "assistant"]) & (pl.col("block_type") == "text")
-        & (pl.col("text").str.strip_chars() == ""),
+        & ~pl.col("text").str.contains(r"\S"),  # blank, as is_blank says it (a null text: step 1)
         "blank_text",
     )
     # 3. row filter

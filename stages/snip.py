@@ -590,8 +590,6 @@ def quiet_check(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> pl.Exp
         return check
     own = blocks.select(_own=check.fill_null(False))
     shrinks = _dry_run_shrinks(blocks, ref.params, ctx)
-    if shrinks is not None:
-        shrinks = shrinks.select(_shrinks=pl.first())
     if ref.stage.quiet is None:
         return own if shrinks is None else pl.concat([own, shrinks], how="horizontal").select(pl.all_horizontal(pl.all()))
     peer = ref.stage.quiet.check(blocks, ref.params, ctx)
@@ -623,7 +621,7 @@ def _dry_run_shrinks(blocks: pl.LazyFrame, tomb: Any, ctx: StageContext) -> pl.L
     per_result = results.group_by(BLOCK_KEY).agg(
         may_clear=(pl.col("_len").sum() >= tomb.min_result_chars) | pl.col("_img").any(),
         short=(pl.col("_tok") < placeholder).fill_null(True).any())
-    return per_result.select(_q=~(pl.col("may_clear").fill_null(True) & pl.col("short")).any())
+    return per_result.select(_shrinks=~(pl.col("may_clear").fill_null(True) & pl.col("short")).any())
 
 
 @stage("snip", version=1, params=Snip, requires=("pairing",), reads=("tombstone",), frozen=("snip",),

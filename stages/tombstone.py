@@ -456,6 +456,23 @@ def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: 
                            cur_turn="cur_turn", ep="ep", idle="idle")
 
 
+def _result_facts() -> dict[str, pl.Expr]:
+    """Aggregates of one tool result's rows that the plan's walk and the live rule's measure both
+    read: its order, first call, and where it holds the placeholder already (null: nowhere)."""
+    placeholder = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)
+    return {
+        "order": pl.col("order_key").min(),
+        "a": pl.col("first_call").min(),
+        "done_call": pl.col("first_call").filter(placeholder).min(),
+        "done_epoch": pl.col("cache_epoch").filter(placeholder).sort_by(pl.col("first_call").filter(placeholder)).first(),
+    }
+
+
+def _native() -> pl.Expr:
+    """Over `_result_facts`: cleared in the transcript itself (from its first call, epoch 0), not by this layer."""
+    return pl.col("done_call").is_not_null() & (pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0)
+
+
 def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, ctx: StageContext,
                 cleared_tok: int) -> pl.LazyFrame:
     """Per eligible tool result: first appearance, end, order, the tokens clearing it frees (its
@@ -463,10 +480,8 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
     rows = blocks.filter(pl.col("block_type") == "tool_result").with_columns(
         _first=pl.col("first_call") == pl.col("first_call").min().over(PART_KEY))  # each part's first version
     first = pl.col("_first")
-    placeholder = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)
     res = rows.group_by(BLOCK_KEY).agg(
-        order=pl.col("order_key").min(),
-        a=pl.col("first_call").min(),
+        **_result_facts(),
         z=open_max("last_call"),
         tool_name=pl.col("tool_name").drop_nulls().first(),
         pinned=pl.col("extra_json").fill_null("").str.contains('"pinned":true', literal=True).any(),
@@ -474,9 +489,6 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
         size=(pl.when(is_image_expr()).then(pl.col("_tok") * 4)
               .otherwise(pl.col("text").str.len_chars().fill_null(0))).filter(first).sum(),
         tok=pl.col("_tok").filter(first).sum(),
-        # where it holds the placeholder already (null: nowhere)
-        done_call=pl.col("first_call").filter(placeholder).min(),
-        done_epoch=pl.col("cache_epoch").filter(placeholder).sort_by(pl.col("first_call").filter(placeholder)).first(),
     ).with_columns(
         done=pl.col("done_call").is_not_null(),
     )
@@ -484,7 +496,7 @@ def _per_result(blocks: pl.LazyFrame, owners: pl.LazyFrame, params: Tombstone, c
         tool_name=pl.coalesce(pl.col("tool_name").replace("", None), "_use_name"))
     in_saved = pl.col("_in_saved").fill_null(0) if params.clear_tool_inputs else pl.lit(0, pl.Int64)
     res = res.with_columns(
-        native=pl.col("done") & (pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0),
+        native=_native(),
         # exact, even negative (a result shorter than the placeholder): the tokens freed so far must be
         # what the request lost, or a run that re-applies the ledger's clearings (whose request counts
         # them as they are) would see another total than the run that made them
@@ -658,14 +670,12 @@ def measure(thread: LiveThread, min_chars: int) -> Measure:
         real=(pl.col("role").first() == "user") & ~(pl.col("block_type") == "tool_result").any()
         & (pl.col("origin").first() != "snip")).filter(pl.col("real") & (pl.col("first") <= call)).select(
         u=pl.col("order").max())
-    cleared = (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)
+    # (every version of a result: its tokens and size are upper bounds of what clearing it frees)
     res = t.filter(pl.col("block_type") == "tool_result").group_by("entry_id", "block_pos").agg(
-        order=pl.col("order_key").min(), a=pl.col("first_call").min(), tok=pl.col("_tok").sum(),
+        **_result_facts(), tok=pl.col("_tok").sum(),
         size=pl.col("text").str.len_chars().fill_null(0).sum(), img=is_image_expr().fill_null(False).any(),
-        done_call=pl.col("first_call").filter(cleared).min(),
-        done_epoch=pl.col("cache_epoch").filter(cleared).sort_by(pl.col("first_call").filter(cleared)).first(),
     ).with_columns(done=pl.col("done_call").is_not_null())
-    own = pl.col("done") & ~((pl.col("done_call") == pl.col("a")) & (pl.col("done_epoch") == 0))
+    own = pl.col("done") & ~_native()
     frontier = pl.col("order").filter(own).max()  # null: nothing cleared by this stage yet
     res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img"))
                      & (frontier.is_null() | (pl.col("order") >= frontier))).select("order", "tok")

@@ -135,7 +135,8 @@ class Quiet:
     True only where the stage's plan would decide nothing and change no row but what `blocks` does.
     `blocks(blocks, params, ctx)` is what the stage returns then (None: the blocks as they are, in
     the block order of `finish`); `sorted`: those blocks are in that block order too (the runner
-    then hands them on as they are to a quiet position after it, instead of sorting them again). The runner asks the check before the stage, when the stage has no
+    then hands them on as they are to a quiet position after it, instead of sorting them again).
+    The runner asks the check before the stage, when the stage has no
     earlier decision in its ledger view, and skips the stage where it holds; the checks of
     consecutive positions are asked in one query. A check must be conservative: "not quiet" is
     always right (the plan runs), "quiet" must be proved (tests/test_stage_quiet.py)."""

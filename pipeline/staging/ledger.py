@@ -133,6 +133,11 @@ def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _prefixes_of(shas: list[str]) -> np.ndarray:
+    """The first 64 bits of each sha256 (hex), as the token cache's prefixes (`Ledger.cached_tokens`)."""
+    return np.fromiter((int(s[:16], 16) for s in shas), np.uint64, len(shas))
+
+
 class Ledger:
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
@@ -331,8 +336,7 @@ class Ledger:
                          orjson.dumps(spec_resolved, option=orjson.OPT_SORT_KEYS).decode()])
             if run is None:
                 con.execute("COMMIT")
-                self._commits += 1
-                self._tokens_committed()
+                self._committed()
                 return
             seq = con.execute("SELECT coalesce(max(run_seq), -1) + 1 FROM runs").fetchall()[0][0]
             con.execute(f"INSERT INTO runs ({', '.join(RUN_COLUMNS)}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", [
@@ -342,8 +346,7 @@ class Ledger:
             ])
             crashpoints.point("ledger")
             con.execute("COMMIT")
-            self._commits += 1
-            self._tokens_committed()
+            self._committed()
         except Exception as exc:
             try:
                 con.execute("ROLLBACK")
@@ -402,7 +405,7 @@ class Ledger:
         known = self._prefixes(counter)
         if not len(known):
             return {}
-        p = np.fromiter((int(s[:16], 16) for s in shas), np.uint64, len(shas))
+        p = _prefixes_of(shas)
         maybe = known[np.searchsorted(known, p).clip(max=len(known) - 1)] == p
         if not maybe.any():
             return {}
@@ -425,15 +428,15 @@ class Ledger:
             got = self._cached_prefixes[counter] = np.asarray(got, dtype=np.uint64)
         return got
 
-    def _tokens_committed(self) -> None:
-        """The counts just committed join the prefixes read before (the others are read when asked)."""
+    def _committed(self) -> None:
+        """After a commit: one more commit of this object's, and the token counts it wrote join the
+        prefixes read before (`store_tokens` queues one counter per table; the others are read when asked)."""
+        self._commits += 1
         for t in self._pending_tokens:
-            for counter in set(t.column("counter").to_pylist()):
-                if counter in self._cached_prefixes:
-                    shas = [s for c, s in zip(t.column("counter").to_pylist(), t.column("sha256").to_pylist(),
-                                              strict=True) if c == counter]
-                    new = np.fromiter((int(s[:16], 16) for s in shas), np.uint64, len(shas))
-                    self._cached_prefixes[counter] = np.union1d(self._cached_prefixes[counter], new)
+            counter = t.column("counter")[0].as_py()
+            if counter in self._cached_prefixes:
+                new = _prefixes_of(t.column("sha256").to_pylist())
+                self._cached_prefixes[counter] = np.union1d(self._cached_prefixes[counter], new)
 
     def store_tokens(self, counter: str, counts: dict[str, int]) -> None:
         """Queue new token counts; written with the run's commit (same transaction)."""
