@@ -23,6 +23,7 @@ from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, empty_decisions, null
 from ctxreplay.pipeline.core.constants import (
     BLOCK_KEY,
     CACHE_EDIT_SUFFIX,
+    MESSAGE_OVERHEAD_TOKENS,
     NO_CALL,
     PART_KEY,
     POLARS_ENGINE,
@@ -40,7 +41,6 @@ from ctxreplay.pipeline.stageapi.calls import (
     materialize,
     messages,
     open_max,
-    request_token_deltas,
     row_tokens_expr,
     text_tokens,
 )
@@ -421,22 +421,36 @@ def _per_call(blocks: pl.LazyFrame, msgs: pl.LazyFrame, params: Tombstone, ctx: 
     its turn, the highest cache epoch so far and whether the idle trigger holds. `blocks` holds
     each row's tokens (`_tok`)."""
     grid = materialize(call_grid(blocks))
-    deltas = request_token_deltas(blocks, ctx, msgs, row_tokens="_tok")
-    at_call = [*THREAD, pl.col("first").alias("call")]
-    # per call where messages start: the latest real user message's order and turn, the last
-    # message's timestamp and the last answer's (null where the call starts none of them)
+    # one group_by per call over every row a request counts (request_token_deltas' rows: +tokens at
+    # a row's or message's first call, -tokens at its last), the rows that start at a call carrying
+    # what starts there: the highest cache epoch of its rows; of its messages, the latest real user
+    # message's order and turn, the last message's timestamp and the last answer's (null where the
+    # call starts none of them). One group_by and one join instead of three of each.
     real, asst = pl.col("is_real_user"), pl.col("role") == "assistant"
-    events = msgs.group_by(at_call).agg(
-        u_order=pl.col("order").filter(real).max(), cur_turn=pl.col("turn").filter(real).max(),
-        t_req=pl.col("timestamp").sort_by("order").last(),
-        t_asst=pl.col("timestamp").filter(asst).sort_by(pl.col("order").filter(asst)).last())
-    ep = blocks.group_by([*THREAD, pl.col("first_call").alias("call")]).agg(ep=pl.col("cache_epoch").max())
+    none_i32, none_i64 = pl.lit(None, pl.Int32), pl.lit(None, pl.Int64)
+    none_ts = pl.lit(None, msgs.collect_schema()["timestamp"])
+    starts = blocks.select(*THREAD, call=pl.col("first_call").cast(pl.Int32), _d=pl.col("_tok").cast(pl.Int64),
+                           ep=pl.col("cache_epoch"), _a=pl.lit(False), _o=none_i64, _u=none_i64,
+                           _ut=none_i32, _ts=none_ts)
+    ends = blocks.filter(pl.col("last_call").is_not_null()).select(
+        *THREAD, call=pl.col("last_call").cast(pl.Int32), _d=-pl.col("_tok").cast(pl.Int64))
+    overhead = pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64)
+    m_starts = msgs.select(*THREAD, call=pl.col("first").cast(pl.Int32), _d=overhead, _a=asst,
+                           _o=pl.col("order").cast(pl.Int64),
+                           _u=pl.when(real).then(pl.col("order")).cast(pl.Int64),
+                           _ut=pl.when(real).then(pl.col("turn")).cast(pl.Int32), _ts=pl.col("timestamp"))
+    m_ends = msgs.filter(pl.col("last").is_not_null()).select(*THREAD, call=pl.col("last").cast(pl.Int32),
+                                                              _d=-overhead)
+    key = [*THREAD, "call"]
+    is_a = pl.col("_a").fill_null(False)
+    events = pl.concat([starts, ends, m_starts, m_ends], how="diagonal").group_by(key).agg(
+        _d=pl.col("_d").sum(), ep=pl.col("ep").max(), u_order=pl.col("_u").max(), cur_turn=pl.col("_ut").max(),
+        t_req=pl.col("_ts").get(pl.col("_o").arg_max()),  # (_o: null but on the messages' rows)
+        t_asst=pl.col("_ts").filter(is_a).get(pl.col("_o").filter(is_a).arg_max()))
     # every call of the grid with what starts there, then carried over the thread's calls in one
     # pass: the request tokens cumulated, the message facts carried forward (the user message's
     # order and turn, and the highest epoch, never going back)
-    key = [*THREAD, "call"]
-    at = grid.join(events, on=key, how="left").join(ep, on=key, how="left").join(deltas, on=key, how="left") \
-        .sort(key)
+    at = grid.join(events, on=key, how="left").sort(key)
 
     def carried(e: pl.Expr) -> pl.Expr:
         return e.over(THREAD, order_by="call")
@@ -664,12 +678,18 @@ def measure(thread: LiveThread, min_chars: int) -> Measure:
     (part 0 of a result replaced by the placeholder)."""
     t = thread.blocks.lazy().with_columns(_tok=thread.row_tokens())
     call = thread.call
-    # one query: the latest real user message's order, and the results still clearable
-    u = t.group_by("msg_key").agg(
-        order=pl.col("order_key").min(), first=pl.col("first_call").min(),
+    # one query: the latest real user message's order, the request's tokens (LiveThread.request_tokens:
+    # its rows' and an overhead per message it holds), and the results still clearable
+    seen = (pl.col("first_call") <= call) & (pl.col("last_call").is_null() | (pl.col("last_call") > call))
+    held = (pl.col("first") <= call) & (pl.col("last").is_null() | (pl.col("last") > call))
+    msgs = t.group_by("msg_key").agg(
+        order=pl.col("order_key").min(), first=pl.col("first_call").min(), last=open_max("last_call"),
         real=(pl.col("role").first() == "user") & ~(pl.col("block_type") == "tool_result").any()
-        & (pl.col("origin").first() != "snip")).filter(pl.col("real") & (pl.col("first") <= call)).select(
-        u=pl.col("order").max())
+        & (pl.col("origin").first() != "snip"))
+    u = pl.concat([
+        msgs.select(u=pl.col("order").filter(pl.col("real") & (pl.col("first") <= call)).max(),
+                    n=held.sum().cast(pl.Int64)),
+        t.select(rows=pl.col("_tok").filter(seen).sum().cast(pl.Int64))], how="horizontal")
     # (every version of a result: its tokens and size are upper bounds of what clearing it frees)
     res = t.filter(pl.col("block_type") == "tool_result").group_by("entry_id", "block_pos").agg(
         **_result_facts(), tok=pl.col("_tok").sum(),
@@ -680,13 +700,15 @@ def measure(thread: LiveThread, min_chars: int) -> Measure:
     res = res.filter(~pl.col("done") & ((pl.col("size") >= min_chars) | pl.col("img"))
                      & (frontier.is_null() | (pl.col("order") >= frontier))).select("order", "tok")
     u_df, res_df = pl.collect_all([u, res], engine=POLARS_ENGINE)
-    u_order = None if u_df.item() is None else int(u_df.item())
+    u_order, n_msgs, n_rows = u_df.row(0)
+    tokens = int(n_rows or 0) + MESSAGE_OVERHEAD_TOKENS * int(n_msgs or 0)
     if u_order is None:  # no real user message yet: every clearable result is after it
-        return Measure(thread.request_tokens(), None, (0, 0), (res_df.height, int(res_df.get_column("tok").sum())))
+        return Measure(tokens, None, (0, 0), (res_df.height, int(res_df.get_column("tok").sum())))
+    u_order = int(u_order)
     early, late = pl.col("order") < u_order, pl.col("order") >= u_order
     n1, t1, n2, t2 = res_df.select(early.sum(), pl.col("tok").filter(early).sum().alias("t1"),
                                    late.sum().alias("n2"), pl.col("tok").filter(late).sum().alias("t2")).row(0)
-    return Measure(thread.request_tokens(), u_order, (int(n1), int(t1)), (int(n2), int(t2)))
+    return Measure(tokens, u_order, (int(n1), int(t1)), (int(n2), int(t2)))
 
 
 def _idle(p: Tombstone, new: LiveRows) -> str | None:
