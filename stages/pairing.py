@@ -296,31 +296,31 @@ def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.
     calls = blocks.filter(_IS_CALL).group_by(BLOCK).agg(
         msg_key=pl.col("msg_key").first(), order_key=pl.col("order_key").min(), _cid=pl.col("tool_use_id").first(),
         _fc=pl.col("first_call").min(),
-    ).with_columns(_occ=pl.lit(0, pl.Int64)).with_columns(
-        _same=same_id_expr(mode, ctx.target),
-        _n=pl.len().over([*THREAD, "_cid"]),
-        _crank=pl.col("block_pos").rank("dense").over(MSG).cast(pl.Int64),
-        _m=pl.len().over(MSG).cast(pl.Int64),
-    )
+    ).with_columns(_same=same_id_expr(mode, ctx.target))
     results = blocks.filter(is_result).group_by(BLOCK).agg(
         _cid=pl.col("tool_use_id").first(), _rok=pl.col("order_key").min(), _rpos=_POS.min(),
         _fr=pl.col("first_call").min(),
-    ).with_columns(_rn=pl.len().over([*THREAD, "_cid"]))
+    )
     pairs = calls.join(results.drop("entry_id", "block_pos"), on=[*THREAD, "_cid"], how="full", coalesce=True)
-    ok_pairs = pairs.select(_q=(
-        pl.col("_same") & (pl.col("_n") == 1) & (pl.col("_rn") == 1) & (pl.col("_rok") > pl.col("order_key"))
-        & (pl.col("_fr") <= pl.col("_fc"))
-    ).fill_null(False).all())
+    # each id once among the calls and once among the results of its thread: with both sides on
+    # every row of the full join, as many rows as calls and as results (an id of c calls and r
+    # results gives c * r rows, so c * r summed equal to c summed and to r summed means each is 1)
+    paired = pl.concat([
+        pairs.select(_all=(pl.col("_same") & (pl.col("_rok") > pl.col("order_key")) & (pl.col("_fr") <= pl.col("_fc")))
+                     .fill_null(False).all(), _np=pl.len()),
+        calls.select(_nc=pl.len()), results.select(_nr=pl.len())], how="horizontal")
+    ok_pairs = paired.select(_q=pl.col("_all") & (pl.col("_np") == pl.col("_nc")) & (pl.col("_np") == pl.col("_nr")))
     # in place: results in call order, and no other row between the assistant row and its last slot
     # (from the frame's first row: the stage takes any of them; in place from the first is in place from any)
     framed = pairs.filter(pl.col("msg_key").is_not_null())
     # in call order: along each frame's calls (by block), each result after the one before (where
     # every call has its result, which ok_pairs requires); shifts over the sorted calls, no per-frame sort
-    by_call = framed.select(*MSG, "_crank", "_rpos").sort([*MSG, "_crank"])
+    by_call = framed.select(*MSG, "block_pos", "_rpos").sort([*MSG, "block_pos"])
     same_frame = pl.all_horizontal([pl.col(c) == pl.col(c).shift(1) for c in MSG]).fill_null(False)
     ordered = by_call.select(_q=(~same_frame | (pl.col("_rpos") > pl.col("_rpos").shift(1))).fill_null(True).all())
-    frames = framed.group_by(MSG).agg(_a=pl.col("order_key").min(),
-                                      _span_end=pl.col("_rok").max() + pl.col("_m").first())
+    # a frame's last slot: its first row's order plus its calls (one row each where ok_pairs holds;
+    # where it does not, the check fails whatever this part says)
+    frames = framed.group_by(MSG).agg(_a=pl.col("order_key").min(), _span_end=pl.col("_rok").max() + pl.len())
     # no other row after the frame's up to its last slot: the next order_key of a row that is not a
     # result comes after the span (one as-of lookup: both sides sorted by the key, so by thread too)
     others = blocks.filter(~is_result).select(*THREAD, _next="order_key").unique().sort("_next")
