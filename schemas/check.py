@@ -56,7 +56,9 @@ def conform(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema) -> pl.LazyF
 
 def to_arrow(frame: pl.LazyFrame | pl.DataFrame, declared: pa.Schema, *, where: str) -> pa.Table:
     """Collect and cast to the declared Arrow schema, enforcing not-null fields and metadata."""
-    df = frame.collect() if isinstance(frame, pl.LazyFrame) else frame
+    # the in-memory engine, as every plan of ours (ctxreplay.pipeline.core.constants.POLARS_ENGINE;
+    # polars' default, streaming, pays a fixed cost per plan several times as large on small frames)
+    df = frame.collect(engine="in-memory") if isinstance(frame, pl.LazyFrame) else frame
     check_frame(df, declared, where=where)
     views = [f.name for f in declared if pa.types.is_string_view(f.type)]
     table = df.select(declared.names).drop(views).to_arrow()
