@@ -144,14 +144,6 @@ def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame |
     return per_call_sum(_request_rows(blocks, ctx, msgs), "_t", grid).rename({"_t": "tokens"})
 
 
-def request_token_deltas(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame,
-                         row_tokens: str | None = None) -> pl.LazyFrame:
-    """request_tokens as changes per call (`call_deltas`: cumulated over a thread's calls, its
-    request tokens), for a caller that builds its own per-call frame. `row_tokens`: the column of
-    `blocks` that holds each row's tokens already (row_tokens_expr)."""
-    return call_deltas(_request_rows(blocks, ctx, msgs, row_tokens), "_t")
-
-
 def _request_rows(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame,
                   row_tokens: str | None = None) -> pl.LazyFrame:
     """What a request counts: each row's tokens and each message's overhead, with their visible span."""
