@@ -144,11 +144,9 @@ def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame |
     return per_call_sum(_request_rows(blocks, ctx, msgs), "_t", grid).rename({"_t": "tokens"})
 
 
-def _request_rows(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame,
-                  row_tokens: str | None = None) -> pl.LazyFrame:
+def _request_rows(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame) -> pl.LazyFrame:
     """What a request counts: each row's tokens and each message's overhead, with their visible span."""
-    rows = blocks.select(*THREAD, "first_call", "last_call",
-                         _t=row_tokens_expr(ctx) if row_tokens is None else pl.col(row_tokens))
+    rows = blocks.select(*THREAD, "first_call", "last_call", _t=row_tokens_expr(ctx))
     over = msgs.select(*THREAD, first_call="first", last_call="last", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
     return pl.concat([rows, over.select(rows.collect_schema().names())])
 
