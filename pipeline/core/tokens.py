@@ -9,6 +9,7 @@ and are cached in DuckDB by sha256 of the text, so a re-run never tokenizes a te
 from __future__ import annotations
 
 import codecs
+import functools
 import gzip
 import hashlib
 import math
@@ -221,8 +222,14 @@ class TokenCounter:
 
     def series_counter(self) -> Callable[[pl.Series], pl.Series]:
         """For StageContext.count_tokens: a Series of texts → a Series of counts (null: the empty text,
-        0). A text over BIG_TEXT_BYTES is counted from its bytes where they lie (`count_big`)."""
+        0). A text over BIG_TEXT_BYTES is counted from its bytes where they lie (`count_big`). The
+        same function at every call: the expressions made with it (row_tokens_expr) are made once."""
+        made = self.__dict__.get("_series")
+        if made is None:
+            made = self._series = self._make_series_counter()
+        return made
 
+    def _make_series_counter(self) -> Callable[[pl.Series], pl.Series]:
         def count(s: pl.Series) -> pl.Series:
             if s.null_count():
                 self.count_many([""])  # a null is the empty text (0 tokens), counted as one as it always was
@@ -354,9 +361,11 @@ def is_image_expr() -> pl.Expr:
     return (pl.col("block_type") == "image") | (pl.col("part_type") == "image")
 
 
+@functools.lru_cache(maxsize=16)
 def row_tokens_expr(count: Callable[[pl.Series], pl.Series] | None) -> pl.Expr:
     """Estimated tokens of one block row, the one estimate the replay and the layers share: its
-    text (with a tool call's name and input), or for an image min(1600, ceil(w*h/750))."""
+    text (with a tool call's name and input), or for an image min(1600, ceil(w*h/750)). Made once
+    per counter (an expression is a value; making this one cost ~0.3 ms, a dozen times a pass)."""
     if count is None:
         per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
     else:  # the counter counts a null as the empty text (`series_counter`)

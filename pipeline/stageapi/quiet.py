@@ -18,6 +18,7 @@ runs its plan.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import polars as pl
@@ -92,6 +93,11 @@ def row_tokens_bound(ctx: StageContext) -> pl.Expr:
     facts; the engine's at the pass or step that brought them), so the check looks them up."""
     if ctx.count_tokens is not None and ctx.token_counter_version != CHARS4_COUNTER:
         return row_tokens_expr(ctx.count_tokens)
+    return _fast_row_tokens_bound()
+
+
+@functools.cache
+def _fast_row_tokens_bound() -> pl.Expr:
     per_text = per_token_text(lambda t: fast_token_estimate(t.str.len_chars().fill_null(0)))
     return pl.when(is_image_expr()).then(pl.lit(IMAGE_MAX_TOKENS, pl.Int64)).otherwise(per_text).cast(pl.Int64)
 
