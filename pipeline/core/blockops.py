@@ -166,6 +166,24 @@ def decisions_from(
     )
 
 
+BLOCK_ORDER = ["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call", "entry_id"]
+
+
 def sort_blocks(blocks: pl.LazyFrame) -> pl.LazyFrame:
     """Deterministic order: thread, working order, block, part, version."""
-    return blocks.sort(["session_id", "thread_id", "order_key", "block_pos", "part_pos", "first_call", "entry_id"])
+    return blocks.sort(BLOCK_ORDER)
+
+
+def append_sorted(ordered: pl.DataFrame, rows: pl.DataFrame) -> pl.DataFrame:
+    """sort_blocks over `ordered` (in block order already) and `rows`: where the rows, sorted, all come
+    after the last of `ordered` (a live session's new rows), the two one after the other, without
+    sorting the whole frame again. (Python's order of strings is polars': by code point, UTF-8's
+    byte order; a null in either key compared sorts the whole.)"""
+    if not rows.height:
+        return ordered
+    rows = rows.sort(BLOCK_ORDER)
+    if ordered.height:
+        last, first = ordered.select(BLOCK_ORDER).row(-1), rows.select(BLOCK_ORDER).row(0)
+        if None in last or None in first or not last < first:
+            return pl.concat([ordered, rows]).sort(BLOCK_ORDER)
+    return pl.concat([ordered, rows])

@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from ctxreplay.errors import CtxReplayError, StageFailed
 from ctxreplay.pipeline.core import crashpoints, profile
-from ctxreplay.pipeline.core.blockops import sort_blocks
+from ctxreplay.pipeline.core.blockops import append_sorted, sort_blocks
 from ctxreplay.pipeline.core.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
 from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
@@ -259,6 +259,7 @@ class Reapplied:
     decisions: pl.DataFrame
     conflicts: pl.DataFrame
     view: pl.DataFrame
+    ordered: bool = False  # `blocks` in block order (sort_blocks)
 
 
 def _replacement_struct() -> pl.DataType:
@@ -312,13 +313,17 @@ class ReapplyMemo:
         hashes = blocks.hash_rows()
         kept = self._kept.get(name)
         if kept is not None and kept.earlier.equals(earlier):
-            new = ~hashes.is_in(kept.hashes)
+            new = ~hashes.is_in(kept.hashes.implode())
             added = blocks.filter(new)
             if blocks.height - added.height == kept.hashes.len() and not _targeted(added, stage, earlier):
                 r = kept.result
-                out = r.blocks if not added.height else sort_blocks(pl.concat([r.blocks.lazy(), added.lazy()])) \
-                    .collect(engine=POLARS_ENGINE)
-                res = Reapplied(out, r.decisions, r.conflicts, r.view)
+                if not added.height:
+                    out = r.blocks
+                elif r.ordered:  # the new rows after the kept ones, without sorting them all again
+                    out = append_sorted(r.blocks, added)
+                else:
+                    out = sort_blocks(pl.concat([r.blocks.lazy(), added.lazy()])).collect(engine=POLARS_ENGINE)
+                res = Reapplied(out, r.decisions, r.conflicts, r.view, ordered=r.ordered or bool(added.height))
                 self._kept[name] = _Kept(earlier, hashes, res)
                 return res
         res = reapply(stage, blocks, earlier)
@@ -356,16 +361,19 @@ def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame)
     good, conflicts = _conflicts(targets, led_lazy)
     out = blocks
     decisions = pl.DataFrame(schema=DECISION_SCHEMA)
+    ordered = False
     if stage.frozen:
         res = _apply(blocks.lazy(), good)
         out, decisions = res.blocks.collect(engine=POLARS_ENGINE), res.decisions.collect(engine=POLARS_ENGINE)
+        ordered = True  # (_apply sorts)
     if stage.rebuild is not None:
+        ordered = False
         rebuilt, rebuilt_dec = stage.rebuild(blocks.lazy(), out.lazy(), earlier.lazy())
         out = rebuilt.collect(engine=POLARS_ENGINE)
         decisions = pl.concat([decisions, conform(rebuilt_dec, STAGE_DECISION).collect(engine=POLARS_ENGINE)])
     conflicts_df = conflicts.collect(engine=POLARS_ENGINE)
     view = pl.concat([earlier.filter(pl.col("action") != "conflict"), conflicts_df])
-    return Reapplied(out, decisions, conflicts_df, view)
+    return Reapplied(out, decisions, conflicts_df, view, ordered=ordered)
 
 
 def _apply(blocks: pl.LazyFrame, good: pl.LazyFrame) -> StageResult:
