@@ -233,6 +233,8 @@ class _Pass:
     written: pl.DataFrame  # the decisions this pass wrote to the ledger (+ `stage`)
     full_pass_reason: str | None = None  # why this session's last step was a full pass (None: the live path)
     applied: pl.DataFrame | None = None  # staged.applied, once read
+    calls: CallMap | None = None  # the call map of the first `calls_rows` rows (the pass's; live steps append rows)
+    calls_rows: int = 0
 
     def applied_decisions(self) -> pl.DataFrame:
         if self.applied is None:
@@ -506,9 +508,7 @@ class Engine:
             assert isinstance(blocks, pl.DataFrame)
             check_frame(blocks, BLOCKS, where="on load")
         loaded_blocks = blocks
-        skeleton = call_skeleton(blocks)
-        counts = call_counts(blocks)
-        calls = CallMap.from_blocks(blocks, counts)
+        skeleton, counts, calls = self._calls(s.last if kept is not None else None, blocks, follow)
         blocks = blocks.filter(pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("first_call")))
         t1 = time.perf_counter()
         run_spec = spec or self.spec
@@ -551,7 +551,8 @@ class Engine:
                                     "entry_id"])
         p = _Pass(loaded, loaded_blocks, final, skeleton, counts, staged, new,
                   {"load": t1 - t0, "stages": t2 - t1, "commit": time.perf_counter() - t2},
-                  pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame(), reason)
+                  pl.concat(written, how="diagonal_relaxed") if written else pl.DataFrame(), reason,
+                  calls=calls, calls_rows=loaded_blocks.height)
         s.facts = None
         if main_sid is not None and spec is None:
             n_main = counts[(main_sid, livepath.MAIN)]
@@ -564,6 +565,24 @@ class Engine:
         s.unshaped.clear()
         s.last, s.dirty = p, False
         return p
+
+    @staticmethod
+    def _calls(last: _Pass | None, rows: pl.DataFrame, follow: LiveRows | None
+               ) -> tuple[pl.DataFrame, dict[tuple[str, str], int], CallMap]:
+        """The calls of the loader's rows: the skeleton, the calls per thread and the call map.
+        `last`: the pass whose rows these extend (_kept_rows), with the live path's rows for the new
+        lines (`follow`) last. Those only add calls at the end of the main thread: the skeleton and
+        counts grow as a live step grows them, and the call map as CallMap.extended says (where it
+        cannot, from the rows); without `last`, all from the rows."""
+        if last is not None and last.calls is not None:
+            skeleton, counts = last.skeleton, dict(last.counts)
+            if follow is not None:
+                skeleton = pl.concat([skeleton, call_skeleton(follow.frame)], how="diagonal_relaxed")
+                counts[(str(follow.rows[0]["session_id"]), livepath.MAIN)] = follow.calls
+            calls = last.calls.extended(rows.head(last.calls_rows), rows.slice(last.calls_rows), counts)
+            return skeleton, counts, calls if calls is not None else CallMap.from_blocks(rows, counts)
+        counts = call_counts(rows)
+        return call_skeleton(rows), counts, CallMap.from_blocks(rows, counts)
 
     @staticmethod
     def _kept_rows(last: _Pass | None, new_lines: bool, follow: LiveRows | None

@@ -103,6 +103,37 @@ class CallMap:
         return cls(keys=keys.cast(CALL_KEYS_SCHEMA).collect(engine=POLARS_ENGINE),  # type: ignore[arg-type]
                    pending=pend.collect(engine=POLARS_ENGINE))
 
+    def extended(self, before: pl.DataFrame, rows: pl.DataFrame, pending: dict[tuple[str, str], int]) -> CallMap | None:
+        """The map of `before` + `rows` (from_blocks over both) where `rows` are new messages at the
+        end of one thread: their msg_keys new to the session, every row after the thread's rows in
+        order; the thread keyed before (its call messages as many as its calls) and after. Its new
+        call messages are then its next calls, in order, and no other thread changes. None where
+        that does not hold (from_blocks says). `pending`: the calls per thread of both."""
+        pend = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": c} for (s, t), c in pending.items()],
+                            schema=PENDING_SCHEMA)
+        if not rows.height:
+            return CallMap(self.keys, pend)
+        threads = rows.select(THREAD).unique()
+        if threads.height != 1:
+            return None
+        sid, tid = threads.row(0)
+        old = pl.col("session_id") == sid
+        mine = old & (pl.col("thread_id") == tid)
+        # one query over the earlier rows: the thread's last order, and whether a new msg_key is known
+        last, known = before.select(
+            pl.col("order_key").filter(mine).max(),
+            pl.col("msg_key").filter(old).is_in(rows.get_column("msg_key").unique().implode()).any()).row(0)
+        had = self.keys.filter(mine).height
+        was = self.pending.filter(mine).get_column("pending_call")
+        new_calls = rows.filter(pl.col("is_call")).group_by("msg_key").agg(_order=pl.col("order_key").min()) \
+            .sort("_order", "msg_key")
+        if known or (last is not None and rows.get_column("order_key").min() <= last) \
+                or had != (was.item() if was.len() == 1 else 0) or had + new_calls.height != pending.get((sid, tid)):
+            return None
+        added = new_calls.select(session_id=pl.lit(sid), thread_id=pl.lit(tid),
+                                 call=pl.int_range(had, had + new_calls.height, dtype=pl.Int32), call_key="msg_key")
+        return CallMap(pl.concat([self.keys, added.cast(CALL_KEYS_SCHEMA)]), pend)  # type: ignore[arg-type]
+
     def with_keys(self, decisions: pl.DataFrame) -> pl.DataFrame:
         """`decisions` with the `call_key` of their (thread, from_call) (null where none)."""
         if not decisions.height:
