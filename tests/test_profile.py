@@ -47,6 +47,35 @@ def test_the_counter_counts_lazy_and_eager_plans_while_active_only() -> None:
     assert profile.collects() == c0 + 3  # the engines' methods are as they were
 
 
+def test_queries_polars_runs_on_its_threads_inside_another_are_not_counted_apart() -> None:
+    """The eager operations in a Python function an expression maps (run on polars' threads or on
+    this one) are part of the query that maps it (how many there are depends on polars' scheduling);
+    another thread's queries are not this one's."""
+    import threading
+
+    df = pl.DataFrame({"a": [1, 2, 3]})
+    inner: list[int] = []
+
+    def mapped(s: pl.Series) -> pl.Series:
+        inner.append(threading.get_ident())
+        return s.to_frame().select(pl.col("a") + 1).to_series()  # an eager query of its own
+
+    with profile.counting():
+        c0 = profile.collects()
+        out = df.select(pl.col("a").map_batches(mapped, return_dtype=pl.Int64))
+        assert profile.collects() - c0 == 1  # the select; not the query inside the function
+        df.select(pl.col("a").map_batches(mapped, return_dtype=pl.Int64),  # two, on polars' threads
+                  b=pl.col("a").map_batches(mapped, return_dtype=pl.Int64))
+        c0 += 1
+        t = threading.Thread(target=lambda: df.select(pl.col("a") * 3))  # another thread's query
+        t.start()
+        t.join()
+        assert profile.collects() - c0 == 1
+        df.select(pl.col("a") * 3)  # this thread's: counted
+        assert profile.collects() - c0 == 2
+    assert out["a"].to_list() == [2, 3, 4] and inner
+
+
 def test_profile_adds_up_and_names_every_position(tmp_path: Path) -> None:
     s = _summary(SAMPLES / "claude-projects", "--out", tmp_path / "o", "--profile")
     p = s["profile"]
