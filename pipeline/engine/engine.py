@@ -266,6 +266,13 @@ class _Session:
     memo: ReapplyMemo = field(default_factory=ReapplyMemo)
 
 
+def _grow_calls(skeleton: pl.DataFrame, counts: dict[tuple[str, str], int], new: LiveRows) -> pl.DataFrame:
+    """The call skeleton with the calls of a live step's rows added (they extend the main thread of
+    their session), and `counts` set to that thread's calls after them (in place)."""
+    counts[(str(new.rows[0]["session_id"]), livepath.MAIN)] = new.calls
+    return pl.concat([skeleton, call_skeleton(new.frame)], how="diagonal_relaxed")
+
+
 def _spec_of(spec: PipelineSpec | str | Path) -> PipelineSpec:
     if isinstance(spec, PipelineSpec):
         return spec
@@ -577,8 +584,7 @@ class Engine:
         if last is not None and last.calls is not None:
             skeleton, counts = last.skeleton, dict(last.counts)
             if follow is not None:
-                skeleton = pl.concat([skeleton, call_skeleton(follow.frame)], how="diagonal_relaxed")
-                counts[(str(follow.rows[0]["session_id"]), livepath.MAIN)] = follow.calls
+                skeleton = _grow_calls(skeleton, counts, follow)
             calls = last.calls.extended(rows.head(last.calls_rows), rows.slice(last.calls_rows), counts)
             return skeleton, counts, calls if calls is not None else CallMap.from_blocks(rows, counts)
         counts = call_counts(rows)
@@ -672,7 +678,6 @@ class Engine:
             return why
         t2 = time.perf_counter()
         committed = self._commit_pending(p, facts, new) if facts.pending_decisions else 0
-        key = (facts.session_id, livepath.MAIN)
         try:
             p.blocks = pl.concat([p.blocks, new.frame.select(p.blocks.columns)])
         except (pl.exceptions.PolarsError, KeyError):
@@ -682,8 +687,7 @@ class Engine:
         except (pl.exceptions.PolarsError, KeyError):
             p.rows = pl.concat([p.rows, new.frame], how="diagonal_relaxed")
         s.follow = None
-        p.skeleton = pl.concat([p.skeleton, call_skeleton(new.frame)], how="diagonal_relaxed")
-        p.counts[key] = new.calls
+        p.skeleton = _grow_calls(p.skeleton, p.counts, new)
         p.new_decisions, p.full_pass_reason = committed, None
         p.written = pl.DataFrame()
         facts.grow(new, carried)

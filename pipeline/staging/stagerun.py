@@ -67,6 +67,12 @@ STAGE_FAILED = "stage_failed"
 # the calls of this run and the ledger as this run sees it
 
 
+def _pending_frame(pending: dict[tuple[str, str], int]) -> pl.DataFrame:
+    """CallMap.pending from the calls per (session, thread)."""
+    return pl.DataFrame({"session_id": [s for s, _ in pending], "thread_id": [t for _, t in pending],
+                         "pending_call": list(pending.values())}, schema=PENDING_SCHEMA)
+
+
 @dataclass(frozen=True)
 class CallMap:
     """This run's calls. `pending`: each thread's pending call (its decisions are provisional).
@@ -87,8 +93,7 @@ class CallMap:
         if pending is None:
             n = b.group_by(THREAD).agg(pending_call=pl.col("first_call").max().cast(pl.Int32))
         else:
-            n = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": c} for (s, t), c in pending.items()],
-                             schema=PENDING_SCHEMA).lazy()
+            n = _pending_frame(pending).lazy()
         call_msgs = b.filter(pl.col("is_call")).select("session_id", "msg_key").unique()
         starts = (
             b.group_by([*THREAD, "msg_key"]).agg(_order=pl.col("order_key").min())
@@ -109,8 +114,7 @@ class CallMap:
         order; the thread keyed before (its call messages as many as its calls) and after. Its new
         call messages are then its next calls, in order, and no other thread changes. None where
         that does not hold (from_blocks says). `pending`: the calls per thread of both."""
-        pend = pl.DataFrame([{"session_id": s, "thread_id": t, "pending_call": c} for (s, t), c in pending.items()],
-                            schema=PENDING_SCHEMA)
+        pend = _pending_frame(pending)
         if not rows.height:
             return CallMap(self.keys, pend)
         threads = rows.select(THREAD).unique()
