@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import re
+import time
 from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -751,6 +752,12 @@ def replay_thread(
             if pool is None:
                 pool = guard.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctxreplay-hash")
             sha: Any = pool.submit(finish_hash, h, comma, rest, env_suffix)
+            # hand the worker the GIL now: it needs it between two hashes (to finish one and join
+            # the next one's pieces), and a thread that waits for the GIL while this one runs
+            # Python gets it only every switch interval (5 ms), which left the worker idle most of
+            # the time (the replay then waited for its hashes: 0.6 s of a 1.3 s replay phase in
+            # bench_prefix_break)
+            time.sleep(0)
         else:
             sha = finish_hash(h, comma, rest, env_suffix)
         length = m or len(stand_ids or ())
@@ -802,15 +809,13 @@ def replay_thread(
 
 def finish_hash(h: Any, comma: bool, rest: list[bytes], env_suffix: bytes) -> str:
     """The request hash from a prefix state: the remaining pieces (messages, or runs of them joined)
-    with commas between, then the envelope. (hashlib lets other threads run while it hashes more
-    than 2 KiB: the long pieces; the short ones are joined first.)"""
-    if len(rest) == 1 or (rest and len(rest[0]) < 2048):
-        rest = [b",".join(rest)]
-    for piece in rest:
+    with commas between, then the envelope. The pieces are joined and hashed by one update:
+    hashlib lets other threads run while it hashes more than 2 KiB, and on the worker thread each
+    update that does so costs a wait for the GIL afterwards (one per request, not one per chunk)."""
+    if rest:
         if comma:
             h.update(b",")
-        h.update(piece)
-        comma = True
+        h.update(rest[0] if len(rest) == 1 else b",".join(rest))
     h.update(env_suffix)
     return str(h.hexdigest())
 
