@@ -281,33 +281,36 @@ def live_step(ids: frozenset[str], new: LiveRows, p: Pairing, ctx: StageContext)
 def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.LazyFrame:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet), a plan whose values must all hold: every
     tool call already has exactly one result, right after it, in call order, seen from the call's
-    first request on; ids are unique in their thread and map to themselves; result names are
-    trimmed; and nothing needs a version of its own (no synthetic result, failed frame, or call or
-    result that leaves a request). Then no step of the stage changes anything."""
+    first request on and leaving the requests with it (both kept to the end, or both gone from the
+    same call: a compaction that removes the pair); ids are unique in their thread and map to
+    themselves; result names are trimmed; and nothing needs a version of its own (no synthetic
+    result, failed frame, or call or result that leaves the requests without the other). Then no
+    step of the stage changes anything: a result that outlives its call is an orphan from the call's
+    end, one that leaves first a stand-in, and neither happens when both end at the same call."""
     mode = resolve_id_mode(params.tool_id_mode, ctx.target)
     failed = (pl.col("role") == "assistant") & pl.col("stop_reason").str.to_lowercase().is_in(FAILED_STOP_REASONS)
     is_result = pl.col("block_type") == "tool_result"
     name = pl.col("tool_name")
     rows = blocks.select(_q=~(
         (pl.col("origin") == "pairing").fill_null(False) | failed.fill_null(False)
-        | ((_IS_CALL | is_result) & (pl.col("last_call").is_not_null() | _blank("tool_use_id"))).fill_null(False)
+        | ((_IS_CALL | is_result) & _blank("tool_use_id")).fill_null(False)
         | (is_result & name.is_not_null() & (_blank("tool_name") | (name.str.strip_chars() != name))).fill_null(False)
     ).any())  # no such row
     calls = blocks.filter(_IS_CALL).group_by(BLOCK).agg(
         msg_key=pl.col("msg_key").first(), order_key=pl.col("order_key").min(), _cid=pl.col("tool_use_id").first(),
-        _fc=pl.col("first_call").min(),
+        _fc=pl.col("first_call").min(), _lc=open_max("last_call"),
     ).with_columns(_same=same_id_expr(mode, ctx.target))
     results = blocks.filter(is_result).group_by(BLOCK).agg(
         _cid=pl.col("tool_use_id").first(), _rok=pl.col("order_key").min(), _rpos=_POS.min(),
-        _fr=pl.col("first_call").min(),
+        _fr=pl.col("first_call").min(), _lr=open_max("last_call"),
     )
     pairs = calls.join(results.drop("entry_id", "block_pos"), on=[*THREAD, "_cid"], how="full", coalesce=True)
     # each id once among the calls and once among the results of its thread: with both sides on
     # every row of the full join, as many rows as calls and as results (an id of c calls and r
     # results gives c * r rows, so c * r summed equal to c summed and to r summed means each is 1)
     paired = pl.concat([
-        pairs.select(_all=(pl.col("_same") & (pl.col("_rok") > pl.col("order_key")) & (pl.col("_fr") <= pl.col("_fc")))
-                     .fill_null(False).all(), _np=pl.len()),
+        pairs.select(_all=(pl.col("_same") & (pl.col("_rok") > pl.col("order_key")) & (pl.col("_fr") <= pl.col("_fc"))
+                           & pl.col("_lc").eq_missing(pl.col("_lr"))).fill_null(False).all(), _np=pl.len()),
         calls.select(_nc=pl.len()), results.select(_nr=pl.len())], how="horizontal")
     ok_pairs = paired.select(_q=pl.col("_all") & (pl.col("_np") == pl.col("_nc")) & (pl.col("_np") == pl.col("_nr")))
     # in place: results in call order, and no other row between the assistant row and its last slot

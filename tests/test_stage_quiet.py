@@ -366,6 +366,28 @@ def test_pairing_not_quiet_on_any_defect_it_repairs(defect: str) -> None:
     agrees("pairing", out.lazy(), {}, CTX)
 
 
+def test_pairing_quiet_where_a_compaction_takes_calls_away_with_their_results() -> None:
+    # from the last call on, the first frame (its calls and their results) is gone: every pair still
+    # leaves the requests together, and the transcript has nothing to repair
+    blocks = make_blocks(clean(), compactions=[(4, 3)])
+    assert blocks.select(pl.col("last_call").is_not_null().sum()).collect().item() > 0
+    assert agrees("pairing", blocks, {}, CTX)
+
+
+@pytest.mark.parametrize("keep_from", [2, 1])
+def test_pairing_not_quiet_where_a_compaction_splits_a_pair(keep_from: int) -> None:
+    # the calls of the first frame leave and their results stay (keep_from = 2), or the
+    # compaction cuts before the frame (1: nothing leaves but the first user row): one side and
+    # the other side of the boundary the check reads
+    blocks = make_blocks(clean(), compactions=[(4, keep_from)])
+    quiet = agrees("pairing", blocks, {}, CTX)
+    _, dec = outputs("pairing", blocks, {}, CTX, checks=False)
+    assert quiet == (keep_from == 1)
+    assert (dec.height > 0) == (keep_from == 2)
+    if keep_from == 2:
+        assert set(dec.get_column("reason").to_list()) == {"orphan"}
+
+
 def test_pairing_property_check_agrees_with_the_plan() -> None:
     from hypothesis import given, settings
     from hypothesis import strategies as st
@@ -380,10 +402,13 @@ def test_pairing_property_check_agrees_with_the_plan() -> None:
         from tests.stages.test_pairing import transcripts
 
     @settings(max_examples=40, deadline=None)
-    @given(transcripts(), st.sampled_from(["anthropic", "openai-chat", "gemini"]))
-    def prop(msgs: list[dict[str, Any]], target: str) -> None:
+    @given(transcripts(), st.sampled_from(["anthropic", "openai-chat", "gemini"]), st.data())
+    def prop(msgs: list[dict[str, Any]], target: str, data: st.DataObject) -> None:
         ctx = StageContext(target=target)
-        blocks = make_blocks(msgs)
+        # a compaction at a drawn place (none, one side of a pair, or both) now and then
+        comp = [] if data.draw(st.booleans()) else [(data.draw(st.integers(1, len(msgs))),
+                                                     data.draw(st.integers(1, len(msgs))))]
+        blocks = make_blocks(msgs, compactions=[(at, min(keep, at)) for at, keep in comp])
         agrees("pairing", blocks, {}, ctx)
         out, _ = outputs("pairing", blocks, {}, ctx)
         agrees("pairing", out.lazy(), {}, ctx)
