@@ -59,7 +59,7 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, start_marks
-from ctxreplay.pipeline.stageapi.quiet import ask, per_thread, request_tokens_bound
+from ctxreplay.pipeline.stageapi.quiet import ask, request_tokens_max
 from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 from ctxreplay.schemas.blocks import BLOCKS as _BLOCKS_ARROW
 from ctxreplay.schemas.check import conform
@@ -577,18 +577,20 @@ def _lengthens(new: LiveRows, tomb: Any, ctx: StageContext) -> bool:
 
 def quiet_check(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> pl.Expr | pl.LazyFrame:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no snip marker yet, and every request of
-    every thread (bounded by all its rows) within the high watermark after the dry run of the
+    every thread (bounded: `request_tokens_max`) within the high watermark after the dry run of the
     pipeline's tombstone: either that stage is quiet too (its dry run leaves the blocks as they
     are), or its dry run can only make requests shorter (`_dry_run_shrinks`), so the bound before
     it holds after it."""
     if not params.enabled:
         return pl.lit(True)
     hi = params.high_watermark * max(0, ctx.window_tokens - params.reserve_output_tokens)
-    check = ~(pl.col("origin") == "snip").fill_null(False).any() & per_thread(request_tokens_bound(ctx) <= hi)
+    own = pl.concat([
+        blocks.select(_m=~(pl.col("origin") == "snip").fill_null(False).any()),
+        request_tokens_max(blocks, ctx).select(_w=(pl.col("tokens") <= hi).all()),
+    ], how="horizontal").select(_own=pl.col("_m") & pl.col("_w"))
     ref = ctx.peer("tombstone")
     if ref is None:
-        return check
-    own = blocks.select(_own=check.fill_null(False))
+        return own
     shrinks = _dry_run_shrinks(blocks, ref.params, ctx)
     if ref.stage.quiet is None:
         return own if shrinks is None else pl.concat([own, shrinks], how="horizontal").select(pl.all_horizontal(pl.all()))

@@ -46,7 +46,7 @@ from ctxreplay.pipeline.stageapi.calls import (
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, mark_replace_from, start_marks
-from ctxreplay.pipeline.stageapi.quiet import per_thread, request_tokens_bound
+from ctxreplay.pipeline.stageapi.quiet import request_tokens_max
 from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult, stage
 
 
@@ -758,7 +758,7 @@ def forced(params: Tombstone) -> Tombstone:
     return dataclasses.replace(params, trigger_tokens=1, clear_at_least_tokens=0)
 
 
-def quiet_check(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> pl.Expr:
+def quiet_check(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> pl.LazyFrame:
     """Nothing to do (ctxreplay.pipeline.stageapi.quiet): no result cleared already, and in every
     thread either no result could ever be eligible or no trigger can fire. A firing needs both.
 
@@ -766,8 +766,8 @@ def quiet_check(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> p
     min_result_chars) or holding an image, outside the current tool loop: before the latest real
     user message (a user message without a tool result) that its call sees; so no such result
     before the thread's last user row means none is ever eligible. No trigger: every request
-    within trigger_tokens (bounded by all the thread's rows) and no two of its rows
-    trigger_idle_seconds apart."""
+    within trigger_tokens (bounded: ctxreplay.pipeline.stageapi.quiet.request_tokens_max) and no
+    two of its rows trigger_idle_seconds apart. A plan of one value per thread."""
     result = (pl.col("block_type") == "tool_result").fill_null(False)
     done = (result & (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).fill_null(False).any()
     size = pl.when(result).then(pl.col("text").str.len_chars()).otherwise(0).fill_null(0).cast(pl.Int64).sum()
@@ -776,13 +776,18 @@ def quiet_check(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> p
     user = (pl.col("role") == "user").fill_null(False) & ~result.any().over([*THREAD, "msg_key"])
     last_user = pl.when(user).then(pl.col("order_key")).max().over(THREAD)
     in_loop = ~(candidate & (pl.col("order_key") < last_user)).fill_null(False).any()
-    calm = pl.lit(True)
-    if params.trigger_tokens > 0:
-        calm = calm & (request_tokens_bound(ctx) <= params.trigger_tokens)
+    idle_calm = pl.lit(True)
     if params.trigger_idle_seconds > 0:
         span = (pl.col("timestamp").max() - pl.col("timestamp").min()).dt.total_seconds()
-        calm = calm & (span < max(params.trigger_idle_seconds, 1)).fill_null(True)
-    return ~done & per_thread(in_loop | calm)
+        idle_calm = (span < max(params.trigger_idle_seconds, 1)).fill_null(True)
+    # per thread (each row holds its thread's values; the first of each thread is kept)
+    per = blocks.select(*THREAD, _nd=(~done).over(THREAD), _il=in_loop.over(THREAD), _ic=idle_calm.over(THREAD)) \
+        .group_by(THREAD).agg(pl.col("_nd", "_il", "_ic").first())
+    calm = pl.col("_ic")
+    if params.trigger_tokens > 0:
+        per = per.join(request_tokens_max(blocks, ctx), on=THREAD, how="left", nulls_equal=True)
+        calm = calm & (pl.col("tokens") <= params.trigger_tokens).fill_null(False)
+    return per.select(_q=pl.col("_nd") & (pl.col("_il") | calm))
 
 
 @stage("tombstone", version=1, params=Tombstone, requires=("pairing",),

@@ -76,6 +76,18 @@ def test_queries_polars_runs_on_its_threads_inside_another_are_not_counted_apart
     assert out["a"].to_list() == [2, 3, 4] and inner
 
 
+def test_a_position_whose_plan_runs_is_not_counted_quiet(tmp_path: Path) -> None:
+    # a token trigger of one token: tombstone's check cannot hold, its plan runs
+    spec = tmp_path / "p.toml"
+    spec.write_text('[pipeline]\nname = "t"\n\n[[stage]]\nuse = "sanitize"\n\n[[stage]]\nuse = "pairing"\n\n[[stage]]\nuse = "tombstone"\n'
+                    'trigger_tokens = 1\ntrigger_idle_seconds = 0\nkeep_recent = 0\nclear_at_least_tokens = 0\n'
+                    'min_result_chars = 0\n')
+    s = _summary(SAMPLES / "claude-projects", "--pipeline", spec, "--out", tmp_path / "o", "--profile")
+    by = {v["position"]: v for v in s["profile"]["stages"]}
+    assert by["pairing"]["quiet"] == 1 and by["pairing"]["collects"] == 0
+    assert by["tombstone"]["quiet"] == 0 and by["tombstone"]["collects"] > 1
+
+
 def test_profile_adds_up_and_names_every_position(tmp_path: Path) -> None:
     s = _summary(SAMPLES / "claude-projects", "--out", tmp_path / "o", "--profile")
     p = s["profile"]
@@ -88,10 +100,11 @@ def test_profile_adds_up_and_names_every_position(tmp_path: Path) -> None:
         assert v["collects"] == s["decisions_by_stage"][name]["collects"]
         if not v["quiet"]:  # a stage that ran its plan ran polars plans
             assert v["collects"] > 1, name
-    # on the sample, pairing runs at both positions (a compaction: rows that leave the requests)
-    assert [v["position"] for v in p["stages"] if not v["quiet"]] == ["pairing", "pairing#2"]
+    # on the sample every position's check holds (its compaction takes calls away with their results)
+    assert [v["position"] for v in p["stages"] if not v["quiet"]] == []
     c = p["checks"]
-    assert c["queries"] >= 1 and c["positions"] >= len(POSITIONS) and c["collects"] == c["queries"]
+    # every position answered by a check (pairing#2 takes pairing's answer: the same check over the same rows)
+    assert c["queries"] >= 1 and c["positions"] >= len(POSITIONS) - 1 and c["collects"] == c["queries"]
     assert p["totals"]["collects"] == sum(v["collects"] for v in p["stages"]) + c["collects"]
     assert p["totals"]["seconds"] == pytest.approx(sum(v["seconds"] for v in p["stages"]) + c["seconds"], abs=1e-3)
     assert set(p["phases"]) == {"load", "stages", "replay"}

@@ -16,7 +16,7 @@ import pytest
 
 from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
 from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER, TokenCounter, row_tokens_expr
-from ctxreplay.pipeline.stageapi.quiet import ask, request_tokens_bound, row_tokens_bound
+from ctxreplay.pipeline.stageapi.quiet import ask, request_tokens_max, row_tokens_bound
 from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
 from ctxreplay.pipeline.staging.spec import resolve_params
 from ctxreplay.testkit import make_blocks, make_context, run_stage
@@ -76,7 +76,7 @@ CTX = StageContext(window_tokens=200_000)
 
 
 def bound(blocks: pl.LazyFrame, ctx: StageContext = CTX) -> int:
-    return int(blocks.select(request_tokens_bound(ctx)).collect().item())
+    return int(request_tokens_max(blocks, ctx).select(pl.col("tokens").max()).collect().item())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +155,39 @@ def test_tombstone_results_all_in_the_current_tool_loop_are_quiet_whatever_the_t
     assert not agrees("tombstone", make_blocks(msgs), params, CTX)
     msgs[2]["blocks"][0]["text"] = "x" * 99
     assert agrees("tombstone", make_blocks(msgs), params, CTX)
+
+
+def all_rows_bound(blocks: pl.LazyFrame, ctx: StageContext = CTX) -> int:
+    """Every row of the thread and every message's overhead, whether or not a request still holds it."""
+    return int(blocks.select(row_tokens_bound(ctx).sum() + 3 * pl.col("msg_key").n_unique()).collect().item())
+
+
+COMPACTED = [(13, 12)]  # at message 13 a compaction: the requests from then on start at message 12
+
+
+def test_tombstone_token_trigger_both_sides_after_a_compaction() -> None:
+    # the rows a compaction took away count no more: the largest request is about half of all rows,
+    # and the trigger's boundary is that request's bound, not the sum of every row
+    blocks = make_blocks(loops(8, size=2_000), compactions=COMPACTED)
+    b = bound(blocks)
+    assert b < all_rows_bound(blocks) // 2 + 100
+    params = {**TOMB, "trigger_idle_seconds": 0}
+    assert agrees("tombstone", blocks, {**params, "trigger_tokens": b}, CTX)
+    assert not agrees("tombstone", blocks, {**params, "trigger_tokens": b - 1}, CTX)
+    _, dec = outputs("tombstone", blocks, {**params, "trigger_tokens": b // 3}, CTX)
+    assert dec.filter(pl.col("action") == "tombstone").height > 0
+
+
+@pytest.mark.parametrize("peers", [{}, {"tombstone": {"trigger_idle_seconds": 0}}])
+def test_snip_high_watermark_both_sides_after_a_compaction(peers: dict[str, Any]) -> None:
+    blocks = make_blocks(chat(10), compactions=COMPACTED)
+    b = bound(blocks)
+    assert b < all_rows_bound(blocks) * 2 // 3
+    params = {"reserve_output_tokens": 0, "high_watermark": 1.0, "low_watermark": 0.5}
+    assert agrees("snip", blocks, params, make_context(window_tokens=b, peers=peers))
+    assert not agrees("snip", blocks, params, make_context(window_tokens=b - 1, peers=peers))
+    _, dec = outputs("snip", blocks, params, make_context(window_tokens=b // 2, peers=peers))
+    assert dec.filter(pl.col("action") == "snip").height > 0
 
 
 def test_tombstone_with_clearings_already_in_the_input_is_never_quiet() -> None:

@@ -37,6 +37,7 @@ from ctxreplay.pipeline.core.tokens import (
     per_token_text,
     row_tokens_expr,
 )
+from ctxreplay.pipeline.stageapi.calls import open_max
 from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult
 
 
@@ -81,11 +82,6 @@ def unchanged(blocks: pl.LazyFrame) -> StageResult:
     return StageResult(sort_blocks(blocks), empty_decisions())
 
 
-def per_thread(expr: pl.Expr) -> pl.Expr:
-    """`expr` (a per-thread aggregate) holds for every thread."""
-    return expr.over(THREAD).all()
-
-
 def row_tokens_bound(ctx: StageContext) -> pl.Expr:
     """At least the tokens `row_tokens_expr(ctx.count_tokens)` gives a row: chars/4 exactly for the
     fast counter, without asking it; any other counter (tiktoken) is asked, exact: it counts each
@@ -102,9 +98,24 @@ def _fast_row_tokens_bound() -> pl.Expr:
     return pl.when(is_image_expr()).then(pl.lit(IMAGE_MAX_TOKENS, pl.Int64)).otherwise(per_text).cast(pl.Int64)
 
 
-def request_tokens_bound(ctx: StageContext) -> pl.Expr:
-    """An aggregate (use it per thread: `per_thread`): at least the estimated tokens of any request
-    of the rows it sees (ctxreplay.pipeline.stageapi.calls.request_tokens): every version of every
-    row, plus the per-message overhead of every message."""
-    return row_tokens_bound(ctx).sum() \
-        + pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64) * pl.col("msg_key").n_unique().cast(pl.Int64)
+def request_tokens_max(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
+    """Per thread (its THREAD columns and `tokens`): at least the estimated tokens of its largest
+    request (ctxreplay.pipeline.stageapi.calls.request_tokens, each row's tokens bounded by
+    `row_tokens_bound`). Each row and each message counts from its first call to its last, as a
+    request counts them, and the largest running sum over the calls is taken: rows that a
+    compaction took away do not count at the calls after it (a bound summing every row of the
+    thread held no compacted session within a token trigger)."""
+    rows = blocks.select(*THREAD, _f="first_call", _l="last_call", _t=row_tokens_bound(ctx))
+    msgs = blocks.group_by([*THREAD, "msg_key"]).agg(_f=pl.col("first_call").min(), _l=open_max("last_call")) \
+        .select(*THREAD, "_f", "_l", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
+    spans = pl.concat([rows, msgs], how="vertical_relaxed")
+    deltas = pl.concat([
+        spans.select(*THREAD, call=pl.col("_f").cast(pl.Int32), _d=pl.col("_t").cast(pl.Int64)),
+        spans.filter(pl.col("_l").is_not_null()).select(*THREAD, call=pl.col("_l").cast(pl.Int32),
+                                                         _d=-pl.col("_t").cast(pl.Int64)),
+    ])
+    per_call = deltas.group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
+    return per_call.select(*THREAD, tokens=pl.col("_d").cum_sum().over(THREAD, order_by="call")) \
+        .group_by(THREAD).agg(tokens=pl.col("tokens").max())
+
+
