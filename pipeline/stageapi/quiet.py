@@ -114,8 +114,9 @@ def request_tokens_max(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
         spans.filter(pl.col("_l").is_not_null()).select(*THREAD, call=pl.col("_l").cast(pl.Int32),
                                                          _d=-pl.col("_t").cast(pl.Int64)),
     ])
-    per_call = deltas.group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
-    return per_call.select(*THREAD, tokens=pl.col("_d").cum_sum().over(THREAD, order_by="call")) \
-        .group_by(THREAD).agg(tokens=pl.col("tokens").max())
+    # the running sum over a thread's deltas in call order, a call's decreases before its increases:
+    # within a call it falls from the last call's sum, then rises to this call's, so its largest
+    # value is the largest request (one group_by, no per-call sum first)
+    return deltas.group_by(THREAD).agg(tokens=pl.col("_d").sort_by(["call", "_d"]).cum_sum().max())
 
 
