@@ -36,10 +36,8 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
     from the row groups of these previous batches only (where the manifest says which they are)."""
 
     def read(path: Path, column: str, values: list[Any]) -> pa.Table:
-        # a line's text, repeated on each of its blocks: read as a dictionary, once (batchout.SHARED)
         import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
-        shared = sorted(SHARED & set(pq.read_schema(path).names))
-        f = pq.ParquetFile(path, read_dictionary=shared)
+        shared, f = _opened(prior, path)
         if not values:
             return empty_table(f.schema_arrow)
         if not f.num_row_groups:
@@ -61,24 +59,40 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
     return read
 
 
+def _opened(prior: Prior, path: Path) -> tuple[list[str], Any]:
+    """(the columns read as dictionaries, the open file) of a previous output, opened once per run
+    (its footer parsed once, not once per batch that reads it): the previous run's files do not
+    change while this one reads them. A line's text, repeated on each of its blocks, is read as a
+    dictionary, once (batchout.SHARED)."""
+    files = prior.cache.setdefault("files", {})
+    got = files.get(path)
+    if got is None:
+        shared = sorted(SHARED & set(pq.read_schema(path).names))
+        got = files[path] = (shared, pq.ParquetFile(path, read_dictionary=shared))
+    return got
+
+
 def _messages(prior: Prior, shas: list[str]) -> pa.Table:
     """The rows of the previous messages.parquet with these sha256: read from the row groups that
     hold them (an index of its sha256 column, read once per run), not by a filtered scan of the
     whole file per batch (what made an append re-run read every message once per batch)."""
+    import numpy as np
     import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
+
     path = prior.run_dir / MESSAGES_FILE
-    f = pq.ParquetFile(path)
+    f = _opened(prior, path)[1]
     if not shas:
         return empty_table(f.schema_arrow)
     index = prior.cache.get("messages")
-    if index is None:
-        index = prior.cache["messages"] = {}
-        for i in range(f.num_row_groups):
-            for sha in f.read_row_group(i, columns=["sha256"]).column(0).to_pylist():
-                index.setdefault(sha, i)
-    where = {index.get(s) for s in shas}
-    if None in where:  # not in the previous run's store: that run's outputs do not belong together
+    if index is None:  # every sha256 of the file, and the row group of each
+        parts = [f.read_row_group(i, columns=["sha256"]).column(0) for i in range(f.num_row_groups)]
+        shas_all = pa.chunked_array([ch for c in parts for ch in c.chunks], f.schema_arrow.field("sha256").type)
+        index = prior.cache["messages"] = (pc.cast(shas_all, pa.string()).combine_chunks(),
+                                           np.repeat(np.arange(len(parts)), [len(c) for c in parts]))
+    found = pc.index_in(pa.array(shas, pa.string()), value_set=index[0])  # its first row group
+    if found.null_count:  # not in the previous run's store: that run's outputs do not belong together
         return _reader(prior, {None})(path, "sha256", shas)
+    where = set(index[1][found.to_numpy()].tolist())
     # a batch's messages lie in its own row group and in a few earlier ones (the first batch's most
     # of all: what every session shares), so the last row groups read are kept for the next batches
     recent = prior.cache.setdefault("message_groups", OrderedDict())
