@@ -14,7 +14,7 @@ from typing import Any
 import polars as pl
 import pytest
 
-from ctxreplay.pipeline.core.constants import CHARS4_COUNTER
+from ctxreplay.pipeline.core.constants import CHARS4_COUNTER, MESSAGE_OVERHEAD_TOKENS
 from ctxreplay.pipeline.core.tokens import TIKTOKEN_COUNTER, TokenCounter, row_tokens_expr
 from ctxreplay.pipeline.stageapi.quiet import ask, request_tokens_max, row_tokens_bound
 from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
@@ -159,7 +159,8 @@ def test_tombstone_results_all_in_the_current_tool_loop_are_quiet_whatever_the_t
 
 def all_rows_bound(blocks: pl.LazyFrame, ctx: StageContext = CTX) -> int:
     """Every row of the thread and every message's overhead, whether or not a request still holds it."""
-    return int(blocks.select(row_tokens_bound(ctx).sum() + 3 * pl.col("msg_key").n_unique()).collect().item())
+    overhead = MESSAGE_OVERHEAD_TOKENS * pl.col("msg_key").n_unique()
+    return int(blocks.select(row_tokens_bound(ctx).sum() + overhead).collect().item())
 
 
 COMPACTED = [(13, 12)]  # at message 13 a compaction: the requests from then on start at message 12

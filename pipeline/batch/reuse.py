@@ -60,15 +60,21 @@ def _reader(prior: Prior, batches: set[int]) -> Any:
 
 
 def _opened(prior: Prior, path: Path) -> tuple[list[str], Any]:
-    """(the columns read as dictionaries, the open file) of a previous output, opened once per run
-    (its footer parsed once, not once per batch that reads it): the previous run's files do not
-    change while this one reads them. A line's text, repeated on each of its blocks, is read as a
-    dictionary, once (batchout.SHARED)."""
-    files = prior.cache.setdefault("files", {})
+    """(the columns read as dictionaries, the file opened) of a previous output, its footer parsed
+    once per run and not once per batch that reads it (the previous run's files do not change while
+    this one reads them; the file itself is opened per read, so no handle outlives it). A line's
+    text, repeated on each of its blocks, is read as a dictionary, once (batchout.SHARED)."""
+    shared, meta = _footer(prior, path)
+    return shared, pq.ParquetFile(path, metadata=meta, read_dictionary=shared)
+
+
+def _footer(prior: Prior, path: Path) -> tuple[list[str], Any]:
+    """(the columns read as dictionaries, the parsed footer) of a previous output, once per run."""
+    files = prior.cache.setdefault("footers", {})
     got = files.get(path)
     if got is None:
-        shared = sorted(SHARED & set(pq.read_schema(path).names))
-        got = files[path] = (shared, pq.ParquetFile(path, read_dictionary=shared))
+        meta = pq.read_metadata(path)
+        got = files[path] = (sorted(SHARED & set(meta.schema.to_arrow_schema().names)), meta)
     return got
 
 
@@ -167,9 +173,7 @@ def kept_row_groups(index: int, keys: set[str], reused: dict[str, dict[str, Any]
     out: dict[str, tuple[Path, int | None]] = {}
     for name, file in [*FILES.items(), ("call_facts", FACTS_FILE)]:
         path = prior.run_dir / file
-        n = prior.cache.setdefault("row_groups", {}).get(file)
-        if n is None:
-            n = prior.cache["row_groups"][file] = pq.ParquetFile(path).metadata.num_row_groups
+        n = _footer(prior, path)[1].num_row_groups
         where = prior.row_groups.get(file, [] if n == 0 else None)  # no row group: not listed
         if where is None or len(where) != n or where.count(index) > 1:
             return None

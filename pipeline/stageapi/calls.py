@@ -115,13 +115,20 @@ def call_grid(blocks: pl.LazyFrame) -> pl.LazyFrame:
     )
 
 
-def call_deltas(rows: pl.LazyFrame, value: str, *, first: str = "first_call", last: str = "last_call") -> pl.LazyFrame:
-    """Per thread and call, the change of the sum of `value` over the visible rows (+v at `first`,
-    -v at `last`), as `_d`: cumulated over the calls, the sum at each call (per_call_sum)."""
+def signed_deltas(rows: pl.LazyFrame, value: str, *, first: str = "first_call", last: str = "last_call",
+                  ) -> pl.LazyFrame:
+    """Each row's change of the sum of `value` over the visible rows: +v at `first`, -v at `last`
+    (THREAD, `call`, `_d`), not yet summed per call."""
     plus = rows.select(*THREAD, call=pl.col(first).cast(pl.Int32), _d=pl.col(value).cast(pl.Int64))
     minus = rows.filter(pl.col(last).is_not_null()).select(
         *THREAD, call=pl.col(last).cast(pl.Int32), _d=-pl.col(value).cast(pl.Int64))
-    return pl.concat([plus, minus]).group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
+    return pl.concat([plus, minus])
+
+
+def call_deltas(rows: pl.LazyFrame, value: str, *, first: str = "first_call", last: str = "last_call") -> pl.LazyFrame:
+    """Per thread and call, the change of the sum of `value` over the visible rows (signed_deltas
+    summed per call), as `_d`: cumulated over the calls, the sum at each call (per_call_sum)."""
+    return signed_deltas(rows, value, first=first, last=last).group_by([*THREAD, "call"]).agg(_d=pl.col("_d").sum())
 
 
 def per_call_sum(rows: pl.LazyFrame, value: str, grid: pl.LazyFrame, *, first: str = "first_call",
@@ -141,14 +148,17 @@ def request_tokens(blocks: pl.LazyFrame, ctx: StageContext, grid: pl.LazyFrame |
     """Estimated request tokens per call: blocks visible at the call plus a per-message overhead."""
     grid = call_grid(blocks) if grid is None else grid
     msgs = messages(blocks) if msgs is None else msgs
-    return per_call_sum(_request_rows(blocks, ctx, msgs), "_t", grid).rename({"_t": "tokens"})
+    return per_call_sum(request_rows(blocks, ctx, msgs), "_t", grid).rename({"_t": "tokens"})
 
 
-def _request_rows(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame) -> pl.LazyFrame:
-    """What a request counts: each row's tokens and each message's overhead, with their visible span."""
-    rows = blocks.select(*THREAD, "first_call", "last_call", _t=row_tokens_expr(ctx))
+def request_rows(blocks: pl.LazyFrame, ctx: StageContext, msgs: pl.LazyFrame, tokens: pl.Expr | None = None,
+                 ) -> pl.LazyFrame:
+    """What a request counts: each row's tokens (`tokens`, default `row_tokens_expr(ctx)`) and each
+    message's overhead (`msgs`: per message its thread, `first` and `last` call), with their
+    visible span (THREAD, first_call, last_call, `_t`)."""
+    rows = blocks.select(*THREAD, "first_call", "last_call", _t=row_tokens_expr(ctx) if tokens is None else tokens)
     over = msgs.select(*THREAD, first_call="first", last_call="last", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
-    return pl.concat([rows, over.select(rows.collect_schema().names())])
+    return pl.concat([rows, over])
 
 
 def forward_by_call(events: pl.LazyFrame, grid: pl.LazyFrame, cols: list[str]) -> pl.LazyFrame:

@@ -26,7 +26,6 @@ import polars as pl
 from ctxreplay.pipeline.core.blockops import empty_decisions, sort_blocks
 from ctxreplay.pipeline.core.constants import (
     CHARS4_COUNTER,
-    MESSAGE_OVERHEAD_TOKENS,
     POLARS_ENGINE,
     THREAD,
 )
@@ -37,7 +36,7 @@ from ctxreplay.pipeline.core.tokens import (
     per_token_text,
     row_tokens_expr,
 )
-from ctxreplay.pipeline.stageapi.calls import open_max
+from ctxreplay.pipeline.stageapi.calls import open_max, request_rows, signed_deltas
 from ctxreplay.pipeline.stageapi.registry import Quiet, StageContext, StageResult
 
 
@@ -105,15 +104,9 @@ def request_tokens_max(blocks: pl.LazyFrame, ctx: StageContext) -> pl.LazyFrame:
     request counts them, and the largest running sum over the calls is taken: rows that a
     compaction took away do not count at the calls after it (a bound summing every row of the
     thread held no compacted session within a token trigger)."""
-    rows = blocks.select(*THREAD, _f="first_call", _l="last_call", _t=row_tokens_bound(ctx))
-    msgs = blocks.group_by([*THREAD, "msg_key"]).agg(_f=pl.col("first_call").min(), _l=open_max("last_call")) \
-        .select(*THREAD, "_f", "_l", _t=pl.lit(MESSAGE_OVERHEAD_TOKENS, pl.Int64))
-    spans = pl.concat([rows, msgs], how="vertical_relaxed")
-    deltas = pl.concat([
-        spans.select(*THREAD, call=pl.col("_f").cast(pl.Int32), _d=pl.col("_t").cast(pl.Int64)),
-        spans.filter(pl.col("_l").is_not_null()).select(*THREAD, call=pl.col("_l").cast(pl.Int32),
-                                                         _d=-pl.col("_t").cast(pl.Int64)),
-    ])
+    spans = blocks.group_by([*THREAD, "msg_key"]).agg(  # messages()' spans alone (no turns, no sort)
+        first=pl.col("first_call").min(), last=open_max("last_call"))
+    deltas = signed_deltas(request_rows(blocks, ctx, spans, tokens=row_tokens_bound(ctx)), "_t")
     # the running sum over a thread's deltas in call order, a call's decreases before its increases:
     # within a call it falls from the last call's sum, then rises to this call's, so its largest
     # value is the largest request (one group_by, no per-call sum first)
