@@ -97,3 +97,25 @@ def test_insert_and_unchanged_replacement() -> None:
     d = res.decisions.collect()
     assert d.select("entry_id", "block_pos", "action", "reason").rows() == [("e0004", -1, "insert", "added")]
     assert _versions(res.blocks, "e0004") == [(2, None, "note"), (2, None, "last")]
+
+
+def test_unmarked_rows_leave_as_they_came_and_an_insert_marks_its_row() -> None:
+    # finish passes the rows no mark touches straight through (not rehashed, not exploded); a row
+    # whose only mark is an insert's condition is marked, so its inserted row and decision are made
+    blocks = _blocks().with_columns(content_sha256=pl.when(pl.col("entry_id") == "e0003").then(pl.lit("stale"))
+                                    .otherwise(pl.col("content_sha256")))
+    w = start_marks(blocks)
+    w = mark_drop(w, pl.col("entry_id") == "e0001", "gone")
+    ins = Insert(when=pl.col("_is_first_row") & (pl.col("entry_id") == "e0002"),
+                 values={**text_row("note", origin="test"), "block_pos": pl.lit(-1, pl.Int32)}, reason="added")
+    res = finish(w, [ins])
+    out = res.blocks.collect()
+    before = blocks.collect()
+    for entry in ("e0000", "e0003", "e0004"):  # untouched: every column as it came
+        assert out.filter(pl.col("entry_id") == entry).equals(before.filter(pl.col("entry_id") == entry))
+    assert out.filter(pl.col("entry_id") == "e0003")["content_sha256"].to_list() == ["stale"]
+    assert _versions(res.blocks, "e0002") == [(1, None, "note"), (1, None, "again")]
+    assert "e0001" not in out["entry_id"].to_list()
+    assert res.decisions.collect().select("entry_id", "action", "reason").sort("entry_id").rows() == [
+        ("e0001", "drop", "gone"), ("e0002", "insert", "added")]
+    assert out.columns == before.columns

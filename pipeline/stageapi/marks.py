@@ -263,14 +263,22 @@ def finish(
     `extra_json` changed. A version dropped from its first call disappears (a replacement of it is
     void); dropped later, it ends at that call. A version with a later replacement
     (`mark_replace_from`, or `_late_from` set by the stage with `late_values`) ends at that call and
-    a new version starts there. Each working row is exploded into its output rows and decision
-    rows, collected once: the working plan runs once for both outputs.
+    a new version starts there. The working plan runs once (one collect): a row no mark touches
+    leaves as it is, and each marked row is exploded into its output rows and decision rows,
+    collected once for both outputs (most rows of a batch are unmarked: exploding and rehashing
+    all of them cost about a quarter of sanitize's pass on a 5,000-row batch).
     """
-    w = _rehash_replaced(w)
-    x = _explode(w, inserts)
+    names = set(w.collect_schema().names())
+    marked = pl.col("_rep_reason").is_not_null() | pl.col("_drop_from").is_not_null() | pl.col("_late_from").is_not_null()
+    for ins in inserts:
+        marked = marked | ins.when.fill_null(False)
+    wd = w.with_columns(_marked=marked.fill_null(True)).collect(engine=POLARS_ENGINE).lazy()
+    as_is = wd.filter(~pl.col("_marked")).with_columns(pl.col("last_call").cast(pl.Int32)).select(BLOCK_SCHEMA.names())
+    x = _explode(_rehash_replaced(wd.filter(pl.col("_marked")).drop("_marked")), inserts)
     # collected once: the blocks and the decisions are both made from it
-    x = _new_content(x, inserts, late_values, set(w.collect_schema().names())).collect(engine=POLARS_ENGINE).lazy()
-    return StageResult(sort_blocks(_blocks_out(x, inserts)), _decisions_out(x, inserts, replace_action).sort(DECISION_KEY))
+    x = _new_content(x, inserts, late_values, names).collect(engine=POLARS_ENGINE).lazy()
+    return StageResult(sort_blocks(pl.concat([as_is, _blocks_out(x, inserts)])),
+                       _decisions_out(x, inserts, replace_action).sort(DECISION_KEY))
 
 
 def _rehash_replaced(w: pl.LazyFrame) -> pl.LazyFrame:
