@@ -345,16 +345,16 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     """
     out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
     # each kind sorted, its nulls filled and split by thread once for the batch, not per thread: a
-    # frame operation costs polars about 0.1 ms whatever its size (a dozen per thread were a third of
-    # the walk on a batch of 17 threads)
-    kind = pl.col("kind")
-    calls_by = df.filter(kind == "call").with_columns(
+    # frame operation costs polars about 0.1-0.2 ms whatever its size (a dozen per thread were most
+    # of the walk on the 190 MB tree's batches of about 17 threads)
+    of_kind = pl.col("kind")
+    calls_by = df.filter(of_kind == "call").with_columns(
         tokens=pl.col("tokens").fill_null(0), u_order=pl.col("u_order").fill_null(-(2**62)),
         cur_turn=pl.col("cur_turn").fill_null(0), ep=pl.col("ep").fill_null(0), idle=pl.col("idle").fill_null(False),
     ).sort(*THREAD, "call").partition_by(THREAD, as_dict=True)
-    res_by = df.filter(kind == "result").with_columns(z=pl.col("z").fill_null(NO_CALL)) \
+    res_by = df.filter(of_kind == "result").with_columns(z=pl.col("z").fill_null(NO_CALL)) \
         .sort(*THREAD, "order", "entry_id", "block_pos").partition_by(THREAD, as_dict=True)
-    th_by = df.filter(kind == "think").with_columns(z=pl.col("z").fill_null(NO_CALL)) \
+    th_by = df.filter(of_kind == "think").with_columns(z=pl.col("z").fill_null(NO_CALL)) \
         .sort(*THREAD, "order", "entry_id", "block_pos").partition_by(THREAD, as_dict=True) if "turn" in df.columns else {}
     no_thinking = pl.DataFrame(schema=_NO_THINKING)  # no thinking rows were passed (clear_thinking_keep = "all")
     for (sid, tid), calls in calls_by.items():

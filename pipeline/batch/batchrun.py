@@ -266,6 +266,7 @@ def _group_facts(parts: list[LoadResult], sessions: list[list[str]], out: BatchO
 
 
 def _one_group(lr: LoadResult, sessions: list[str], out: BatchOutputs | None, per: dict[str, Any]) -> dict[str, Any]:
+    """One group's manifest facts (`_group_facts`), from its sessions' counts in `per`."""
     from ctxreplay.pipeline.batch.manifest import load_to_dict
 
     facts: dict[str, Any] = {"sessions": sessions, "loads": [load_to_dict(ld) for ld in lr.loads],
