@@ -110,6 +110,20 @@ def test_a_binary_file_named_jsonl_is_quarantined_line_by_line(tmp_path: Path) -
             assert base64.b64decode(q.raw_base64 or "") == by_line[q.line]
 
 
+
+def test_a_crlf_line_of_an_unknown_file_keeps_its_exact_bytes(tmp_path: Path) -> None:
+    # a file no loader takes (its first line is not UTF-8) written with CRLF line ends: a line's
+    # raw_base64 is every byte of it, the \r included; the text shown leaves the \r out
+    lines = [b'{"type":"\xffsession","id":"x"}\r', b'{"type":"message","id":"b1"}\r', b'not json \xfe\r']
+    (tmp_path / "crlf.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (ld,) = load_paths([tmp_path]).loads
+    assert ld.format == "unknown"
+    bad = {q.line: q for q in ld.quarantine if q.code == "invalid_utf8"}
+    assert sorted(bad) == [1, 3]
+    for n, q in bad.items():
+        assert base64.b64decode(q.raw_base64 or "") == lines[n - 1]
+        assert not q.raw.endswith("\r")
+
 def test_request_json_with_bad_bytes(tmp_path: Path) -> None:
     good = tmp_path / "d1000000-0000-4000-8000-000000000002.json"
     good.write_bytes(b'{"model":"claude-x","messages":[{"role":"user","content":"hi \xff there"},'

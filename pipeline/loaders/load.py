@@ -251,18 +251,19 @@ def _unknown_format(f: Path, src: Lines, first: list[Any]) -> FileLoad:
     """A file of no known format: every non-blank line quarantined (exact bytes kept when not UTF-8);
     a line that is not JSON at all gets the parse error's code, the others `unknown_format` (a line
     over the limit, never read, `line_too_long`)."""
-    lines = [(i, ln.rstrip(b"\r")) for i, ln in nonblank_lines(src.data)]
+    lines = list(nonblank_lines(src.data))
     ld = file_load(f, "unknown", src, len(lines))
     reason = ("unrecognised transcript format: not Claude Code, OpenClaw/pi, Codex rollout or a request "
               "JSON (first line has keys " + _keys(next((o for o in first if o is not None), None)) + ")")
     spath = ld.path
-    for i, raw in lines:
+    for i, exact in lines:
+        raw = exact.rstrip(b"\r")  # (read and shown without a CRLF's \r; raw_base64 keeps the line's every byte)
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError:
             ld.quarantine.append(QuarantineRow(
                 spath, i, displayable(raw), "bytes that are not UTF-8 in a file of no known transcript format; "
-                "the exact bytes are kept in raw_base64", "invalid_utf8", base64.b64encode(raw).decode("ascii")))
+                "the exact bytes are kept in raw_base64", "invalid_utf8", base64.b64encode(exact).decode("ascii")))
             continue
         text = raw.decode("utf-8")
         parsed = parse_json_line(text.removeprefix("\ufeff") if i == 1 else text)
