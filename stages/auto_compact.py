@@ -45,6 +45,7 @@ from ctxreplay.pipeline.stageapi.calls import (
     request_tokens,
     row_tokens_expr,
     text_tokens,
+    walk_parts,
 )
 from ctxreplay.pipeline.stageapi.marks import Insert, finish, mark_drop, start_marks
 from ctxreplay.pipeline.stageapi.registry import StageContext, StageResult, stage
@@ -97,14 +98,14 @@ def _scan(df: pl.DataFrame, p: AutoCompact, summary_cost: int) -> pl.DataFrame:
     when an earlier summary leaves) and the droppable rows (`row` rows: order, first, last, tok)
     -> one row per firing (call, frontier, tokens dropped, request tokens, epoch)."""
     out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
-    for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
-        calls = part.filter(pl.col("kind") == "call").sort("call")
-        rows = part.filter(pl.col("kind") == "row").sort("order")
-        if calls.height == 0 or rows.height == 0:
+    rows_by = walk_parts(df, "row", ["order"], {"last": NO_CALL})
+    for (sid, tid), calls in walk_parts(df, "call", ["call"], {"tokens": 0, "ep": 0, "anchor_end": NO_CALL}).items():
+        rows = rows_by.get((sid, tid))
+        if rows is None or calls.height == 0 or rows.height == 0:
             continue
         order = rows["order"].to_list()
         first = rows["first"].to_list()
-        last = rows["last"].fill_null(NO_CALL).to_list()
+        last = rows["last"].to_list()
         tok = rows["tok"].to_list()
         fen = Fenwick(len(order))
         appear = sorted((first[i], i) for i in range(len(order)))
@@ -114,9 +115,9 @@ def _scan(df: pl.DataFrame, p: AutoCompact, summary_cost: int) -> pl.DataFrame:
         frontier = None
         last_epoch = 0
         summary_end = -1                 # the call from which the summary in force is gone
-        ks, toks = calls["call"].to_list(), calls["tokens"].fill_null(0).to_list()
-        keep, ep = calls["keep"].to_list(), calls["ep"].fill_null(0).to_list()
-        anchor_end = calls["anchor_end"].fill_null(NO_CALL).to_list()
+        ks, toks = calls["call"].to_list(), calls["tokens"].to_list()
+        keep, ep = calls["keep"].to_list(), calls["ep"].to_list()
+        anchor_end = calls["anchor_end"].to_list()
         for j, k in enumerate(ks):
             while ai < len(appear) and appear[ai][0] <= k:
                 fen.add(appear[ai][1], tok[appear[ai][1]])

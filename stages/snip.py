@@ -56,6 +56,7 @@ from ctxreplay.pipeline.stageapi.calls import (
     row_tokens_expr,
     text_tokens,
     visible_at,
+    walk_parts,
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, start_marks
@@ -113,7 +114,7 @@ class _Rows:
 
     @classmethod
     def of(cls, rows: pl.DataFrame) -> _Rows:
-        return cls(rows["turn"].to_list(), rows["first"].to_list(), rows["last"].fill_null(NO_CALL).to_list(),
+        return cls(rows["turn"].to_list(), rows["first"].to_list(), rows["last"].to_list(),
                    rows["tok"].to_list(), rows["is_msg"].to_list())
 
 
@@ -145,10 +146,10 @@ class _SnipWalk:
     def __post_init__(self) -> None:
         c = self.calls
         self.n = c.height
-        self.tokens = c["tokens"].fill_null(0).to_list()
-        self.cur_turn = c["cur_turn"].fill_null(0).to_list()
-        self.comp_turn = c["comp_turn"].fill_null(2**40).to_list()
-        self.ep = c["ep"].fill_null(0).to_list()
+        self.tokens = c["tokens"].to_list()  # (nulls filled: _snip_scan's walk_parts)
+        self.cur_turn = c["cur_turn"].to_list()
+        self.comp_turn = c["comp_turn"].to_list()
+        self.ep = c["ep"].to_list()
         self.frontier = self.head + 1
         self.delta = [0] * (self.n + 1)
 
@@ -236,14 +237,18 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
     Cost: O(calls) plus, per firing, the rows of the turns it looks at (bounded by the window).
     """
     out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
-    for (sid, tid), part in df.partition_by(THREAD, as_dict=True).items():
-        calls = part.filter(pl.col("kind") == "call").sort("call")
+    calls_by = walk_parts(df, "call", ["call"], {"tokens": 0, "cur_turn": 0, "comp_turn": 2**40, "ep": 0})
+    rows_by = walk_parts(df, "row", ["turn"], {"last": NO_CALL})
+    states_by = walk_parts(df, "state", ["call"])
+    no_rows = df.clear()
+    for (sid, tid), calls in calls_by.items():
         if calls.height == 0:
             continue
-        st = part.filter(pl.col("kind") == "state")
-        frozen = st.sort("call").select("call", "frontier", "n", "t", "epoch", "text").rows() if st.height else []
-        w = _SnipWalk(calls, _Rows.of(part.filter(pl.col("kind") == "row").sort("turn")), head, min_tail, hi, lo,
-                      marker_cost)
+        # the marker versions already in the input (one per earlier firing of the thread: a few
+        # rows), replayed in call order: each moves the frontier the next call reads
+        st = states_by.get((sid, tid))
+        frozen = st.select("call", "frontier", "n", "t", "epoch", "text").rows() if st is not None else []
+        w = _SnipWalk(calls, _Rows.of(rows_by.get((sid, tid), no_rows)), head, min_tail, hi, lo, marker_cost)
         w.walk(frozen)
         for firing in w.firings:
             for key, v in zip(_FIRING_SCHEMA, (sid, tid, *firing)):

@@ -43,6 +43,7 @@ from ctxreplay.pipeline.stageapi.calls import (
     open_max,
     row_tokens_expr,
     text_tokens,
+    walk_parts,
 )
 from ctxreplay.pipeline.stageapi.live import Live, LiveRows, LiveRule, LiveThread
 from ctxreplay.pipeline.stageapi.marks import conflicted, finish, mark_drop, mark_replace_from, start_marks
@@ -195,7 +196,7 @@ class _Walk:
     far (`saved`, exact per call through `delta`: a row can leave the request in the middle, by a
     snip or a compaction) and a Fenwick tree over the savings of the results visible now and not
     cleared, which answers "how much would clearing up to i free". Both frontiers only move forward.
-    The thread's calls, results and thinking blocks come sorted, their nulls filled (`_scan`).
+    The thread's calls, results and thinking blocks come sorted, their nulls filled (`_scan`: walk_parts).
     """
 
     def __init__(self, calls: pl.DataFrame, res: pl.DataFrame, th: pl.DataFrame, p: Tombstone) -> None:
@@ -344,18 +345,10 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     z, turn, s, last). O((calls + results) log results): see `_Walk`.
     """
     out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
-    # each kind sorted, its nulls filled and split by thread once for the batch, not per thread: a
-    # frame operation costs polars about 0.1-0.2 ms whatever its size (a dozen per thread were most
-    # of the walk on the 190 MB tree's batches of about 17 threads)
-    of_kind = pl.col("kind")
-    calls_by = df.filter(of_kind == "call").with_columns(
-        tokens=pl.col("tokens").fill_null(0), u_order=pl.col("u_order").fill_null(-(2**62)),
-        cur_turn=pl.col("cur_turn").fill_null(0), ep=pl.col("ep").fill_null(0), idle=pl.col("idle").fill_null(False),
-    ).sort(*THREAD, "call").partition_by(THREAD, as_dict=True)
-    res_by = df.filter(of_kind == "result").with_columns(z=pl.col("z").fill_null(NO_CALL)) \
-        .sort(*THREAD, "order", "entry_id", "block_pos").partition_by(THREAD, as_dict=True)
-    th_by = df.filter(of_kind == "think").with_columns(z=pl.col("z").fill_null(NO_CALL)) \
-        .sort(*THREAD, "order", "entry_id", "block_pos").partition_by(THREAD, as_dict=True) if "turn" in df.columns else {}
+    calls_by = walk_parts(df, "call", ["call"], {"tokens": 0, "u_order": -(2**62), "cur_turn": 0, "ep": 0,
+                                                 "idle": False})
+    res_by = walk_parts(df, "result", ["order", "entry_id", "block_pos"], {"z": NO_CALL})
+    th_by = walk_parts(df, "think", ["order", "entry_id", "block_pos"], {"z": NO_CALL}) if "turn" in df.columns else {}
     no_thinking = pl.DataFrame(schema=_NO_THINKING)  # no thinking rows were passed (clear_thinking_keep = "all")
     for (sid, tid), calls in calls_by.items():
         res = res_by.get((sid, tid))
@@ -780,20 +773,23 @@ def quiet_check(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext) -> p
     within trigger_tokens (bounded: ctxreplay.pipeline.stageapi.quiet.request_tokens_max) and no
     two of its rows trigger_idle_seconds apart. A plan of one value per thread."""
     result = (pl.col("block_type") == "tool_result").fill_null(False)
-    done = (result & (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).fill_null(False).any()
     size = pl.when(result).then(pl.col("text").str.len_chars()).otherwise(0).fill_null(0).cast(pl.Int64).sum()
     image = (result & is_image_expr().fill_null(False)).any()
-    candidate = result & ((size.over(BLOCK_KEY) >= params.min_result_chars) | image.over(BLOCK_KEY))
-    user = (pl.col("role") == "user").fill_null(False) & ~result.any().over([*THREAD, "msg_key"])
-    last_user = pl.when(user).then(pl.col("order_key")).max().over(THREAD)
-    in_loop = ~(candidate & (pl.col("order_key") < last_user)).fill_null(False).any()
+    # per row: a cleared result, a result that could be eligible (per block), a real user row (per message)
+    rows = blocks.select(
+        *THREAD, "order_key", "timestamp",
+        _cleared=(result & (pl.col("part_pos") == 0) & (pl.col("text") == CLEARED)).fill_null(False),
+        _cand=result & ((size.over(BLOCK_KEY) >= params.min_result_chars) | image.over(BLOCK_KEY)),
+        _user=(pl.col("role") == "user").fill_null(False) & ~result.any().over([*THREAD, "msg_key"]))
+    last_user = pl.when("_user").then(pl.col("order_key")).max()
     idle_calm = pl.lit(True)
     if params.trigger_idle_seconds > 0:
         span = (pl.col("timestamp").max() - pl.col("timestamp").min()).dt.total_seconds()
         idle_calm = (span < max(params.trigger_idle_seconds, 1)).fill_null(True)
-    # per thread (each row holds its thread's values; the first of each thread is kept)
-    per = blocks.select(*THREAD, _nd=(~done).over(THREAD), _il=in_loop.over(THREAD), _ic=idle_calm.over(THREAD)) \
-        .group_by(THREAD).agg(pl.col("_nd", "_il", "_ic").first())
+    per = rows.group_by(THREAD).agg(
+        _nd=~pl.col("_cleared").any(),
+        _il=~(pl.col("_cand") & (pl.col("order_key") < last_user)).fill_null(False).any(),
+        _ic=idle_calm)
     calm = pl.col("_ic")
     if params.trigger_tokens > 0:
         per = per.join(request_tokens_max(blocks, ctx), on=THREAD, how="left", nulls_equal=True)

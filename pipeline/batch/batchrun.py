@@ -248,25 +248,23 @@ def _group_facts(parts: list[LoadResult], sessions: list[list[str]], out: BatchO
     reuses them all would count them. The batch's calls and decisions are counted per session
     once (a query per group and stage cost about 0.2 s of a cold run of the 190 MB tree)."""
 
-    per: dict[str, Any] = {}
+    threads: Counter[str] = Counter()  # per session: its threads, their keys, its decisions counted
+    keys: dict[str, set[str]] = {}
+    decided: dict[str, list[tuple[Any, ...]]] = {}
     if out is not None:
-        threads: Counter[str] = Counter()
-        keys: dict[str, set[str]] = {}
-        for sid, key in out.calls.select("session_id", "thread_id", "thread_key").unique().select(
-                "session_id", "thread_key").iter_rows():
+        for sid, key in out.calls.select("session_id", "thread_key").unique().iter_rows():
             threads[sid] += 1
             keys.setdefault(sid, set()).add(key)
-        decided: dict[str, list[tuple[Any, ...]]] = {}
         counts = out.applied.group_by("session_id", "stage", "action", "reason").agg(
             n=pl.len(), prov=pl.col("is_provisional").sum())
         for sid, *rest in counts.iter_rows():
             decided.setdefault(sid, []).append(tuple(rest))
-        per = {"threads": threads, "keys": keys, "decided": decided}
-    return [_one_group(lr, mine, out, per) for lr, mine in zip(parts, sessions, strict=True)]
+    return [_one_group(lr, mine, out, threads, keys, decided) for lr, mine in zip(parts, sessions, strict=True)]
 
 
-def _one_group(lr: LoadResult, sessions: list[str], out: BatchOutputs | None, per: dict[str, Any]) -> dict[str, Any]:
-    """One group's manifest facts (`_group_facts`), from its sessions' counts in `per`."""
+def _one_group(lr: LoadResult, sessions: list[str], out: BatchOutputs | None, threads: Counter[str],
+               keys: dict[str, set[str]], decided: dict[str, list[tuple[Any, ...]]]) -> dict[str, Any]:
+    """One group's manifest facts (`_group_facts`), from its sessions' counts."""
     from ctxreplay.pipeline.batch.manifest import load_to_dict
 
     facts: dict[str, Any] = {"sessions": sessions, "loads": [load_to_dict(ld) for ld in lr.loads],
@@ -274,12 +272,12 @@ def _one_group(lr: LoadResult, sessions: list[str], out: BatchOutputs | None, pe
                              "threads": 0, "violations": [], "stage_stats": {}}
     if out is None or not sessions:
         return facts
-    facts["threads"] = sum(per["threads"][s] for s in sessions)
-    keys = set().union(*(per["keys"].get(s, ()) for s in sessions))
-    facts["violations"] = [dataclasses.asdict(v) for v in out.violations if v.thread_key in keys]
+    facts["threads"] = sum(threads[s] for s in sessions)
+    mine = set().union(*(keys.get(s, ()) for s in sessions))
+    facts["violations"] = [dataclasses.asdict(v) for v in out.violations if v.thread_key in mine]
     by_stage: dict[str, tuple[list[int], Counter[str]]] = {name: ([0, 0, 0], Counter()) for name in out.stage_stats}
     for s in sessions:
-        for stage, action, reason, n, prov in per["decided"].get(s, ()):
+        for stage, action, reason, n, prov in decided.get(s, ()):
             if stage not in by_stage:
                 continue
             tot, by_reason = by_stage[stage]

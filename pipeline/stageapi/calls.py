@@ -8,6 +8,8 @@ tokens, messages and turns, carried-forward values) columnar from first_call / l
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 
 from ctxreplay.pipeline.core import tokens
@@ -49,6 +51,19 @@ def materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
     """
     return lf.collect(engine=POLARS_ENGINE).lazy()
 
+
+
+def walk_parts(df: pl.DataFrame, kind: str, order: list[str], fill: dict[str, Any] | None = None,
+               ) -> dict[tuple[str, str], pl.DataFrame]:
+    """The rows of one `kind` of a sequential walk's input (one frame of several kinds: a stage's
+    calls, results, rows...), per thread (THREAD values -> its rows), each thread's sorted by
+    `order`, with the nulls of `fill`'s columns filled: one filter, sort and split for the batch. A
+    frame operation costs polars 0.1-0.2 ms however small the frame; done per thread, a dozen of
+    them were most of tombstone's walk on the 190 MB tree's batches of about 17 threads."""
+    part = df.filter(pl.col("kind") == kind)
+    if fill:
+        part = part.with_columns(pl.col(c).fill_null(v) for c, v in fill.items())
+    return part.sort(*THREAD, *order).partition_by(THREAD, as_dict=True)  # type: ignore[return-value]
 
 # ---------------------------------------------------------------------------------------------
 # tokens
