@@ -762,3 +762,24 @@ def test_a_compaction_agents_first_request_is_compared_with_its_main_threads_las
     assert (r["sim_break_cause"] is not None) == broken
     assert r["sim_cache_read_tokens"] == (end(3000) if broken else end(3000, 50, 300))
 
+
+
+def test_a_call_answered_by_several_messages_takes_the_earliest_whatever_the_row_order() -> None:
+    # answer_times: a call whose answer is in two messages (two msg_keys with the same first call)
+    # takes the earlier one's time and API, the same in every run (it took whichever came first
+    # out of a group_by: another message from run to run)
+    from ctxreplay.pipeline.cost.cachesim import answer_times
+
+    t0 = datetime(2026, 2, 4, 2, 40, tzinfo=UTC)
+    rows = []
+    for k in range(40):
+        for j, (late, api) in enumerate([(True, "late-api"), (False, "early-api"), (True, "later-api")]):
+            rows.append({"session_id": "s", "thread_id": "main", "msg_key": f"m{k:02d}-{j}", "is_call": True,
+                         "first_call": k + 1, "api": api, "provider": "anthropic",
+                         "timestamp": t0 + timedelta(minutes=k, seconds=(10 + j if late else 0))})
+    df = pl.DataFrame(rows)
+    for seed in range(5):
+        got = answer_times(df.sample(fraction=1.0, shuffle=True, seed=seed))
+        assert got["call"].to_list() == list(range(40))
+        assert got["answer_api"].to_list() == ["early-api"] * 40
+        assert got["answer_timestamp"].to_list() == [t0 + timedelta(minutes=k) for k in range(40)]

@@ -496,12 +496,15 @@ def answer_times(blocks: pl.DataFrame) -> pl.DataFrame:
     def col(name: str) -> pl.Expr:
         return pl.col(name).drop_nulls().first() if name in blocks.columns else pl.lit(None, pl.String)
 
+    # a call answered by several messages takes its earliest (then the least msg_key): a group_by's
+    # order is arbitrary, so "the first" of them was another message from run to run
     return (blocks.filter(pl.col("is_call"))
             .group_by("session_id", "thread_id", "msg_key")
             .agg(call=(pl.col("first_call").min() - 1).cast(pl.Int32), answer_timestamp=pl.col("timestamp").min(),
                  answer_api=col("api").cast(pl.String), answer_provider=col("provider").cast(pl.String))
-            .select("session_id", "thread_id", "call", "answer_timestamp", "answer_api", "answer_provider")
-            .unique(["session_id", "thread_id", "call"], keep="first").sort("session_id", "thread_id", "call"))
+            .sort("session_id", "thread_id", "call", "answer_timestamp", "msg_key", nulls_last=True)
+            .unique(["session_id", "thread_id", "call"], keep="first", maintain_order=True)
+            .select("session_id", "thread_id", "call", "answer_timestamp", "answer_api", "answer_provider"))
 
 
 def _cache_providers(c: pl.DataFrame) -> pl.DataFrame:
