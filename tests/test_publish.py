@@ -26,8 +26,8 @@ CC = SAMPLES / "claude-projects"
 SID = "5f0c1d2e-3a4b-4c5d-8e9f-0a1b2c3d4e5f"
 
 
-def _run(out: Path, preset: str = "identity", **kw: object) -> runner_mod.RunResult:
-    return run([CC], load_spec(preset=preset), RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, **kw))
+def _run(out: Path, preset: str = "identity", paths: list[Path] | None = None, **kw: object) -> runner_mod.RunResult:
+    return run(paths or [CC], load_spec(preset=preset), RunOptions(out_dir=out, token_counter=CHARS4_COUNTER, **kw))
 
 
 def test_outputs_are_links_through_current_into_one_run(tmp_path: Path) -> None:
@@ -80,6 +80,102 @@ def test_a_failed_write_keeps_the_previous_outputs(tmp_path: Path, monkeypatch: 
         _run(out, preset="default")
     monkeypatch.undo()
     assert out_state(out) == before and leftovers(out, before.run_id) == []
+
+
+def _writer_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("ctxreplay-writer")]
+
+
+def test_a_failed_batch_write_on_the_writer_thread_keeps_the_previous_outputs(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's outputs are written on a thread of their own (pipeline/batch/batchout.py, Writers):
+    its error is the run's one paragraph all the same, the previous outputs stay, and no thread
+    is left behind."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "o"
+    _run(out, batch_bytes=1, paths=[SAMPLES])
+    before = out_state(out)
+    real = pq.ParquetWriter.write_table
+    seen: list[str] = []
+
+    def disk_full(self: pq.ParquetWriter, table: object, *a: object, **k: object) -> None:
+        import threading
+
+        seen.append(threading.current_thread().name)
+        if str(self.where).endswith("decisions.parquet"):
+            raise OSError(28, "No space left on device", str(self.where))
+        real(self, table, *a, **k)
+
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", disk_full)
+    with pytest.raises(OutputError, match=r"cannot write the outputs in .*: No space left on device \(.*decisions"
+                                          r"\.parquet\)\. The previous outputs are kept"):
+        _run(out, preset="default", batch_bytes=1, paths=[SAMPLES])
+    monkeypatch.undo()
+    assert seen and all(n.startswith("ctxreplay-writer") for n in seen)
+    assert out_state(out) == before and leftovers(out, before.run_id) == []
+    assert _writer_threads() == []
+
+
+def test_an_interrupt_while_a_batch_is_written_leaves_no_writer_behind(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the next batch while the writer thread still writes the previous one: the run
+    waits for that write before it discards its staging directory; the previous run stays whole."""
+    import threading
+    import time
+
+    import ctxreplay.pipeline.batch.batchout as batchout_mod
+
+    out = tmp_path / "o"
+    _run(out, batch_bytes=1, paths=[SAMPLES])
+    before = out_state(out)
+    slow_done = threading.Event()
+    real_write, real_replay = batchout_mod.Writers._write_batch, batchrun_mod.replay_all
+    calls = {"replay": 0}
+
+    def slow_write(self: object, *a: object, **k: object) -> int:
+        time.sleep(0.3)
+        n = real_write(self, *a, **k)  # type: ignore[arg-type]
+        slow_done.set()
+        return n
+
+    def replay(*a: object, **k: object) -> object:
+        calls["replay"] += 1
+        if calls["replay"] == 2:  # the first batch's write is under way on the writer thread
+            assert not slow_done.is_set()
+            raise KeyboardInterrupt
+        return real_replay(*a, **k)
+
+    monkeypatch.setattr(batchout_mod.Writers, "_write_batch", slow_write)
+    monkeypatch.setattr(batchrun_mod, "replay_all", replay)
+    with pytest.raises(KeyboardInterrupt):
+        _run(out, preset="default", batch_bytes=1, paths=[SAMPLES])
+    assert slow_done.is_set()  # waited for, not abandoned
+    assert _writer_threads() == []
+    assert out_state(out) == before and leftovers(out, before.run_id) == []
+
+
+def test_the_crash_points_of_the_writes_are_hit_on_the_runners_thread(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writes run on their own thread, but their crash points (one per output file of each
+    batch, then calls.parquet's) are hit on the runner's thread, in the same order in every run
+    (the crash tests draw their kill points from one run's trace)."""
+    import threading
+
+    from ctxreplay.pipeline.core import crashpoints
+
+    hits: list[tuple[str, str]] = []
+    real = crashpoints.point
+    monkeypatch.setattr(crashpoints, "point", lambda name: (hits.append((name, threading.current_thread().name)),
+                                                             real(name))[1])
+    res = _run(tmp_path / "o", preset="default", batch_bytes=1, paths=[SAMPLES])
+    writes = [t for n, t in hits if n == "write"]
+    assert set(writes) == {threading.main_thread().name}
+    batches = res.summary["groups"]["batches"]
+    assert batches > 1
+    assert len(writes) == 5 * batches + 2  # five outputs per batch; calls.parquet; summary.json
 
 
 def test_stale_staging_and_temp_links_are_removed_by_the_next_run(tmp_path: Path) -> None:

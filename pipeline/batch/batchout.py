@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,25 +54,69 @@ class Writers:
         # the j-th of a previous run's file, copied as bytes at close (pipeline/batch/rgcopy.py)
         self.entries: dict[str, list[tuple[Any, ...]]] = {}
         self.kept_row_groups = 0  # row groups copied from the previous run's files
+        # the writes go to one thread of their own, in the order asked: Parquet's encoding and
+        # compression let go of the GIL, so a batch is written while the next one is loaded, staged
+        # and replayed (and the last one while the cache is simulated). A batch's writes start once
+        # the previous batch's are done (`write_batch` waits), so at most one batch's tables wait.
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future[int]] = []
 
-    def write_batch(self, tables: dict[str, pa.Table], batch: int, kept: dict[str, tuple[Path, int | None]] | None = None,
-                    ) -> None:
-        """A batch's rows appended to each output. `kept`: output name -> (previous run's file, the
-        row group of this batch there, or None when it had none): the batch's rows are those of
-        that row group (every group reused, the batch made of the same groups), so the row group
-        is copied as it is, not encoded again; `tables[name]` is not written then (blocks need not
-        even be read). messages.parquet's row group is copied only when this run keeps the same
-        messages in it (a message is written once, in the first batch that has it)."""
-        crashpoints.phase("write")
+    def _later(self, fn: Callable[..., int], *args: Any) -> None:
+        """`fn(*args)` on the writer thread, after what was asked before."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ctxreplay-writer")
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        """Until everything asked is written; a write's error (an OutputError) is raised here. The
+        crash points of the files written are hit here, on the runner's thread (in the run's order
+        whatever the threads' timing; pipeline/core/crashpoints.py)."""
+        while self._pending:
+            files = self._pending[0].result()
+            self._pending.pop(0)
+            if files:
+                crashpoints.phase("write")
+                for _ in range(files):
+                    crashpoints.point("write")
+
+    def write_batch(self, tables: Mapping[str, pa.Table] | Callable[[], Mapping[str, pa.Table]], batch: int,
+                    kept: dict[str, tuple[Path, int | None]] | None = None) -> None:
+        """A batch's rows appended to each output, on the writer thread once the previous batch's
+        are written (`wait` for them); see `_write_batch`. `tables`: the batch's output tables, or
+        a function that makes them, called on the writer thread (sorting a batch's blocks lets go
+        of the GIL too)."""
+        self.wait()
+        self._later(self._write_batch, tables, batch, kept)
+
+    def append(self, name: str, table: pa.Table, batch: int) -> None:
+        """`table` appended to the output `name` as this batch's row group, on the writer thread."""
+        self._later(self._append, name, table, batch)
+
+    def keep(self, name: str, path: Path, rg: int | None, batch: int) -> None:
+        """The `rg`-th row group of `path` (a previous run's output) as this batch's rows of `name`,
+        after what was asked before."""
+        self._later(self._keep, name, path, rg, batch)
+
+    def _write_batch(self, tables: Mapping[str, pa.Table] | Callable[[], Mapping[str, pa.Table]], batch: int,
+                     kept: dict[str, tuple[Path, int | None]] | None = None) -> int:
+        """A batch's rows appended to each output; returns the number of output files. `kept`:
+        output name -> (previous run's file, the row group of this batch there, or None when it had
+        none): the batch's rows are those of that row group (every group reused, the batch made of
+        the same groups), so the row group is copied as it is, not encoded again; `tables[name]` is
+        not written then (blocks need not even be read). messages.parquet's row group is copied
+        only when this run keeps the same messages in it (a message is written once, in the first
+        batch that has it)."""
+        if callable(tables):
+            tables = tables()
         for name in FILES:
             table = tables[name]
             if name == "messages":
                 table = self._new_messages(table)
             if kept is not None and name in kept and self._keepable(name, table, *kept[name]):
-                self.keep(name, *kept[name], batch)
+                self._keep(name, *kept[name], batch)
             else:
-                self.append(name, table, batch)
-            crashpoints.point("write")
+                self._append(name, table, batch)
+        return len(FILES)
 
     @staticmethod
     def _keepable(name: str, table: pa.Table, path: Path, rg: int | None) -> bool:
@@ -83,16 +130,16 @@ class Writers:
         old = pq.ParquetFile(path).read_row_group(rg, columns=["sha256"]).column(0)
         return old.to_pylist() == table.column("sha256").to_pylist()
 
-    def keep(self, name: str, path: Path, rg: int | None, batch: int) -> None:
-        """The `rg`-th row group of `path` (a previous run's output) as this batch's rows of `name`."""
+    def _keep(self, name: str, path: Path, rg: int | None, batch: int) -> int:
         if rg is None:
-            return
+            return 0
         file = FILES.get(name, f"{name}.parquet")
         if name not in self.open:  # this run's footer (its schema, its run id) needs a writer
             self._open(name, pq.ParquetFile(path).schema_arrow)
         self.entries.setdefault(file, []).append(("old", path, rg))
         self.row_groups.setdefault(file, []).append(batch)
         self.kept_row_groups += 1
+        return 0
 
     def _new_messages(self, t: pa.Table) -> pa.Table:
         import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
@@ -105,7 +152,7 @@ class Writers:
         self.bytes += int(pc.sum(pc.binary_length(t.column("canonical_json"))).as_py() or 0)
         return t
 
-    def append(self, name: str, table: pa.Table, batch: int) -> None:
+    def _append(self, name: str, table: pa.Table, batch: int) -> int:
         file = FILES.get(name, f"{name}.parquet")
         try:
             w = self.open.get(name) or self._open(name, table.schema)
@@ -118,6 +165,7 @@ class Writers:
                 entries.append(("new", sum(1 for e in entries if e[0] == "new")))
         except OSError as exc:
             raise output_error(self.out_dir, exc) from exc
+        return 0
 
     def _open(self, name: str, schema: pa.Schema) -> pq.ParquetWriter:
         path = self.staging / FILES.get(name, f"{name}.parquet")
@@ -137,11 +185,14 @@ class Writers:
 
     def request_store(self, totals: Totals) -> dict[str, Any]:
         """The summary's `request_store` section."""
+        self.wait()
         n = self.kinds["message"]
         return {"messages": n, "envelopes": sum(self.kinds.values()) - n, "call_message_rows": totals.call_message_rows,
                 "bytes": self.bytes, "token_conflicts": totals.token_conflicts}
 
     def close(self) -> None:
+        self.wait()
+        self._stop()
         try:
             for w in self.open.values():
                 w.close()
@@ -154,10 +205,19 @@ class Writers:
         self.open = {}
 
     def abort(self) -> None:
+        if self._pending:  # the writes under way end before their writers close
+            futures_wait(self._pending)
+            self._pending = []
+        self._stop()
         for w in self.open.values():
             with contextlib.suppress(Exception):  # the run failed already; the staging dir is discarded
                 w.close()
         self.open = {}
+
+    def _stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _assemble(path: Path, entries: list[tuple[Any, ...]]) -> None:
@@ -247,14 +307,16 @@ SORT_KEYS = {
 }
 
 
-def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False) -> dict[str, pa.Table]:
+def sorted_tables(parts: list[dict[str, pa.Table]], presorted: bool = False,
+                  names: Iterable[str] | None = None) -> dict[str, pa.Table]:
     """Each output of a batch (from one or more sources) in one order fixed by its keys and then
     every other plain column, so that the rows come out the same whatever the run. `presorted`:
     one source whose rows (but its messages) are in that order already (rows of one row group of
-    the previous run, pipeline/batch/reuse.py)."""
+    the previous run, pipeline/batch/reuse.py). `names`: these outputs only (default: every one)."""
     import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
     out: dict[str, pa.Table] = {}
-    for name, first in SORT_KEYS.items():
+    for name in SORT_KEYS if names is None else names:
+        first = SORT_KEYS[name]
         tables = [_decoded(p[name]) for p in parts if p[name].num_rows] or [_decoded(parts[0][name])]
         t = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         if presorted and len(parts) == 1 and name != "messages":

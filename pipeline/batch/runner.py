@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from ctxreplay.errors import CheckFailed, NothingToDo, OutputError
 from ctxreplay.pipeline.batch import manifest
 from ctxreplay.pipeline.batch.batches import DEFAULT_BATCH_BYTES, plan
-from ctxreplay.pipeline.batch.batchout import COMPRESSION, RUN_ID_KEY, Totals, Writers, sorted_tables
+from ctxreplay.pipeline.batch.batchout import COMPRESSION, FILES, RUN_ID_KEY, Totals, Writers, sorted_tables
 from ctxreplay.pipeline.batch.batchrun import BatchCounter, BatchResult, Env, output_error
 from ctxreplay.pipeline.batch.workers import batch_results, default_jobs
 from ctxreplay.pipeline.core import crashpoints
@@ -383,6 +383,11 @@ def profile_summary(p: dict[str, Any] | None) -> dict[str, Any]:
             "totals": {"seconds": round(total_s, 4), "collects": total_n}}
 
 
+# a batch's outputs that the cache simulation's store reads (Totals.add_store), and the others
+STORE_TABLES = ("messages", "call_messages")
+OTHER_TABLES = tuple(n for n in FILES if n not in STORE_TABLES)
+
+
 def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, totals: Totals, env: Env) -> None:
     """A batch's new decisions and violations queued in the ledger (committed with the run), its
     spills and tables written (its reused groups' rows with the others, in one order), its counts
@@ -397,15 +402,18 @@ def _take_batch(parts: list[BatchResult], ledger: Ledger, writers: Writers, tota
                                                             ledger))
         totals.add(p)
     if outs:
-        tables = sorted_tables([o.tables for o in outs], presorted=len(parts) == 1 and parts[0].presorted)
+        sources, presorted = [o.tables for o in outs], len(parts) == 1 and parts[0].presorted
+        # the request store's tables are sorted now (the simulation's store reads them below); the
+        # others, the batch's blocks above all, on the writer thread, where they are written
+        store = sorted_tables(sources, presorted, STORE_TABLES)
         kept = parts[0].kept if len(parts) == 1 else None
-        writers.write_batch(tables, parts[0].index, kept)
+        writers.write_batch(lambda: {**sorted_tables(sources, presorted, OTHER_TABLES), **store}, parts[0].index, kept)
         facts = pl.concat([o.facts for o in outs], how="vertical_relaxed").sort("session_id", "thread_id", "call")
         if kept is not None and (kept["call_facts"][1] is not None or not facts.height):
             writers.keep("call_facts", *kept["call_facts"], parts[0].index)
         else:
             writers.append("call_facts", facts.to_arrow(), parts[0].index)
-        totals.add_store(tables, pl.concat([o.applied for o in outs], how="vertical_relaxed"),
+        totals.add_store(store, pl.concat([o.applied for o in outs], how="vertical_relaxed"),
                          pl.concat([o.calls.select("thread_key", "call", "is_pending") for o in outs]))
 
 
