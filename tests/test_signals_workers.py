@@ -171,21 +171,22 @@ def test_the_workers_state_goes_through_a_file_and_the_spawn_pipe_stays_small(tm
     spawn writes into the worker's pipe fits in it at once: a parent killed while it was still
     writing left the worker a truncated pickle and a traceback (bench_signals, 50 MB tree, 1 trial
     in 20). The file is gone once the pool is, and never published."""
+    import concurrent.futures
     import pickle
 
-    from ctxreplay.pipeline.batch import workerboot, workers
+    from ctxreplay.pipeline.batch import workerboot
     from ctxreplay.pipeline.batch.runner import RunOptions, run
     from ctxreplay.pipeline.core.tokens import CHARS4_COUNTER
     from ctxreplay.pipeline.staging.spec import load_spec
 
     seen: list[tuple[object, ...]] = []
-    pool = workers.ProcessPoolExecutor
+    pool = concurrent.futures.ProcessPoolExecutor  # (workers.py imports it when it starts a pool)
 
     def recording(*args: object, **kw: object) -> object:
         seen.append(tuple(kw["initargs"]))  # type: ignore[arg-type]
         return pool(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(workers, "ProcessPoolExecutor", recording)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", recording)
     written: list[str] = []
     write = workerboot.write_state
     monkeypatch.setattr(workerboot, "write_state", lambda d, b: written.append(write(d, b)) or written[-1])

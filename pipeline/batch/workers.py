@@ -13,14 +13,13 @@ output are those of `--jobs 1`.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import pickle
 import signal
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
@@ -28,6 +27,9 @@ from ctxreplay.pipeline.batch import workerboot
 from ctxreplay.pipeline.batch.batches import Group
 from ctxreplay.pipeline.batch.batchrun import BatchCounter, BatchResult, Env, run_batch
 from ctxreplay.pipeline.loaders.inputs import MAX_LINE_BYTES
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 Job = tuple[int, list[Group]]
 
@@ -138,6 +140,10 @@ def batch_results(jobs: list[Job], env: Env, n_jobs: int, ledger: Any) -> Iterat
         for index, groups in jobs:
             yield run_batch(index, groups, env)
         return
+    # imported here: a run in this process (--jobs 1, a warm re-run) never needs them (~20 ms)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     ctx = multiprocessing.get_context("spawn")
     # the state goes pickled: unpickling it imports the heavy modules, which the worker does only
     # after workerboot has bound it to this process (a parent killed meanwhile takes it along). It
