@@ -135,11 +135,10 @@ def test_an_interrupt_while_a_batch_is_written_leaves_no_writer_behind(tmp_path:
     real_write, real_replay = batchout_mod.Writers._write_batch, batchrun_mod.replay_all
     calls = {"replay": 0}
 
-    def slow_write(self: object, *a: object, **k: object) -> int:
+    def slow_write(self: object, *a: object, **k: object) -> None:
         time.sleep(0.3)
-        n = real_write(self, *a, **k)  # type: ignore[arg-type]
+        real_write(self, *a, **k)  # type: ignore[arg-type]
         slow_done.set()
-        return n
 
     def replay(*a: object, **k: object) -> object:
         calls["replay"] += 1

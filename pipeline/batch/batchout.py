@@ -53,26 +53,27 @@ class Writers:
         # per file, its row groups in order: ("new", i) the i-th this run encoded, or ("old", path, j)
         # the j-th of a previous run's file, copied as bytes at close (pipeline/batch/rgcopy.py)
         self.entries: dict[str, list[tuple[Any, ...]]] = {}
-        self.kept_row_groups = 0  # row groups copied from the previous run's files
         # the writes go to one thread of their own, in the order asked: Parquet's encoding and
         # compression let go of the GIL, so a batch is written while the next one is loaded, staged
         # and replayed (and the last one while the cache is simulated). A batch's writes start once
         # the previous batch's are done (`write_batch` waits), so at most one batch's tables wait.
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future[int]] = []
+        self._pending: list[tuple[Future[None], int]] = []  # each write asked, and its output files
 
-    def _later(self, fn: Callable[..., int], *args: Any) -> None:
-        """`fn(*args)` on the writer thread, after what was asked before."""
+    def _later(self, files: int, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` on the writer thread, after what was asked before; it writes `files` output
+        files (their crash points are hit when it is waited for)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ctxreplay-writer")
-        self._pending.append(self._pool.submit(fn, *args))
+        self._pending.append((self._pool.submit(fn, *args), files))
 
     def wait(self) -> None:
         """Until everything asked is written; a write's error (an OutputError) is raised here. The
         crash points of the files written are hit here, on the runner's thread (in the run's order
         whatever the threads' timing; pipeline/core/crashpoints.py)."""
         while self._pending:
-            files = self._pending[0].result()
+            f, files = self._pending[0]
+            f.result()
             self._pending.pop(0)
             if files:
                 crashpoints.phase("write")
@@ -86,20 +87,20 @@ class Writers:
         a function that makes them, called on the writer thread (sorting a batch's blocks lets go
         of the GIL too)."""
         self.wait()
-        self._later(self._write_batch, tables, batch, kept)
+        self._later(len(FILES), self._write_batch, tables, batch, kept)
 
     def append(self, name: str, table: pa.Table, batch: int) -> None:
         """`table` appended to the output `name` as this batch's row group, on the writer thread."""
-        self._later(self._append, name, table, batch)
+        self._later(0, self._append, name, table, batch)
 
     def keep(self, name: str, path: Path, rg: int | None, batch: int) -> None:
         """The `rg`-th row group of `path` (a previous run's output) as this batch's rows of `name`,
         after what was asked before."""
-        self._later(self._keep, name, path, rg, batch)
+        self._later(0, self._keep, name, path, rg, batch)
 
     def _write_batch(self, tables: Mapping[str, pa.Table] | Callable[[], Mapping[str, pa.Table]], batch: int,
-                     kept: dict[str, tuple[Path, int | None]] | None = None) -> int:
-        """A batch's rows appended to each output; returns the number of output files. `kept`:
+                     kept: dict[str, tuple[Path, int | None]] | None = None) -> None:
+        """A batch's rows appended to each output (FILES). `kept`:
         output name -> (previous run's file, the row group of this batch there, or None when it had
         none): the batch's rows are those of that row group (every group reused, the batch made of
         the same groups), so the row group is copied as it is, not encoded again; `tables[name]` is
@@ -116,7 +117,6 @@ class Writers:
                 self._keep(name, *kept[name], batch)
             else:
                 self._append(name, table, batch)
-        return len(FILES)
 
     @staticmethod
     def _keepable(name: str, table: pa.Table, path: Path, rg: int | None) -> bool:
@@ -130,16 +130,14 @@ class Writers:
         old = pq.ParquetFile(path).read_row_group(rg, columns=["sha256"]).column(0)
         return old.to_pylist() == table.column("sha256").to_pylist()
 
-    def _keep(self, name: str, path: Path, rg: int | None, batch: int) -> int:
+    def _keep(self, name: str, path: Path, rg: int | None, batch: int) -> None:
         if rg is None:
-            return 0
+            return
         file = FILES.get(name, f"{name}.parquet")
         if name not in self.open:  # this run's footer (its schema, its run id) needs a writer
             self._open(name, pq.ParquetFile(path).schema_arrow)
         self.entries.setdefault(file, []).append(("old", path, rg))
         self.row_groups.setdefault(file, []).append(batch)
-        self.kept_row_groups += 1
-        return 0
 
     def _new_messages(self, t: pa.Table) -> pa.Table:
         import pyarrow.compute as pc  # imported when used: a warm run never needs it (~40 ms)
@@ -152,7 +150,7 @@ class Writers:
         self.bytes += int(pc.sum(pc.binary_length(t.column("canonical_json"))).as_py() or 0)
         return t
 
-    def _append(self, name: str, table: pa.Table, batch: int) -> int:
+    def _append(self, name: str, table: pa.Table, batch: int) -> None:
         file = FILES.get(name, f"{name}.parquet")
         try:
             w = self.open.get(name) or self._open(name, table.schema)
@@ -165,7 +163,6 @@ class Writers:
                 entries.append(("new", sum(1 for e in entries if e[0] == "new")))
         except OSError as exc:
             raise output_error(self.out_dir, exc) from exc
-        return 0
 
     def _open(self, name: str, schema: pa.Schema) -> pq.ParquetWriter:
         path = self.staging / FILES.get(name, f"{name}.parquet")
@@ -206,7 +203,7 @@ class Writers:
 
     def abort(self) -> None:
         if self._pending:  # the writes under way end before their writers close
-            futures_wait(self._pending)
+            futures_wait([f for f, _ in self._pending])
             self._pending = []
         self._stop()
         for w in self.open.values():

@@ -52,7 +52,6 @@ def materialize(lf: pl.LazyFrame) -> pl.LazyFrame:
     return lf.collect(engine=POLARS_ENGINE).lazy()
 
 
-
 def walk_parts(df: pl.DataFrame, kind: str, order: list[str], fill: dict[str, Any] | None = None,
                ) -> dict[tuple[str, str], pl.DataFrame]:
     """The rows of one `kind` of a sequential walk's input (one frame of several kinds: a stage's
@@ -64,6 +63,7 @@ def walk_parts(df: pl.DataFrame, kind: str, order: list[str], fill: dict[str, An
     if fill:
         part = part.with_columns(pl.col(c).fill_null(v) for c, v in fill.items())
     return part.sort(*THREAD, *order).partition_by(THREAD, as_dict=True)  # type: ignore[return-value]
+
 
 # ---------------------------------------------------------------------------------------------
 # tokens
