@@ -255,6 +255,7 @@ def test_the_progress_display_counts_files_groups_and_calls(tmp_path: Path) -> N
 
     buf = io.StringIO()
     shown = RunProgress(Console(file=buf, force_terminal=True, width=200))
+    shown._p.live.auto_refresh = False  # no timer: what is shown is what each batch draws (a batch here is ms)
     s = _run([SAMPLES], tmp_path / "o", batch_bytes=1, display=shown)
     text = buf.getvalue()
     g = s["groups"]["total"]

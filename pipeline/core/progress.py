@@ -37,8 +37,10 @@ class RunProgress:
         if self._task is None:
             return
         self.done = [self.done[0] + files, self.done[1] + groups, self.done[2] + calls]
+        # drawn now, not at the next tick of the display's timer (10 a second): a batch that takes
+        # less than a tick would otherwise never be shown
         self._p.update(self._task, advance=nbytes, files=f"{self.done[0]}/{self.totals[0]}",
-                       groups=f"{self.done[1]}/{self.totals[1]}", calls=self.done[2])
+                       groups=f"{self.done[1]}/{self.totals[1]}", calls=self.done[2], refresh=True)
 
     def note(self, msg: str) -> None:
         if self._task is not None:
