@@ -67,6 +67,9 @@ def main() -> None:
     then killed the process by SIGINT after a finished run (3 of 20 SIGINT trials of
     bench/bench_signals.py); an ignored signal is left ignored, and the command's status stands."""
     ours = install()
+    from ctxreplay.deferred import defer
+
+    defer("polars")  # imported at its first use: a re-run that reuses every output never needs it
     from ctxreplay.pipeline.commands.cli import main as cli_main
 
     status = 0

@@ -16,6 +16,7 @@ marks API. Each firing takes a new cache epoch.
 
 from __future__ import annotations
 
+import functools
 import re
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any
 
 import polars as pl
 
-from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, null_columns, synthetic_id_expr
+from ctxreplay.pipeline.core.blockops import block_schema, null_columns, synthetic_id_expr
 from ctxreplay.pipeline.core.constants import (
     AUTO_COMPACT_FILLER,
     AUTO_COMPACT_RE,
@@ -89,15 +90,17 @@ def parse_summary(text: str | None) -> tuple[int, int, int] | None:
 # the walk
 
 
-_FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
-                  "dropped": pl.Int64, "request": pl.Int64, "epoch": pl.Int32}
+@functools.cache
+def _firing_schema() -> dict[str, Any]:
+    return {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
+            "dropped": pl.Int64, "request": pl.Int64, "epoch": pl.Int32}
 
 
 def _scan(df: pl.DataFrame, p: AutoCompact, summary_cost: int) -> pl.DataFrame:
     """Per thread: the calls (`call` rows: tokens, keep = order of the first kept row, ep, s_end =
     when an earlier summary leaves) and the droppable rows (`row` rows: order, first, last, tok)
     -> one row per firing (call, frontier, tokens dropped, request tokens, epoch)."""
-    out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
+    out: dict[str, list[Any]] = {k: [] for k in _firing_schema()}
     rows_by = walk_parts(df, "row", ["order"], {"last": NO_CALL})
     for (sid, tid), calls in walk_parts(df, "call", ["call"], {"tokens": 0, "ep": 0, "anchor_end": NO_CALL}).items():
         rows = rows_by.get((sid, tid))
@@ -134,11 +137,11 @@ def _scan(df: pl.DataFrame, p: AutoCompact, summary_cost: int) -> pl.DataFrame:
             if dropped <= 0:
                 continue
             epoch = firing_epoch(k, ep, last_epoch)
-            for key, v in zip(_FIRING_SCHEMA, (sid, tid, k, keep[j], dropped, est, epoch)):
+            for key, v in zip(_firing_schema(), (sid, tid, k, keep[j], dropped, est, epoch)):
                 out[key].append(v)
             frontier, f_idx, last_epoch = keep[j], k_idx, epoch
             summary_end = anchor_end[j]
-    return pl.DataFrame(out, schema=_FIRING_SCHEMA)
+    return pl.DataFrame(out, schema=_firing_schema())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,7 +230,7 @@ def _summary_row() -> dict[str, pl.Expr]:
     content = {c: pl.lit(None) for c in CONTENT_COLUMNS}
     content.update(block_type=pl.lit("text"), text=pl.col("_s_text"))
     values: dict[str, pl.Expr] = {
-        **null_columns(c for c in BLOCK_SCHEMA.names() if c not in keep and c not in CONTENT_COLUMNS),
+        **null_columns(c for c in block_schema().names() if c not in keep and c not in CONTENT_COLUMNS),
         **content,
         "raw_line": pl.lit(""),
         "order_key": pl.col("order_key") - 3,
@@ -246,7 +249,7 @@ def _summary_row() -> dict[str, pl.Expr]:
         "origin": pl.lit(ORIGIN),
         "cache_epoch": pl.col("_s_epoch"),
     }
-    return {c: v.cast(BLOCK_SCHEMA[c]) for c, v in values.items()}
+    return {c: v.cast(block_schema()[c]) for c, v in values.items()}
 
 
 def plan(blocks: pl.LazyFrame, params: AutoCompact, ctx: StageContext) -> StageResult:
@@ -254,7 +257,7 @@ def plan(blocks: pl.LazyFrame, params: AutoCompact, ctx: StageContext) -> StageR
     msgs = materialize(messages(blocks))
     cost = params.summary_tokens + MESSAGE_OVERHEAD_TOKENS
     scan_in = pl.concat([_per_call(blocks, msgs, params, ctx), _rows(blocks, msgs, ctx)], how="diagonal_relaxed")
-    firings = scan_in.map_batches(lambda df: _scan(df, params, cost), schema=_FIRING_SCHEMA).collect(engine=POLARS_ENGINE)
+    firings = scan_in.map_batches(lambda df: _scan(df, params, cost), schema=_firing_schema()).collect(engine=POLARS_ENGINE)
     if firings.height == 0:
         return finish(start_marks(blocks))
     texts = [_summary_text(d, params.summary_tokens, r, ctx)

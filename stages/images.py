@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import functools
 import io
 import math
 import os
@@ -330,10 +331,14 @@ class _Memo:
 
 MEMO = _Memo()
 
-_RESULT_DTYPE = pl.Struct({
-    "status": pl.String, "data": pl.String, "media_type": pl.String, "width": pl.Int32, "height": pl.Int32,
-    "nbytes": pl.Int64, "reason": pl.String,
-})
+
+@functools.cache
+def _result_dtype() -> pl.Struct:
+    return pl.Struct({
+        "status": pl.String, "data": pl.String, "media_type": pl.String, "width": pl.Int32, "height": pl.Int32,
+        "nbytes": pl.Int64, "reason": pl.String,
+    })
+
 
 
 def _fit_batch(p: Images):
@@ -348,7 +353,7 @@ def _fit_batch(p: Images):
             for i, res in zip(mask.arg_true().to_list(), results):
                 out[i] = {"status": res.status, "data": res.data, "media_type": res.media_type, "width": res.width,
                           "height": res.height, "nbytes": res.nbytes, "reason": res.reason}
-        return pl.Series(out, dtype=_RESULT_DTYPE)
+        return pl.Series(out, dtype=_result_dtype())
 
     return run
 
@@ -487,7 +492,7 @@ def _mark_fit(w: pl.LazyFrame, params: Images) -> pl.LazyFrame:
     """First sight: one decision per payload, from the block's first call (measured sizes filled in)."""
     fit = pl.struct(
         is_image=pl.col("_is_image"), image_data=pl.col("image_data"), image_media_type=pl.col("image_media_type")
-    ).map_batches(_fit_batch(params), return_dtype=_RESULT_DTYPE)
+    ).map_batches(_fit_batch(params), return_dtype=_result_dtype())
     w = w.with_columns(_fit=fit).with_columns(
         _status=pl.col("_fit").struct.field("status"),
         _new_data=pl.col("_fit").struct.field("data"),

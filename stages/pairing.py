@@ -47,6 +47,7 @@ here (`_move_decisions`); a move with a content change is one `replace` decision
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -54,7 +55,7 @@ from typing import Any, Literal
 import polars as pl
 
 from ctxreplay.pipeline.core.blockops import (
-    BLOCK_SCHEMA,
+    block_schema,
     content_len_expr,
     content_sha_expr,
     decisions_from,
@@ -293,15 +294,15 @@ def quiet_check(blocks: pl.LazyFrame, params: Pairing, ctx: StageContext) -> pl.
     name = pl.col("tool_name")
     rows = blocks.select(_q=~(
         (pl.col("origin") == "pairing").fill_null(False) | failed.fill_null(False)
-        | ((_IS_CALL | is_result) & _blank("tool_use_id")).fill_null(False)
+        | ((_is_call() | is_result) & _blank("tool_use_id")).fill_null(False)
         | (is_result & name.is_not_null() & (_blank("tool_name") | (name.str.strip_chars() != name))).fill_null(False)
     ).any())  # no such row
-    calls = blocks.filter(_IS_CALL).group_by(BLOCK).agg(
+    calls = blocks.filter(_is_call()).group_by(BLOCK).agg(
         msg_key=pl.col("msg_key").first(), order_key=pl.col("order_key").min(), _cid=pl.col("tool_use_id").first(),
         _fc=pl.col("first_call").min(), _lc=open_max("last_call"),
     ).with_columns(_same=same_id_expr(mode, ctx.target))
     results = blocks.filter(is_result).group_by(BLOCK).agg(
-        _cid=pl.col("tool_use_id").first(), _rok=pl.col("order_key").min(), _rpos=_POS.min(),
+        _cid=pl.col("tool_use_id").first(), _rok=pl.col("order_key").min(), _rpos=_pos().min(),
         _fr=pl.col("first_call").min(), _lr=open_max("last_call"),
     )
     pairs = calls.join(results.drop("entry_id", "block_pos"), on=[*THREAD, "_cid"], how="full", coalesce=True)
@@ -361,11 +362,28 @@ def pairing(blocks: pl.LazyFrame, params: Pairing, ledger: pl.LazyFrame, ctx: St
     return StageResult(res.blocks, decisions)
 
 
-# position of a block in its thread: an as-of key across rows and the blocks of a row
-_POS = pl.col("order_key") * POS_SHIFT + pl.col("block_pos")
-_IS_CALL = pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & (pl.col("role") == "assistant")
-_IS_SYNTHETIC = (pl.col("block_type") == "tool_result") & (pl.col("origin") == "pairing")
-_IS_RESULT = (pl.col("block_type") == "tool_result") & (pl.col("origin") != "pairing")
+# (these expressions are made at first use, not at import: ctxreplay/deferred.py)
+@functools.cache
+def _pos() -> pl.Expr:
+    """The position of a block in its thread: an as-of key across rows and the blocks of a row."""
+    return pl.col("order_key") * POS_SHIFT + pl.col("block_pos")
+
+
+@functools.cache
+def _is_call() -> pl.Expr:
+    return pl.col("block_type").is_in(list(TOOL_CALL_TYPES)) & (pl.col("role") == "assistant")
+
+
+@functools.cache
+def _is_synthetic() -> pl.Expr:
+    return (pl.col("block_type") == "tool_result") & (pl.col("origin") == "pairing")
+
+
+@functools.cache
+def _is_result() -> pl.Expr:
+    return (pl.col("block_type") == "tool_result") & (pl.col("origin") != "pairing")
+
+
 # a call block's columns under the names a result row refers to it by
 _PER_CALL = [*THREAD, "_c_entry", "_c_bp"]
 
@@ -377,7 +395,7 @@ def _working_frame(blocks: pl.LazyFrame) -> pl.LazyFrame:
         (pl.col("role") == "assistant")
         & pl.col("stop_reason").str.to_lowercase().is_in(FAILED_STOP_REASONS).fill_null(False)
     )
-    return start_marks(blocks).with_columns(_pos=_POS, _failed=failed.any().over(MSG))
+    return start_marks(blocks).with_columns(_pos=_pos(), _failed=failed.any().over(MSG))
 
 
 def _calls(w: pl.LazyFrame, params: Pairing) -> pl.LazyFrame:
@@ -385,7 +403,7 @@ def _calls(w: pl.LazyFrame, params: Pairing) -> pl.LazyFrame:
     occurrence of that id in the thread, its rank in its message, the span of calls that see it,
     and its frame's fate under `failed_frame_policy` (step 4)."""
     return (
-        w.filter(_IS_CALL)
+        w.filter(_is_call())
         .group_by(BLOCK)
         .agg(
             pl.col("msg_key").first(),
@@ -422,7 +440,7 @@ def _results(w: pl.LazyFrame) -> pl.LazyFrame:
     """Step 1: one row per recorded tool result block (all its versions): its id and name as first
     seen, its position and the span of calls that see it."""
     return (
-        w.filter(_IS_RESULT)
+        w.filter(_is_result())
         .group_by(BLOCK)
         .agg(
             pl.col("msg_key").first(),
@@ -639,9 +657,9 @@ def _mark_rows(w: pl.LazyFrame, calls: pl.LazyFrame, results: pl.LazyFrame, slot
         .join(call_upd, on=BLOCK, how="left")
         .join(msg_drop, on=MSG, how="left")
         .with_columns(
-            _u_id=pl.when(_IS_CALL).then(pl.col("_u_cid")).when(_IS_RESULT).then(pl.col("_u_id")),
+            _u_id=pl.when(_is_call()).then(pl.col("_u_cid")).when(_is_result()).then(pl.col("_u_id")),
             _u_name=pl.when(pl.col("part_type").ne_missing("tool_reference")).then(pl.col("_u_name")),
-            _fate=pl.when(_IS_SYNTHETIC).then(pl.lit(None, pl.String)).otherwise(pl.coalesce("_drop_msg", "_fate")),
+            _fate=pl.when(_is_synthetic()).then(pl.lit(None, pl.String)).otherwise(pl.coalesce("_drop_msg", "_fate")),
             _fate_from=pl.when(pl.col("_drop_msg").is_not_null()).then(pl.lit(None, pl.Int32))
             .otherwise(pl.col("_fate_from")),
         )
@@ -709,14 +727,14 @@ def _synthetic_content(text: str) -> dict[str, pl.Expr]:
         "tool_name": pl.when(_blank("_cname")).then(pl.lit("unknown")).otherwise(pl.col("_cname").str.strip_chars()),
         "is_error": pl.lit(True),
     }
-    return {c: values.get(c, pl.lit(None)).cast(BLOCK_SCHEMA[c]) for c in CONTENT_COLUMNS}
+    return {c: values.get(c, pl.lit(None)).cast(block_schema()[c]) for c in CONTENT_COLUMNS}
 
 
 def _synthetic_row(text: str) -> dict[str, pl.Expr]:
     """Every column of a synthetic result built on its call's row (the call's columns `_slot`,
     `_sid`, `_fc`, `_s_end` joined on), but those copied from the call (_SYNTHETIC_KEEP)."""
     values: dict[str, pl.Expr] = {
-        **null_columns(c for c in BLOCK_SCHEMA.names() if c not in _SYNTHETIC_KEEP),
+        **null_columns(c for c in block_schema().names() if c not in _SYNTHETIC_KEEP),
         **_synthetic_content(text),
         "raw_line": pl.lit(""),
         "order_key": pl.col("_slot"),
@@ -735,7 +753,7 @@ def _synthetic_row(text: str) -> dict[str, pl.Expr]:
         "content_sha256": pl.lit(""),  # finish hashes inserted rows
         "origin": pl.lit("pairing"),
     }
-    return {c: v.cast(BLOCK_SCHEMA[c]) for c, v in values.items()}
+    return {c: v.cast(block_schema()[c]) for c, v in values.items()}
 
 
 def _synthetic_results(w: pl.LazyFrame, slots: pl.LazyFrame, text: str) -> tuple[pl.LazyFrame, Insert]:
@@ -752,10 +770,10 @@ def _synthetic_results(w: pl.LazyFrame, slots: pl.LazyFrame, text: str) -> tuple
     )
     keep_e = _kept_existing(w, desired, text)
     w = w.join(keep_e.with_columns(_keep_e=pl.lit(True)), on=[*THREAD, "entry_id"], how="left",
-               nulls_equal=True).with_columns(_keep_e=_IS_SYNTHETIC & pl.col("_keep_e").fill_null(False))
+               nulls_equal=True).with_columns(_keep_e=_is_synthetic() & pl.col("_keep_e").fill_null(False))
     w = mark_replace(w, pl.col("_keep_e") & (pl.col("order_key") != pl.col("_d_ok")),
                      {"order_key": pl.col("_d_ok")}, "displaced")
-    w = mark_drop(w, _IS_SYNTHETIC & ~pl.col("_keep_e"), "superseded")
+    w = mark_drop(w, _is_synthetic() & ~pl.col("_keep_e"), "superseded")
     close = pl.col("_keep_e") & pl.col("_d_end").is_not_null() & (
         pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_d_end")))
     w = mark_drop(w, close, "superseded", pl.col("_d_end"))
@@ -764,7 +782,7 @@ def _synthetic_results(w: pl.LazyFrame, slots: pl.LazyFrame, text: str) -> tuple
     # the call's first version carries the new row
     w = w.join(new.select(*BLOCK, "_new_cid", "_cname", "_slot", "_sid", "_fc", "_s_end", "_cpart"),
                on=BLOCK, how="left").with_columns(
-        _insert=_IS_CALL & (pl.col("first_call") == pl.col("_fc")) & (pl.col("part_pos") == pl.col("_cpart")),
+        _insert=_is_call() & (pl.col("first_call") == pl.col("_fc")) & (pl.col("part_pos") == pl.col("_cpart")),
     ).drop("_keep_e", "_d_end", "_d_ok", "_cpart")
     return w, Insert(when=pl.col("_insert"), values=_synthetic_row(text), reason="missing")
 
@@ -772,7 +790,7 @@ def _synthetic_results(w: pl.LazyFrame, slots: pl.LazyFrame, text: str) -> tuple
 def _kept_existing(w: pl.LazyFrame, desired: pl.LazyFrame, text: str) -> pl.LazyFrame:
     """The existing synthetic results that stay (per entry id: the desired end `_d_end` and slot
     `_d_ok`): one starts where the desired one starts, with its content, and ends no earlier."""
-    existing = w.filter(_IS_SYNTHETIC).group_by(THREAD + ["entry_id"]).agg(
+    existing = w.filter(_is_synthetic()).group_by(THREAD + ["entry_id"]).agg(
         _e_start=pl.col("first_call").min(),
         _e_end=open_max("last_call"),
         _e_sha=pl.col("content_sha256").sort_by("first_call").first(),

@@ -39,7 +39,7 @@ from typing import Literal
 import orjson
 import polars as pl
 
-from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, sort_blocks
+from ctxreplay.pipeline.core.blockops import block_schema, sort_blocks
 from ctxreplay.pipeline.core.constants import (
     FAILED_TURN_TEXT,
     MAGIC_STRING_PATTERN,
@@ -307,7 +307,7 @@ def quiet_check(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> pl
 
 def quiet_blocks(blocks: pl.LazyFrame, params: Sanitize, ctx: StageContext) -> pl.LazyFrame:
     """Where the check holds: the blocks in block order with the usage columns filled (sub-step 8)."""
-    return normalized_usage(sort_blocks(blocks)).select(BLOCK_SCHEMA.names())
+    return normalized_usage(sort_blocks(blocks)).select(block_schema().names())
 
 
 @stage("sanitize", version=2, params=Sanitize, live=LiveRule(live_start, live_step),  # the first layer: it needs no other
@@ -353,7 +353,7 @@ def sanitize(blocks: pl.LazyFrame, params: Sanitize, ledger: pl.LazyFrame, ctx: 
     w = _strip_and_scrub(w, params, family)
     res = finish(w, [failed_insert, omitted_insert])
     # 8. normalised usage columns (derived metadata: no block content changes, no decision)
-    return StageResult(normalized_usage(res.blocks).select(BLOCK_SCHEMA.names()), res.decisions)
+    return StageResult(normalized_usage(res.blocks).select(block_schema().names()), res.decisions)
 
 
 def _row_filter_expr(names: Sequence[str]) -> pl.Expr | None:
@@ -485,7 +485,7 @@ def _foreign_items(w: pl.LazyFrame, params: Sanitize, target: str) -> pl.LazyFra
     foreign = foreign_expr(target) & alive()
     if params.foreign_items == "to_text":
         w = w.with_columns(_f_text=(foreign & ~is_blank("text")).fill_null(False))
-        values = {"block_type": pl.lit("text"), **{c: pl.lit(None, BLOCK_SCHEMA[c]) for c in _TEXT_NULLS}}
+        values = {"block_type": pl.lit("text"), **{c: pl.lit(None, block_schema()[c]) for c in _TEXT_NULLS}}
         w = mark_replace(w, pl.col("_f_text"), values, "foreign_item")
         foreign = foreign & ~pl.col("_f_text")
     w = mark_drop(w, foreign, "foreign_item")

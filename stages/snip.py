@@ -9,6 +9,7 @@ the calls of one thread (its state, the snip frontier, only moves forward), run 
 
 from __future__ import annotations
 
+import functools
 import re
 from bisect import bisect_left
 from collections.abc import Callable
@@ -19,8 +20,8 @@ from typing import Any
 import polars as pl
 
 from ctxreplay.pipeline.core.blockops import (
-    BLOCK_SCHEMA,
     block_json_expr,
+    block_schema,
     content_len_expr,
     decisions_from,
     empty_decisions,
@@ -98,8 +99,10 @@ class Snip:
             raise ValueError("min_tail_turns and reserve_output_tokens must not be negative")
 
 
-_FIRING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
-                  "n": pl.Int64, "t": pl.Int64, "epoch": pl.Int32}
+@functools.cache
+def _firing_schema() -> dict[str, Any]:
+    return {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "frontier": pl.Int64,
+            "n": pl.Int64, "t": pl.Int64, "epoch": pl.Int32}
 
 
 @dataclass
@@ -236,7 +239,7 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
     epoch, text). `marker_cost(text)`: tokens of a marker message with that text (the request counts it).
     Cost: O(calls) plus, per firing, the rows of the turns it looks at (bounded by the window).
     """
-    out: dict[str, list[Any]] = {k: [] for k in _FIRING_SCHEMA}
+    out: dict[str, list[Any]] = {k: [] for k in _firing_schema()}
     calls_by = walk_parts(df, "call", ["call"], {"tokens": 0, "cur_turn": 0, "comp_turn": 2**40, "ep": 0})
     rows_by = walk_parts(df, "row", ["turn"], {"last": NO_CALL})
     states_by = walk_parts(df, "state", ["call"])
@@ -251,9 +254,9 @@ def _snip_scan(df: pl.DataFrame, *, head: int, min_tail: int, hi: float, lo: flo
         w = _SnipWalk(calls, _Rows.of(rows_by.get((sid, tid), no_rows)), head, min_tail, hi, lo, marker_cost)
         w.walk(frozen)
         for firing in w.firings:
-            for key, v in zip(_FIRING_SCHEMA, (sid, tid, *firing)):
+            for key, v in zip(_firing_schema(), (sid, tid, *firing)):
                 out[key].append(v)
-    return pl.DataFrame(out, schema=_FIRING_SCHEMA)
+    return pl.DataFrame(out, schema=_firing_schema())
 
 
 def _marker_rows(anchors: pl.LazyFrame, versions: pl.LazyFrame) -> pl.LazyFrame:
@@ -353,7 +356,7 @@ def plan(blocks: pl.LazyFrame, params: Snip, ctx: StageContext) -> StageResult:
     firings = materialize(scan_in.map_batches(
         lambda df: _snip_scan(df, head=head, min_tail=params.min_tail_turns, hi=params.high_watermark * budget,
                               lo=params.low_watermark * budget, marker_cost=marker_cost),
-        schema=_FIRING_SCHEMA))
+        schema=_firing_schema()))
     last_state = state.group_by(THREAD).agg(_f0=pl.col("frontier").max())
     firings = firings.sort([*THREAD, "call"]).with_columns(
         lo=pl.col("frontier").shift(1).over(THREAD, order_by="call")).join(
@@ -434,8 +437,8 @@ def _new_markers(blocks: pl.LazyFrame, out: pl.LazyFrame, msgs: pl.LazyFrame, hi
         pl.all().sort_by("first_call").last())
     anchors_new = blocks.join(first_hit, on=[*THREAD, "entry_id", "block_pos", "part_pos", "first_call"], how="semi")
     anchors_new = anchors_new.join(existing.select(THREAD), on=THREAD, how="anti")
-    anchors = pl.concat([anchors_new.select(BLOCK_SCHEMA.names()),
-                         existing.select(BLOCK_SCHEMA.names()).with_columns(order_key=pl.col("order_key") + 1)])
+    anchors = pl.concat([anchors_new.select(block_schema().names()),
+                         existing.select(block_schema().names()).with_columns(order_key=pl.col("order_key") + 1)])
     removed_end = _snippable(blocks, msgs, head).join(hit.select(*VERSION_KEY), on=VERSION_KEY, how="semi") \
         .group_by(THREAD).agg(_end=open_max("last_call"))
     versions = firings.with_columns(
@@ -451,7 +454,7 @@ def _new_markers(blocks: pl.LazyFrame, out: pl.LazyFrame, msgs: pl.LazyFrame, hi
         & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_close")))
     out = out.join(first_new, on=THREAD, how="left").with_columns(
         last_call=pl.when(closing).then(pl.col("_close")).otherwise(pl.col("last_call"))).drop("_close")
-    cols = list(BLOCK_SCHEMA.names())
+    cols = list(block_schema().names())
     return pl.concat([out.select(cols), new_markers.select(cols)]), _marker_decisions(new_markers, prior)
 
 
@@ -463,7 +466,7 @@ def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFr
     snips = ledger.filter(pl.col("action") == "snip").select(*PART_KEY, "from_call")
     targets = before.join(snips, on=PART_KEY, how="inner").filter(visible_at("from_call"))
     anchors = targets.group_by(THREAD).agg(pl.all().sort_by("order_key", "entry_id", "block_pos", "part_pos").first()) \
-        .select(BLOCK_SCHEMA.names())
+        .select(block_schema().names())
     anchors = anchors.join(before.filter(pl.col("origin") == "snip").select(THREAD).unique(), on=THREAD, how="anti")
     end = targets.group_by(THREAD).agg(_end=open_max("last_call"))
     versions = led.sort("from_call").select(
@@ -473,7 +476,7 @@ def _ledger_markers(before: pl.LazyFrame, after: pl.LazyFrame, ledger: pl.LazyFr
         .with_columns(last_call=pl.coalesce("last_call", pl.when(pl.col("_end") > pl.col("first_call"))
                                             .then(pl.col("_end"))).cast(pl.Int32)).drop("_end")
     rows = _marker_rows(anchors, versions)
-    cols = list(BLOCK_SCHEMA.names())
+    cols = list(block_schema().names())
     return pl.concat([after.select(cols), rows.select(cols)]), _marker_decisions(rows)
 
 

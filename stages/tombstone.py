@@ -12,6 +12,7 @@ transcript timestamps). A firing at call k moves a monotone frontier over the el
 from __future__ import annotations
 
 import dataclasses
+import functools
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 import polars as pl
 
-from ctxreplay.pipeline.core.blockops import BLOCK_SCHEMA, empty_decisions, null_columns, sort_blocks
+from ctxreplay.pipeline.core.blockops import block_schema, empty_decisions, null_columns, sort_blocks
 from ctxreplay.pipeline.core.constants import (
     BLOCK_KEY,
     CACHE_EDIT_SUFFIX,
@@ -127,8 +128,11 @@ def tool_filter_expr(params: Tombstone) -> pl.Expr:
 # ---------------------------------------------------------------------------------------------
 # the walk over calls
 
-_ASSIGN_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "kind": pl.String, "entry_id": pl.String,
-                  "block_pos": pl.Int32, "clear_call": pl.Int32, "epoch": pl.Int32, "reason": pl.String}
+
+@functools.cache
+def _assign_schema() -> dict[str, Any]:
+    return {"session_id": pl.String, "thread_id": pl.String, "kind": pl.String, "entry_id": pl.String,
+            "block_pos": pl.Int32, "clear_call": pl.Int32, "epoch": pl.Int32, "reason": pl.String}
 
 
 def _free_from(delta: list[int], k: int, v: int, end: int) -> int:
@@ -184,8 +188,10 @@ class _Thinking:
                    [0 if dn else int(x or 0) for x, dn in zip(th["s"].to_list(), done)], sorted(a), sorted(turn))
 
 
-_NO_THINKING = {"entry_id": pl.String, "block_pos": pl.Int32, "order": pl.Int64, "a": pl.Int32, "turn": pl.Int32,
-                "z": pl.Int32, "last": pl.Int32, "s": pl.Int64}
+@functools.cache
+def _no_thinking() -> dict[str, Any]:
+    return {"entry_id": pl.String, "block_pos": pl.Int32, "order": pl.Int64, "a": pl.Int32, "turn": pl.Int32,
+            "z": pl.Int32, "last": pl.Int32, "s": pl.Int64}
 
 
 class _Walk:
@@ -344,12 +350,12 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
     call, z = end, s = tokens freed, done / native / done_call / done_epoch) and `think` (order, a,
     z, turn, s, last). O((calls + results) log results): see `_Walk`.
     """
-    out: dict[str, list[Any]] = {k: [] for k in _ASSIGN_SCHEMA}
+    out: dict[str, list[Any]] = {k: [] for k in _assign_schema()}
     calls_by = walk_parts(df, "call", ["call"], {"tokens": 0, "u_order": -(2**62), "cur_turn": 0, "ep": 0,
                                                  "idle": False})
     res_by = walk_parts(df, "result", ["order", "entry_id", "block_pos"], {"z": NO_CALL})
     th_by = walk_parts(df, "think", ["order", "entry_id", "block_pos"], {"z": NO_CALL}) if "turn" in df.columns else {}
-    no_thinking = pl.DataFrame(schema=_NO_THINKING)  # no thinking rows were passed (clear_thinking_keep = "all")
+    no_thinking = pl.DataFrame(schema=_no_thinking())  # no thinking rows were passed (clear_thinking_keep = "all")
     for (sid, tid), calls in calls_by.items():
         res = res_by.get((sid, tid))
         if res is None or calls.height == 0 or res.height == 0:
@@ -360,9 +366,9 @@ def _scan(df: pl.DataFrame, p: Tombstone) -> pl.DataFrame:
         if not w.fire_k:
             continue
         for kind, eid, bp, j, reason in w.assignments(res, th):
-            for key, v in zip(_ASSIGN_SCHEMA, (sid, tid, kind, eid, bp, w.fire_k[j], w.fire_e[j], reason)):
+            for key, v in zip(_assign_schema(), (sid, tid, kind, eid, bp, w.fire_k[j], w.fire_e[j], reason)):
                 out[key].append(v)
-    return pl.DataFrame(out, schema=_ASSIGN_SCHEMA)
+    return pl.DataFrame(out, schema=_assign_schema())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,9 +417,9 @@ def plan(blocks: pl.LazyFrame, params: Tombstone, ctx: StageContext,
     if params.clear_thinking_keep != "all":
         parts.append(_per_thinking(counted, msgs, ctx, omitted_tok))
     assign = materialize(pl.concat(parts, how="diagonal_relaxed").map_batches(lambda df: _scan(df, params),
-                                                                              schema=_ASSIGN_SCHEMA))
+                                                                              schema=_assign_schema()))
     if forced is not None:
-        forced = forced.select(list(_ASSIGN_SCHEMA)).cast(_ASSIGN_SCHEMA)  # type: ignore[arg-type]
+        forced = forced.select(list(_assign_schema())).cast(_assign_schema())  # type: ignore[arg-type]
         assign = materialize(pl.concat([assign.join(forced, on=BLOCK_KEY, how="anti"), forced]))
     if not assign.select(pl.len()).collect(engine=POLARS_ENGINE).item():  # nothing to clear: the rows as they are
         return StageResult(sort_blocks(blocks), empty_decisions())
@@ -618,7 +624,7 @@ def _apply(blocks: pl.LazyFrame, assign: pl.LazyFrame, params: Tombstone,
                       from_call=pl.col("_th_call"),
                       epoch=pl.col("_th_epoch"))
     res = finish(w)
-    return StageResult(sort_blocks(pl.concat([rest.select(BLOCK_SCHEMA.names()), res.blocks])), res.decisions)
+    return StageResult(sort_blocks(pl.concat([rest.select(block_schema().names()), res.blocks])), res.decisions)
 
 
 # ---------------------------------------------------------------------------------------------

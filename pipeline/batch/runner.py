@@ -85,14 +85,30 @@ class RunOptions:
 @dataclass
 class RunResult:
     summary: dict[str, Any]
-    calls: pl.DataFrame
+    # the calls (`calls`) and decisions as the run made them, or as Arrow tables read back from the
+    # previous run when it reused every output: polars makes the frames when they are first asked
+    # for (a run that reused everything imports no polars: ctxreplay/deferred.py)
+    _calls: pl.DataFrame | pa.Table
     out_dir: Path  # blocks.parquet is read from there on demand (`blocks`)
     violations: list[Violation] = field(default_factory=list)
-    # every decision this run applied (reused ones too), with `stage` and `is_provisional`
-    # (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet
-    decisions: pl.DataFrame | None = None
+    _decisions: pl.DataFrame | pa.Table | None = None
     # plug-in stages quarantined for some sessions (their effect skipped there)
     stage_failures: list[StageFailure] = field(default_factory=list)
+
+    @property
+    def calls(self) -> pl.DataFrame:
+        """One row per call (calls.parquet)."""
+        if isinstance(self._calls, pa.Table):
+            self._calls = _frame(self._calls)
+        return self._calls
+
+    @property
+    def decisions(self) -> pl.DataFrame | None:
+        """Every decision this run applied (reused ones too), with `stage` and `is_provisional`
+        (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet."""
+        if isinstance(self._decisions, pa.Table):
+            self._decisions = _frame(self._decisions)
+        return self._decisions
 
     @property
     def blocks(self) -> pl.DataFrame:
@@ -341,9 +357,16 @@ def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_
     return parts
 
 
+def _frame(table: pa.Table) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
 def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
-                      ) -> tuple[pl.DataFrame, dict[str, Any], pl.DataFrame]:
-    """Nothing changed: the previous run's outputs copied, its accounting summed again."""
+                      ) -> tuple[pa.Table, dict[str, Any], pa.Table]:
+    """Nothing changed: the previous run's outputs copied, its accounting summed again. The calls
+    and decisions come back as Arrow tables: such a run computes no frame (ctxreplay/deferred.py)."""
     from ctxreplay.pipeline.batch.batchout import merge_stats
     from ctxreplay.pipeline.batch.reuse import reuse_all
     from ctxreplay.pipeline.core.outdir import read_summary
@@ -362,8 +385,9 @@ def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
         totals.violations.extend(Violation(**v) for v in r["violations"])
     before = read_summary(run)
     totals.request_store = before.get("request_store")
-    calls = pl.read_parquet(staging / "calls.parquet")
-    return calls, before.get("cache_sim", {}), pl.read_parquet(staging / "decisions.parquet")
+    # ParquetFile, not pq.read_table: that loads pyarrow.dataset and pandas
+    calls = pq.ParquetFile(staging / "calls.parquet").read()
+    return calls, before.get("cache_sim", {}), pq.ParquetFile(staging / "decisions.parquet").read()
 
 
 def profile_summary(p: dict[str, Any] | None) -> dict[str, Any]:
@@ -528,7 +552,7 @@ class RunFacts:
     loaded: LoadResult
     spec: PipelineSpec
     target: str
-    calls: pl.DataFrame
+    calls: pl.DataFrame | pa.Table  # (a table when the run reused every output)
     totals: Totals
     out_dir: Path
     ledger_path: Path
@@ -546,16 +570,16 @@ def _summary(f: RunFacts) -> dict[str, Any]:
     calls, t = f.calls, f.totals
     order = {n: i for i, n in enumerate(_stage_names(f.spec))}
     t.stage_stats = dict(sorted(t.stage_stats.items(), key=lambda kv: order.get(kv[0], len(order))))
-    pending = calls.filter(pl.col("is_pending")).height if calls.height else 0
+    n_calls, pending, sessions = _call_counts(calls)
     return {
         "pipeline": f.spec.name,
         "pipeline_sha256": f.spec.sha256,
         "target": f.target,
         **_input_counts(f.loaded),
-        "sessions": calls.get_column("session_id").n_unique() if calls.height else 0,
+        "sessions": sessions,
         "threads": t.threads,
-        "calls": calls.height,
-        "recorded_calls": calls.height - pending,
+        "calls": n_calls,
+        "recorded_calls": n_calls - pending,
         "pending_calls": pending,
         "decisions": {k: v["decisions"] for k, v in t.stage_stats.items()},
         "decisions_by_stage": t.stage_stats,
@@ -570,6 +594,17 @@ def _summary(f: RunFacts) -> dict[str, Any]:
         "ledger": str(f.ledger_path),
         "versions": _versions(f.spec),
     }
+
+
+def _call_counts(calls: pl.DataFrame | pa.Table) -> tuple[int, int, int]:
+    """(calls, pending calls, sessions) of the run's calls: a frame, or the Arrow table of a run
+    that reused every output (read without polars: ctxreplay/deferred.py)."""
+    if isinstance(calls, pa.Table):
+        pending = sum(1 for v in calls.column("is_pending").to_pylist() if v)
+        return calls.num_rows, pending, len(set(calls.column("session_id").to_pylist()))
+    if not calls.height:
+        return 0, 0, 0
+    return calls.height, calls.filter(pl.col("is_pending")).height, calls.get_column("session_id").n_unique()
 
 
 def _input_counts(loaded: LoadResult) -> dict[str, Any]:
@@ -604,9 +639,10 @@ def _versions(spec: PipelineSpec) -> dict[str, Any]:
 
     import duckdb
 
-    # tiktoken's version from its installed metadata: importing it costs a run that counts no
-    # token with it (a warm one) ~12 ms
-    return {"ctxreplay": __version__, "polars": pl.__version__, "pyarrow": pa.__version__,
+    # tiktoken's and polars' versions from their installed metadata: a run that counts no token
+    # (a warm one) does not import tiktoken (~12 ms), and one that reused every output not polars
+    # (ctxreplay/deferred.py). polars pins its runtime's version to its own.
+    return {"ctxreplay": __version__, "polars": version("polars"), "pyarrow": pa.__version__,
             "duckdb": duckdb.__version__, "tiktoken": version("tiktoken"), "python": sys.version.split()[0],
             "stages": {s.stage.name: s.stage.version for s in spec.stages}}
 

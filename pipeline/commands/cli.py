@@ -621,4 +621,7 @@ main.add_command(snapshot)  # pipeline/commands/cli_regress.py
 main.add_command(diff)  # pipeline/commands/cli_regress.py
 
 if __name__ == "__main__":  # pragma: no cover
+    from ctxreplay.deferred import defer
+
+    defer("polars")  # as the `ctxreplay` command does (ctxreplay/entry.py)
     main()

@@ -5,6 +5,7 @@ All functions take and return polars LazyFrames and stay pure (no I/O, clock or 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import uuid
 from collections.abc import Iterable, Mapping
@@ -19,8 +20,29 @@ from ctxreplay.schemas.decisions import STAGE_DECISION
 # Fixed namespace for synthetic ids: never change it (it is part of every synthetic row id).
 PIPELINE_NS = uuid.UUID("6f1c2a9e-5b7d-4c3e-9a41-7d2e8b0c5f13")
 
-BLOCK_SCHEMA = polars_schema(BLOCKS)
-DECISION_SCHEMA = polars_schema(STAGE_DECISION)
+
+
+# The polars schemas are made at their first use, not at import: a run that reuses every output
+# computes no frame and does not import polars at all (ctxreplay/deferred.py).
+@functools.cache
+def block_schema() -> pl.Schema:
+    """The blocks table's polars schema (BLOCKS). Shared: never change it, copy it."""
+    return polars_schema(BLOCKS)
+
+
+@functools.cache
+def decision_schema() -> pl.Schema:
+    """A stage's decisions' polars schema (STAGE_DECISION). Shared: never change it, copy it."""
+    return polars_schema(STAGE_DECISION)
+
+
+def __getattr__(name: str) -> object:
+    """BLOCK_SCHEMA and DECISION_SCHEMA, the names a stage of one's own may import."""
+    if name == "BLOCK_SCHEMA":
+        return block_schema()
+    if name == "DECISION_SCHEMA":
+        return decision_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def canonical_json(obj: object) -> bytes:
@@ -71,7 +93,7 @@ def sha256_expr(text: pl.Expr) -> pl.Expr:
 
 def null_columns(cols: Iterable[str]) -> dict[str, pl.Expr]:
     """A typed null (BLOCK_SCHEMA dtype) for each of `cols`."""
-    return {c: pl.lit(None, BLOCK_SCHEMA[c]) for c in cols}
+    return {c: pl.lit(None, block_schema()[c]) for c in cols}
 
 
 def new_rows(frame: pl.LazyFrame, *, keep: Iterable[str] = (), **values: pl.Expr) -> pl.LazyFrame:
@@ -79,12 +101,12 @@ def new_rows(frame: pl.LazyFrame, *, keep: Iterable[str] = (), **values: pl.Expr
     from `frame`, every other BLOCK_SCHEMA column a typed null; in schema order and dtypes.
     (content_sha256 is whatever `values` gives: rehash after.)"""
     kept = set(keep)
-    unknown = (kept | set(values)) - set(BLOCK_SCHEMA.names())
+    unknown = (kept | set(values)) - set(block_schema().names())
     if unknown:
         raise ValueError(f"new_rows: not block columns: {sorted(unknown)}")
     return frame.select([
         (values[c] if c in values else pl.col(c) if c in kept else pl.lit(None, dt)).cast(dt).alias(c)
-        for c, dt in BLOCK_SCHEMA.items()
+        for c, dt in block_schema().items()
     ])
 
 
@@ -125,11 +147,13 @@ def content_len_expr() -> pl.Expr:
     ).cast(pl.Int64)
 
 
-_NO_DECISIONS = pl.DataFrame(schema=DECISION_SCHEMA)  # made once: a frame from a schema costs ~0.3 ms
+@functools.cache
+def _no_decisions() -> pl.DataFrame:
+    return pl.DataFrame(schema=decision_schema())  # made once: a frame from a schema costs ~0.3 ms
 
 
 def empty_decisions() -> pl.LazyFrame:
-    return _NO_DECISIONS.lazy()
+    return _no_decisions().lazy()
 
 
 def decisions_from(

@@ -43,8 +43,8 @@ from enum import IntEnum
 import polars as pl
 
 from ctxreplay.pipeline.core.blockops import (
-    BLOCK_SCHEMA,
     block_json_expr,
+    block_schema,
     content_len_expr,
     content_sha256,
     decisions_from,
@@ -160,9 +160,9 @@ def mark_replace_from(w: pl.LazyFrame, mask: pl.Expr, new_values: dict[str, pl.E
     names = set(w.collect_schema().names())
     values: dict[str, pl.Expr] = {}
     for c, e in new_values.items():
-        old_v = pl.col(LATE_VALUE + c) if LATE_VALUE + c in names else pl.lit(None, BLOCK_SCHEMA[c])
+        old_v = pl.col(LATE_VALUE + c) if LATE_VALUE + c in names else pl.lit(None, block_schema()[c])
         old_s = pl.col(LATE_SET + c) if LATE_SET + c in names else pl.lit(False)
-        values[LATE_VALUE + c] = pl.when("_ml").then(e.cast(BLOCK_SCHEMA[c])).otherwise(old_v)
+        values[LATE_VALUE + c] = pl.when("_ml").then(e.cast(block_schema()[c])).otherwise(old_v)
         values[LATE_SET + c] = pl.when("_ml").then(pl.lit(True)).otherwise(old_s)
     marks = {"_late_from": frm, "_late_reason": _lit(reason), "_late_action": _lit(action)}
     return w.with_columns(
@@ -273,7 +273,7 @@ def finish(
     for ins in inserts:
         marked = marked | ins.when.fill_null(False)
     wd = w.with_columns(_marked=marked.fill_null(True)).collect(engine=POLARS_ENGINE).lazy()
-    as_is = wd.filter(~pl.col("_marked")).with_columns(pl.col("last_call").cast(pl.Int32)).select(BLOCK_SCHEMA.names())
+    as_is = wd.filter(~pl.col("_marked")).with_columns(pl.col("last_call").cast(pl.Int32)).select(block_schema().names())
     x = _explode(_rehash_replaced(wd.filter(pl.col("_marked")).drop("_marked")), inserts)
     # collected once: the blocks and the decisions are both made from it
     x = _new_content(x, inserts, late_values, names).collect(engine=POLARS_ENGINE).lazy()
@@ -359,7 +359,7 @@ def _blocks_out(x: pl.LazyFrame, inserts: Sequence[Insert]) -> pl.LazyFrame:
     return (
         x.filter(kind.is_in([Out.KEEP, Out.LATE, *[_insert_row(i) for i in range(len(inserts))]]))
         .with_columns(last_call=ends.otherwise(pl.col("last_call")).cast(pl.Int32))
-        .select(BLOCK_SCHEMA.names())
+        .select(block_schema().names())
     )
 
 

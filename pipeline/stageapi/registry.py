@@ -146,9 +146,10 @@ class Quiet:
     sorted: bool = False
 
 
-SpilledTexts = Callable[[pl.LazyFrame, pl.LazyFrame], pl.LazyFrame]
+# (the frame types as strings: these aliases are made at import, and polars is imported at first use)
+SpilledTexts = Callable[["pl.LazyFrame", "pl.LazyFrame"], "pl.LazyFrame"]
 """(blocks the stage received, its decisions) -> (sha256, text) of every spilled text to store."""
-Rebuild = Callable[[pl.LazyFrame, pl.LazyFrame, pl.LazyFrame], tuple[pl.LazyFrame, pl.LazyFrame]]
+Rebuild = Callable[["pl.LazyFrame", "pl.LazyFrame", "pl.LazyFrame"], tuple["pl.LazyFrame", "pl.LazyFrame"]]
 """(blocks before re-application, blocks after, ledger view) -> (blocks with the rows the stage
 inserted in earlier runs rebuilt, their decisions)."""
 

@@ -42,24 +42,54 @@ import pyarrow as pa
 
 from ctxreplay.errors import CtxReplayError, StageFailed
 from ctxreplay.pipeline.core import crashpoints, profile
-from ctxreplay.pipeline.core.blockops import append_sorted, sort_blocks
+from ctxreplay.pipeline.core.blockops import append_sorted, block_schema, decision_schema, sort_blocks
 from ctxreplay.pipeline.core.constants import PART_KEY, POLARS_ENGINE, THREAD, VERSION_KEY
 from ctxreplay.pipeline.core.progress import Progress
 from ctxreplay.pipeline.stageapi.marks import finish, mark_drop, mark_replace_from, start_marks
 from ctxreplay.pipeline.stageapi.registry import RegisteredStage, StageContext, StageRef, StageResult
 from ctxreplay.pipeline.staging.invoke import invoke_inline, stage_raised
 from ctxreplay.schemas.blocks import BLOCKS, CONTENT_COLUMNS
-from ctxreplay.schemas.check import SchemaMismatch, check_frame, conform, polars_schema
+from ctxreplay.schemas.check import SchemaMismatch, check_frame, conform
 from ctxreplay.schemas.decisions import DECISION_KEY, STAGE_DECISION
 
-DECISION_SCHEMA = polars_schema(STAGE_DECISION)
 _WITH_STAGE = pa.schema([*STAGE_DECISION, pa.field("stage", pa.string())])  # a LedgerView's decisions
-BLOCK_SCHEMA = polars_schema(BLOCKS)
-NO_DECISIONS = pl.DataFrame(schema=DECISION_SCHEMA)  # shared, never changed: a frame from a schema costs ~0.3 ms
-NO_MARKED = pl.DataFrame(schema={**DECISION_SCHEMA, "is_provisional": pl.Boolean})  # no decision applied
-NO_KEYED = pl.DataFrame(schema={**DECISION_SCHEMA, "call_key": pl.String})  # no decision to write
-CALL_KEYS_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "call_key": pl.String}
-PENDING_SCHEMA = {"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32}
+
+
+# The frames and schemas below are made at their first use, not at import (a run that reuses every
+# output imports no polars: ctxreplay/deferred.py); each is shared and never changed. A frame from
+# a schema costs ~0.3 ms.
+@functools.cache
+def no_decisions() -> pl.DataFrame:
+    return pl.DataFrame(schema=decision_schema())
+
+
+@functools.cache
+def _no_marked() -> pl.DataFrame:  # no decision applied
+    return pl.DataFrame(schema={**decision_schema(), "is_provisional": pl.Boolean})
+
+
+@functools.cache
+def _no_keyed() -> pl.DataFrame:  # no decision to write
+    return pl.DataFrame(schema={**decision_schema(), "call_key": pl.String})
+
+
+@functools.cache
+def _call_keys_schema() -> dict[str, Any]:
+    return {"session_id": pl.String, "thread_id": pl.String, "call": pl.Int32, "call_key": pl.String}
+
+
+@functools.cache
+def _pending_schema() -> dict[str, Any]:
+    return {"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32}
+
+
+def __getattr__(name: str) -> object:
+    """DECISION_SCHEMA and BLOCK_SCHEMA, as this module named them before they were made at first use."""
+    if name == "DECISION_SCHEMA":
+        return decision_schema()
+    if name == "BLOCK_SCHEMA":
+        return block_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 STAGE_FAILED = "stage_failed"
 
 
@@ -70,7 +100,7 @@ STAGE_FAILED = "stage_failed"
 def _pending_frame(pending: dict[tuple[str, str], int]) -> pl.DataFrame:
     """CallMap.pending from the calls per (session, thread)."""
     return pl.DataFrame({"session_id": [s for s, _ in pending], "thread_id": [t for _, t in pending],
-                         "pending_call": list(pending.values())}, schema=PENDING_SCHEMA)
+                         "pending_call": list(pending.values())}, schema=_pending_schema())
 
 
 @dataclass(frozen=True)
@@ -80,8 +110,8 @@ class CallMap:
     same key have the same history, whatever their thread is named in this run or was named in the
     run that decided for them (a rewind turns the main thread of a half-written file into a branch)."""
 
-    keys: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=CALL_KEYS_SCHEMA))
-    pending: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=PENDING_SCHEMA))
+    keys: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=_call_keys_schema()))
+    pending: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=_pending_schema()))
 
     @classmethod
     def from_blocks(cls, blocks: pl.DataFrame, pending: dict[tuple[str, str], int] | None = None) -> CallMap:
@@ -104,8 +134,8 @@ class CallMap:
         complete = starts.group_by(THREAD).agg(_n=pl.len().cast(pl.Int32)).join(n, on=THREAD).filter(
             pl.col("_n") == pl.col("pending_call")).select(THREAD)
         keys = starts.join(complete, on=THREAD, how="semi").select(*THREAD, "call", call_key="msg_key")
-        pend = n.select(list(PENDING_SCHEMA)).cast(PENDING_SCHEMA) if pending is None else n  # type: ignore[arg-type]
-        return cls(keys=keys.cast(CALL_KEYS_SCHEMA).collect(engine=POLARS_ENGINE),  # type: ignore[arg-type]
+        pend = n.select(list(_pending_schema())).cast(_pending_schema()) if pending is None else n  # type: ignore[arg-type]
+        return cls(keys=keys.cast(_call_keys_schema()).collect(engine=POLARS_ENGINE),  # type: ignore[arg-type]
                    pending=pend.collect(engine=POLARS_ENGINE))
 
     def extended(self, before: pl.DataFrame, rows: pl.DataFrame, pending: dict[tuple[str, str], int]) -> CallMap | None:
@@ -136,7 +166,7 @@ class CallMap:
             return None
         added = new_calls.select(session_id=pl.lit(sid), thread_id=pl.lit(tid),
                                  call=pl.int_range(had, had + new_calls.height, dtype=pl.Int32), call_key="msg_key")
-        return CallMap(pl.concat([self.keys, added.cast(CALL_KEYS_SCHEMA)]), pend)  # type: ignore[arg-type]
+        return CallMap(pl.concat([self.keys, added.cast(_call_keys_schema())]), pend)  # type: ignore[arg-type]
 
     def with_keys(self, decisions: pl.DataFrame) -> pl.DataFrame:
         """`decisions` with the `call_key` of their (thread, from_call) (null where none)."""
@@ -154,7 +184,7 @@ class LedgerView:
     whose call has that key; one written before call keys keeps its thread name and call."""
 
     calls: CallMap = field(default_factory=CallMap)
-    decisions: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema={**DECISION_SCHEMA,
+    decisions: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema={**decision_schema(),
                                                                                  "stage": pl.String}))
     # each position's rows (for_stage), split once per view: a filter and a collect per position
     # and pass cost ~1 ms each
@@ -163,7 +193,7 @@ class LedgerView:
     @classmethod
     def translate(cls, raw: pl.DataFrame, calls: CallMap) -> LedgerView:
         """From the ledger's rows (STAGE_DECISION + stage, seq, call_key), in seq order."""
-        cols = [*DECISION_SCHEMA.names(), "stage"]
+        cols = [*decision_schema().names(), "stage"]
         keyed = raw.filter(pl.col("call_key").is_not_null()).drop("thread_id", "from_call").join(
             calls.keys.rename({"call": "from_call"}), on=["session_id", "call_key"], how="inner")
         legacy = raw.filter(pl.col("call_key").is_null())
@@ -173,7 +203,7 @@ class LedgerView:
 
     def for_stage(self, name: str) -> pl.DataFrame:
         if not self.decisions.height:  # no earlier decision at all (a first run): nothing to filter
-            return NO_DECISIONS
+            return no_decisions()
         parts = self._by_stage
         if parts is None:
             whole = conform(self.decisions, _WITH_STAGE).collect(engine=POLARS_ENGINE)
@@ -181,7 +211,7 @@ class LedgerView:
                                                               maintain_order=True).items()}
             object.__setattr__(self, "_by_stage", parts)
         got = parts.get(name)
-        return NO_DECISIONS if got is None else got
+        return no_decisions() if got is None else got
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +292,7 @@ class StagesResult:
         `is_provisional` (decisions.parquet)."""
         parts = [o.applied.with_columns(stage=pl.lit(o.name), stage_version=pl.lit(o.stage.version, pl.Int32))
                  for o in self.outcomes]
-        empty = pl.DataFrame(schema={**DECISION_SCHEMA, "is_provisional": pl.Boolean, "stage": pl.String,
+        empty = pl.DataFrame(schema={**decision_schema(), "is_provisional": pl.Boolean, "stage": pl.String,
                                      "stage_version": pl.Int32})
         return pl.concat(parts) if parts else empty
 
@@ -298,7 +328,7 @@ class Reapplied:
 
 
 def _replacement_struct() -> pl.DataType:
-    return pl.Struct({c: BLOCK_SCHEMA[c] for c in CONTENT_COLUMNS})
+    return pl.Struct({c: block_schema()[c] for c in CONTENT_COLUMNS})
 
 
 def _conflicts(targets: pl.LazyFrame, led: pl.LazyFrame) -> tuple[pl.LazyFrame, pl.LazyFrame]:
@@ -381,13 +411,13 @@ def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame)
     its inserted rows rebuilt; the view the stage gets is `earlier` without old conflict rows,
     plus this run's conflicts."""
     if not earlier.height:  # nothing to re-apply, rebuild or conflict with
-        return Reapplied(blocks, NO_DECISIONS, NO_DECISIONS, earlier)
+        return Reapplied(blocks, no_decisions(), no_decisions(), earlier)
     led = earlier.lazy().filter(pl.col("action").is_in(list(stage.frozen))).select(
         *PART_KEY, _lf=pl.col("from_call").cast(pl.Int32), _la="action", _lr="reason", _lb="before_sha256",
         _lafter="after_sha256", _lrep="replacement", _le=pl.col("cache_epoch").cast(pl.Int32),
     ).collect(engine=POLARS_ENGINE)
     if not led.height and (stage.rebuild is None or not earlier.height):
-        return Reapplied(blocks, pl.DataFrame(schema=DECISION_SCHEMA), pl.DataFrame(schema=DECISION_SCHEMA),
+        return Reapplied(blocks, pl.DataFrame(schema=decision_schema()), pl.DataFrame(schema=decision_schema()),
                          earlier.filter(pl.col("action") != "conflict"))
     led_lazy = led.lazy()
     targets = blocks.lazy().select(*VERSION_KEY, "last_call", "content_sha256", "cache_epoch").join(
@@ -395,7 +425,7 @@ def reapply(stage: RegisteredStage, blocks: pl.DataFrame, earlier: pl.DataFrame)
     ).filter((pl.col("first_call") <= pl.col("_lf")) & (pl.col("last_call").is_null() | (pl.col("last_call") > pl.col("_lf"))))
     good, conflicts = _conflicts(targets, led_lazy)
     out = blocks
-    decisions = pl.DataFrame(schema=DECISION_SCHEMA)
+    decisions = pl.DataFrame(schema=decision_schema())
     ordered = False
     if stage.frozen:
         res = _apply(blocks.lazy(), good)
@@ -435,7 +465,7 @@ def _apply(blocks: pl.LazyFrame, good: pl.LazyFrame) -> StageResult:
     w = mark_drop(w, pl.col("_df").is_not_null(), pl.col("_dr"), from_call=pl.col("_df"), action=pl.col("_da"),
                   epoch=pl.col("_de"))
     res = finish(w)
-    return StageResult(sort_blocks(pl.concat([rest.select(BLOCK_SCHEMA.names()), res.blocks])), res.decisions)
+    return StageResult(sort_blocks(pl.concat([rest.select(block_schema().names()), res.blocks])), res.decisions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,7 +638,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
     if known is not True:  # its plan may change the rows: the answers asked ahead no longer hold
         state.answers.clear()
     if known is True and st.quiet is not None and st.quiet.blocks is None and blocks is state.sorted_out:
-        out, decisions = blocks, NO_DECISIONS  # quiet after a quiet position: already in block order
+        out, decisions = blocks, no_decisions()  # quiet after a quiet position: already in block order
     elif st.is_builtin:
         out, decisions = reapply_and_run(st, blocks, rs.params, earlier, ctx, name, position,
                                          quiet=known if state.checks else False, memo=state.memo)
@@ -628,7 +658,7 @@ def _run_position(state: _Run, blocks: pl.DataFrame, rs: Any, name: str, positio
     if not decisions.height and not earlier.height:  # nothing decided, nothing in the ledger: nothing to reconcile
         stats = StageStats(0, 0, 0, 0, 0, {}, time.perf_counter() - t0, len(failed) + len(skip),
                            counted, known is True)
-        state.outcomes.append(StageOutcome(name, position, st, rs.config_digest, NO_MARKED, NO_KEYED, stats))
+        state.outcomes.append(StageOutcome(name, position, st, rs.config_digest, _no_marked(), _no_keyed(), stats))
         return out
     marked = mark_provisional(decisions, state.view.calls.pending)
     new, conflicts, reused = reconcile(marked, earlier)
@@ -657,7 +687,7 @@ def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earl
 
                 quiet = ask(blocks.lazy(), [st.quiet.check(blocks.lazy(), params, ctx)])[0]
             if quiet:
-                return _quiet_output(st, blocks, params, ctx, name, position), NO_DECISIONS
+                return _quiet_output(st, blocks, params, ctx, name, position), no_decisions()
         except CtxReplayError:
             raise
         except Exception as exc:  # the check is the stage's code
@@ -669,7 +699,7 @@ def reapply_and_run(st: RegisteredStage, blocks: pl.DataFrame, params: Any, earl
     except Exception as exc:  # the re-application of a plug-in's decisions counts as the plug-in's
         raise stage_raised(st, name, position, exc) from exc
     out, decisions = invoke(st, re.blocks, params, re.view, ctx, name, position)
-    return out, pl.concat([re.decisions, re.conflicts, decisions.select(DECISION_SCHEMA.names())])
+    return out, pl.concat([re.decisions, re.conflicts, decisions.select(decision_schema().names())])
 
 
 def _quiet_output(st: RegisteredStage, blocks: pl.DataFrame, params: Any, ctx: StageContext, name: str,
@@ -706,7 +736,7 @@ def _record_failures(state: _Run, st: RegisteredStage, name: str, position: int,
 def _failed_decisions(blocks: pl.DataFrame, failed: dict[str, StageFailed | None]) -> pl.DataFrame:
     """One `stage_failed` decision per thread of each failed session; `replacement` holds why."""
     if not failed:
-        return pl.DataFrame(schema=DECISION_SCHEMA)
+        return pl.DataFrame(schema=decision_schema())
     why = pl.DataFrame({
         "session_id": list(failed),
         "reason": [f.kind if f is not None else "quarantined" for f in failed.values()],
