@@ -30,11 +30,11 @@ def main() -> None:
     import polars as pl
     import redact_secrets  # noqa: F401  (registers the stage)
 
+    from ctxreplay.pipeline.core.blockops import decision_schema
     from ctxreplay.pipeline.loaders import load_paths
     from ctxreplay.pipeline.stageapi.registry import StageContext, get_stage
     from ctxreplay.pipeline.staging.invoke import invoke_inline
     from ctxreplay.pipeline.staging.isolation import invoke_in_worker
-    from ctxreplay.pipeline.staging.stagerun import DECISION_SCHEMA
     from ctxreplay.testkit import run_stage
 
     blocks = pl.from_arrow(load_paths([args.corpus]).blocks)
@@ -42,7 +42,7 @@ def main() -> None:
     if args.copies > 1:
         blocks = pl.concat([blocks.with_columns(session_id=pl.col("session_id") + f"-{i}") for i in range(args.copies)])
     st = get_stage("redact_secrets")
-    params, view, ctx = st.params(), pl.DataFrame(schema=DECISION_SCHEMA), StageContext()
+    params, view, ctx = st.params(), pl.DataFrame(schema=decision_schema()), StageContext()
     print(f"blocks: {blocks.height:,} rows, {blocks.estimated_size() / 2**20:.1f} MiB")
 
     def best(fn: object) -> float:

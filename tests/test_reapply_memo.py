@@ -124,15 +124,15 @@ def test_append_sorted_without_rows_is_the_frame_itself() -> None:
 def test_a_kept_reapplication_not_in_block_order_is_sorted_with_the_new_rows() -> None:
     # a ledger view without a frozen decision of the stage (a conflict row only): reapplying leaves
     # the blocks as given (here shuffled), so the memo's new rows cannot just follow them
+    from ctxreplay.pipeline.core.blockops import decision_schema
     from ctxreplay.pipeline.stageapi.registry import get_stage
-    from ctxreplay.pipeline.staging.stagerun import DECISION_SCHEMA
     from ctxreplay.testkit import make_blocks
 
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "text": f"m{i}"} for i in range(8)]
     blocks = make_blocks(msgs).collect().sample(fraction=1.0, shuffle=True, seed=3)
     earlier = pl.DataFrame([{"session_id": "s1", "thread_id": "main", "entry_id": "e0000", "block_pos": 0,
                              "part_pos": 0, "from_call": 1, "action": "conflict", "reason": "hash_mismatch",
-                             "cache_epoch": 0}], schema=DECISION_SCHEMA)
+                             "cache_epoch": 0}], schema=decision_schema())
     stage = get_stage("tombstone")
     memo = ReapplyMemo()
     first = memo.reapply("tombstone", stage, blocks.filter(pl.col("entry_id") != "e0007"), earlier)

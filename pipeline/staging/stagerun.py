@@ -83,13 +83,6 @@ def _pending_schema() -> dict[str, Any]:
     return {"session_id": pl.String, "thread_id": pl.String, "pending_call": pl.Int32}
 
 
-def __getattr__(name: str) -> object:
-    """DECISION_SCHEMA and BLOCK_SCHEMA, as this module named them before they were made at first use."""
-    if name == "DECISION_SCHEMA":
-        return decision_schema()
-    if name == "BLOCK_SCHEMA":
-        return block_schema()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 STAGE_FAILED = "stage_failed"
 
 
