@@ -307,18 +307,20 @@ def copy_parquet(src: Path, dest: Path, run_id: str, *, store_schema: bool = Tru
             w.write_table(f.read_row_group(i).replace_schema_metadata(schema.metadata))
 
 
-def reuse_all(records: list[dict[str, Any]], prior: Prior, staging: Path, run_id: str) -> tuple[LoadResult, Any]:
-    """Every group reused: the previous run's outputs copied whole; its accounting rebuilt."""
+def reuse_all(records: list[dict[str, Any]], prior: Prior, staging: Path, run_id: str,
+              ) -> tuple[LoadResult, pa.Table]:
+    """Every group reused: the previous run's outputs copied whole; its accounting rebuilt, and
+    its calls (calls.parquet, read once)."""
     from ctxreplay.pipeline.batch.batchout import FILES
 
     run = prior.run_dir
     for name, file in [*FILES.items(), ("calls", "calls.parquet"), ("call_facts", FACTS_FILE)]:
         copy_parquet(run / file, staging / file, run_id, store_schema=name != "call_messages")
     # ParquetFile, not pq.read_table: that loads pyarrow.dataset and pandas (0.3 s of a ~1 s run)
-    keys = pq.ParquetFile(run / "calls.parquet").read(columns=["thread_key"]).column("thread_key").to_pylist()
-    link_requests(run, staging, sorted(set(keys)))
+    calls = pq.ParquetFile(run / "calls.parquet").read()
+    link_requests(run, staging, sorted(set(calls.column("thread_key").to_pylist())))
     link_spills(run, staging)
-    return _loaded(records, pq.ParquetFile(run / "quarantine.parquet").read()), None
+    return _loaded(records, pq.ParquetFile(run / "quarantine.parquet").read()), calls
 
 
 __all__ = ["copy_parquet", "kept_row_groups", "link_requests", "link_spills", "reuse_all", "reuse_batch"]

@@ -99,7 +99,7 @@ class RunResult:
     def calls(self) -> pl.DataFrame:
         """One row per call (calls.parquet)."""
         if isinstance(self._calls, pa.Table):
-            self._calls = _frame(self._calls)
+            self._calls = pl.DataFrame(self._calls)
         return self._calls
 
     @property
@@ -107,7 +107,7 @@ class RunResult:
         """Every decision this run applied (reused ones too), with `stage` and `is_provisional`
         (decisions for a pending call, applied but not frozen in the ledger); also decisions.parquet."""
         if isinstance(self._decisions, pa.Table):
-            self._decisions = _frame(self._decisions)
+            self._decisions = pl.DataFrame(self._decisions)
         return self._decisions
 
     @property
@@ -357,12 +357,6 @@ def _batch_parts(batch: Any, fresh: list[Any], result: BatchResult | None, plan_
     return parts
 
 
-def _frame(table: pa.Table) -> pl.DataFrame:
-    frame = pl.from_arrow(table)
-    assert isinstance(frame, pl.DataFrame)
-    return frame
-
-
 def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
                       ) -> tuple[pa.Table, dict[str, Any], pa.Table]:
     """Nothing changed: the previous run's outputs copied, its accounting summed again. The calls
@@ -374,7 +368,7 @@ def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
     assert plan_.prior is not None
     run = plan_.prior.run_dir
     records = [plan_.reused[k] for k in sorted(plan_.reused)]
-    loaded, _ = reuse_all(records, plan_.prior, staging, run_id)
+    loaded, calls = reuse_all(records, plan_.prior, staging, run_id)
     totals.loads, totals.stats = loaded.loads, Counter(loaded.stats)
     totals.skipped.extend(loaded.skipped)
     totals.loaded_threads = loaded.threads
@@ -386,7 +380,6 @@ def _reuse_everything(plan_: _Plan, totals: Totals, staging: Path, run_id: str,
     before = read_summary(run)
     totals.request_store = before.get("request_store")
     # ParquetFile, not pq.read_table: that loads pyarrow.dataset and pandas
-    calls = pq.ParquetFile(staging / "calls.parquet").read()
     return calls, before.get("cache_sim", {}), pq.ParquetFile(staging / "decisions.parquet").read()
 
 
