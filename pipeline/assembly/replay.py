@@ -373,6 +373,20 @@ class _HashChain:
         return h
 
 
+def _same_lead(old: list[LogicalMessage], logical: list[LogicalMessage], start: int, end: int) -> int:
+    """How many of logical[start:end] (a range just regrouped) are, from its start, the messages
+    `old` held: the same rows (the same row versions, in order)."""
+    n = min(len(old), end - start)
+    k = 0
+    while k < n:
+        o, m = old[k], logical[start + k]
+        if o.msg_key != m.msg_key or o.role != m.role or len(o.rows) != len(m.rows) or \
+                any(x is not y for x, y in zip(o.rows, m.rows)):
+            break
+        k += 1
+    return k
+
+
 class ThreadWalk:
     """The replay state of one thread between two calls."""
 
@@ -462,7 +476,12 @@ class ThreadWalk:
             start, end = a + shift, a + shift + n_new
             shift += n_new - len(old)
             nxt = spliced[r + 1][0] + shift if r + 1 < len(spliced) else None
-            f = self._reshape(start, end, nxt, old)
+            # the range's first messages may be regrouped as they were (the neighbour taken in with
+            # a new message): the wire messages change from the run that holds the first one that differs
+            # (a changed row is in one of the range's new messages or was in one of its old ones, so
+            # at least one differs; if none did, its last one is shaped again)
+            same = min(_same_lead(old, self.logical, start, end), n_new - 1) if n_new else 0
+            f = self._reshape(start + same, end, nxt, old[same:])
             if f is not None and (first is None or f < first):
                 first = f
         if before is not None and first is not None:
