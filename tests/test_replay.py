@@ -49,8 +49,6 @@ def test_prompt_tokens_track_visible_rows() -> None:
     assert res[-1].is_pending and res[-1].request is not None
 
 
-
-
 def _tool_loop(turns: int) -> list[dict]:
     conv: list[dict] = [{"role": "user", "text": "go"}]
     for k in range(turns):
@@ -64,7 +62,7 @@ def _tool_loop(turns: int) -> list[dict]:
     return conv
 
 
-def test_an_appended_call_reshapes_at_most_one_message_it_had(monkeypatch) -> None:
+def test_an_appended_call_reshapes_at_most_one_message_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
     # each call appends the answer and its tool result: the replay re-shapes from the wire message
     # the first new one may merge with, not from the message before that one (it did: 2 to 3 old
     # messages shaped again at every call)
@@ -84,7 +82,8 @@ def test_an_appended_call_reshapes_at_most_one_message_it_had(monkeypatch) -> No
 @pytest.mark.parametrize("target", ["anthropic", "openai-chat", "openai-responses", "gemini"])
 def test_rows_that_join_an_earlier_message_at_a_later_call(target: str) -> None:
     # a message's last blocks become visible a call after its first ones: the message the replay
-    # regroups with the new rows is not the one it was, and its wire message is shaped again
+    # regroups with the new rows is not the one it was, and its wire message is shaped again; and,
+    # in a tool loop, results that become visible a call after the answer that asked for them
     b = make_blocks(CONVERSATION).collect()
     late = (pl.col("entry_id") == "e0002") & (pl.col("tool_use_id") == "t2")
     b = b.with_columns(first_call=pl.when(late).then(pl.col("first_call") + 1).otherwise(pl.col("first_call")))
