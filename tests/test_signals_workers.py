@@ -83,10 +83,10 @@ def _wait_for_a_held_worker(p: subprocess.Popen[bytes], hold: Path, limit: float
     """The pid of the worker that holds in its batch (not the parent), once one does."""
     reached = Path(f"{hold}.reached")
     end = time.monotonic() + limit
-    while time.monotonic() < end and p.poll() is None and not reached.exists():
+    # (the file is made, then its pid written: an empty read is that moment, not a failure)
+    while time.monotonic() < end and p.poll() is None and not (reached.exists() and reached.read_text()):
         time.sleep(0.02)
-    assert reached.exists(), "no batch reached its first stage"
-    time.sleep(0.05)  # (the pid is written right after the file is made)
+    assert reached.exists() and reached.read_text(), "no batch reached its first stage"
     pid = int(reached.read_text())
     assert pid in _workers(p.pid), (pid, p.pid)
     return pid
