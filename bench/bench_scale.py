@@ -5,7 +5,9 @@
 Generates (or reuses) an N× copy of the real `claude-projects` tree with fresh ids (bench/gen_tree.py),
 then runs, each as its own `ctxreplay run` process under `/usr/bin/time` (wall seconds, peak RSS):
 - cold: a new OUT and ledger;
-- warm: the same command again, nothing changed (every session group reused);
+- warm: the same command again, nothing changed (every session group reused; the tree is left
+  to settle first, 3 s after its last write, so that the warm run trusts the files' stats as it
+  does for transcripts not being written: pipeline/batch/manifest.py, `settled`);
 - append: one call (a user line and an assistant line) appended to the largest session, run again;
 - `--jobs 1` and `--jobs N`, cold, in new OUTs;
 and the tokenizer-only bound: tiktoken over the distinct texts of the cold run's blocks, timed
@@ -129,6 +131,21 @@ def tokenizer_bound(out: Path) -> tuple[float, int, float, int]:
     return t1 - t0, len(distinct), time.perf_counter() - t1, len(every)
 
 
+def settle(tree: Path) -> float:
+    """Wait until every file of the tree has settled (pipeline/batch/manifest.py, `settled`), so
+    that the cold run records each file's stat and the warm run takes the recorded hashes from it,
+    as it does for transcripts not written in the last seconds (a tree written just now would be
+    read and hashed again by the warm run). The seconds waited."""
+    from ctxreplay.pipeline.batch.manifest import SETTLE_NS
+
+    newest = max((p.stat().st_ctime_ns for p in tree.rglob("*") if p.is_file()), default=0)
+    wait = (newest + SETTLE_NS - time.time_ns()) / 1e9
+    if wait <= 0:
+        return 0.0
+    time.sleep(wait + 0.1)
+    return wait + 0.1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="190MB")
@@ -146,6 +163,7 @@ def main() -> None:
     try:
         tree = given_or_generated_tree(a.tree, work, a.size)
         mb = tree_bytes(tree) / 1e6
+        waited = settle(tree)
         common = ["--preset", a.preset]
         out = work / "out"
         shutil.rmtree(out, ignore_errors=True)
@@ -178,7 +196,8 @@ def main() -> None:
         load = os.getloadavg()[0]
         print(f"tree: {tree} ({mb:.1f} MB, {s['files']} files, {s['groups']['total']} session groups, {calls:,} calls, "
               f"{s['groups']['batches']} batches); preset {a.preset}; {os.cpu_count()} CPUs, figures under load "
-              f"(load average {load:.2f} at the end)" + (f"; fastest of {tries} runs each" if tries > 1 else ""))
+              f"(load average {load:.2f} at the end)" + (f"; fastest of {tries} runs each" if tries > 1 else "")
+              + (f"; waited {waited:.1f} s for the tree to settle" if waited else ""))
         print(f"cold:     {cold:7.2f} s  {mb / cold:6.2f} MB/s  peak RSS {cold_rss / 2**20:7.0f} MiB "
               f"(load {s['timings_seconds'].get('load', 0):.1f} s, stages {s['timings_seconds'].get('stages', 0):.1f} s, "
               f"replay {s['timings_seconds'].get('replay', 0):.1f} s, cache sim {s['cache_sim'].get('seconds', 0):.1f} s)")

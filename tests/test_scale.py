@@ -337,14 +337,10 @@ def test_a_warm_re_run_does_not_import_pandas(tmp_path: Path) -> None:
     assert r.stdout.split() == ["True", "False", "False"], r.stdout + r.stderr
 
 
-def test_an_edit_in_place_that_keeps_size_and_mtime_is_noticed(tmp_path: Path) -> None:
-    """Issue 23, item 10: 6 bytes overwritten in the middle of a 300 kB transcript, its size kept and
-    its mtime restored with os.utime: reuse is decided on content, so its group runs again
-    and its requests change; the other group is still reused."""
-    import os
-
+def _two_groups(tree: Path) -> tuple[str, Path]:
+    """A 300 kB session and a small one, in two groups: (the large one's id, its file)."""
     sid = "11111111-2222-4333-8444-555555555555"
-    proj = tmp_path / "tree" / "proj"
+    proj = tree / "proj"
     proj.mkdir(parents=True)
     lines, parent = [], None
     for i in range(60):
@@ -358,10 +354,13 @@ def test_an_edit_in_place_that_keeps_size_and_mtime_is_noticed(tmp_path: Path) -
     (proj / f"{other_sid}.jsonl").write_bytes(_cc_line(other_sid, "u1", None, "user", "hi")
                                               + _cc_line(other_sid, "a1", "u1", "assistant", "yo"))
     assert main.stat().st_size > 256 * 1024
-    out = tmp_path / "o"
-    first = _run([tmp_path / "tree"], out)
-    assert first["groups"]["new"] == 2
-    before = {p.name: p.read_bytes() for p in (out / "requests").iterdir()}
+    return sid, main
+
+
+def _edit_in_place(main: Path) -> None:
+    """6 bytes overwritten in the middle of the file: the same inode and size, the mtime restored."""
+    import os
+
     st = main.stat()
     data = main.read_bytes()
     at = data.index(b"question 030 ") + len(b"question 030 ")
@@ -369,8 +368,102 @@ def test_an_edit_in_place_that_keeps_size_and_mtime_is_noticed(tmp_path: Path) -
         fh.seek(at)
         fh.write(b"EDITED")
     os.utime(main, ns=(st.st_atime_ns, st.st_mtime_ns))  # its mtime restored (or a coarse clock)
-    assert main.stat().st_mtime_ns == st.st_mtime_ns
+    assert main.stat().st_mtime_ns == st.st_mtime_ns and main.stat().st_ino == st.st_ino
     assert main.stat().st_size == st.st_size and main.read_bytes() != data
+
+
+def _counting_hashes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the files a re-run reads to hash (manifest.content_sha256), as it reads them."""
+    from ctxreplay.pipeline.batch import manifest
+
+    hashed: list[str] = []
+    real = manifest.content_sha256
+
+    def counted(path: Path) -> str | None:
+        hashed.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(manifest, "content_sha256", counted)
+    return hashed
+
+
+def _manifest_files(out: Path) -> dict[str, dict[str, Any]]:
+    doc = orjson.loads((out / "manifest.json").read_bytes())
+    return {Path(f["path"]).name: f for g in doc["groups"] for f in g["files"]}
+
+
+def test_a_settled_files_stat_stands_in_for_its_bytes_and_an_edit_in_place_still_shows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose ctime is SETTLE_NS older than a run's clock gets its inode and ctime in the
+    manifest (`sig`); a re-run that finds them, the size and the mtime unchanged takes the recorded
+    hash and reads nothing. An edit in place that keeps the inode, the size and the mtime sets the
+    ctime: that file is read again and its group re-runs (the other is still reused unread)."""
+    import time
+
+    from ctxreplay.pipeline.batch import manifest
+
+    sid, main = _two_groups(tmp_path / "tree")
+    clock = [time.time_ns() + manifest.SETTLE_NS]  # every file has settled by this clock
+    monkeypatch.setattr(manifest, "now_ns", lambda: clock[0])
+    out = tmp_path / "o"
+    _run([tmp_path / "tree"], out)
+    files = _manifest_files(out)
+    assert len(files) == 2 and all(f.get("sig") for f in files.values())
+    hashed = _counting_hashes(monkeypatch)
+    again = _run([tmp_path / "tree"], out)
+    assert again["groups"]["reused"] == 2 and hashed == []
+    _edit_in_place(main)
+    clock[0] = time.time_ns() + manifest.SETTLE_NS
+    third = _run([tmp_path / "tree"], out)
+    g = third["groups"]
+    assert (g["rerun"], g["reused"], g["new"]) == (1, 1, 0)
+    assert hashed == [main.name]
+    assert any(b"EDITED" in p.read_bytes() for p in (out / "requests").iterdir() if sid in p.name)
+    assert _manifest_files(out)[main.name]["sig"] != files[main.name]["sig"]
+
+
+@pytest.mark.parametrize("late_ns", [0, 1])
+def test_a_file_changed_within_the_settling_time_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               late_ns: int) -> None:
+    """The threshold, both sides: a run whose clock is exactly SETTLE_NS past the file's ctime
+    records its stat and the re-run reads nothing of it; 1 ns less (the file may change again and
+    keep that ctime, on a coarse clock) records none, and the re-run hashes the file."""
+    from ctxreplay.pipeline.batch import manifest
+
+    _, main = _two_groups(tmp_path / "tree")
+    at = main.stat().st_ctime_ns + manifest.SETTLE_NS - late_ns
+    monkeypatch.setattr(manifest, "now_ns", lambda: at)
+    out = tmp_path / "o"
+    _run([tmp_path / "tree"], out)
+    assert ("sig" in _manifest_files(out)[main.name]) == (late_ns == 0)
+    hashed = _counting_hashes(monkeypatch)
+    again = _run([tmp_path / "tree"], out)
+    assert again["groups"]["reused"] == 2
+    assert (main.name in hashed) == (late_ns == 1)
+
+
+def test_a_stat_stands_for_the_bytes_only_when_the_loader_read_as_many() -> None:
+    """with_content keeps a file's `sig` when its load read the size the stat saw, and drops it when
+    the file grew (or shrank) between the stat and the read: the hash is of other bytes then."""
+    from ctxreplay.pipeline.batch.manifest import with_content
+
+    files = [{"path": "a", "size": 10, "mtime_ns": 5, "sig": "7:9"}]
+    same = with_content(files, [{"path": "a", "bytes": 10, "sha256": "h"}], {})
+    grown = with_content(files, [{"path": "a", "bytes": 12, "sha256": "h"}], {})
+    assert same == [{"path": "a", "size": 10, "mtime_ns": 5, "sig": "7:9", "fp": "h"}]
+    assert grown == [{"path": "a", "size": 12, "mtime_ns": 5, "fp": "h"}]
+
+
+def test_an_edit_in_place_that_keeps_size_and_mtime_is_noticed(tmp_path: Path) -> None:
+    """Issue 23, item 10: 6 bytes overwritten in the middle of a 300 kB transcript, its size kept and
+    its mtime restored with os.utime: reuse is decided on content, so its group runs again
+    and its requests change; the other group is still reused."""
+    sid, main = _two_groups(tmp_path / "tree")
+    out = tmp_path / "o"
+    first = _run([tmp_path / "tree"], out)
+    assert first["groups"]["new"] == 2
+    before = {p.name: p.read_bytes() for p in (out / "requests").iterdir()}
+    _edit_in_place(main)
     again = _run([tmp_path / "tree"], out)
     g = again["groups"]
     assert (g["rerun"], g["reused"], g["new"]) == (1, 1, 0)
@@ -384,3 +477,4 @@ def test_an_edit_in_place_that_keeps_size_and_mtime_is_noticed(tmp_path: Path) -
     # and a third run, nothing changed, reuses both groups again (the hashes the load took are kept)
     third = _run([tmp_path / "tree"], out)
     assert third["groups"]["reused"] == third["groups"]["total"] == 2
+

@@ -2,7 +2,11 @@
 
 The manifest records, per input file, its size, mtime and the sha256 of all of its bytes (issue 23,
 item 10: an edit in place that keeps the size, and the mtime, is a changed file; the loader hashes
-the bytes it reads, so a run that loads a file takes its hash from there and reads it once), and
+the bytes it reads, so a run that loads a file takes its hash from there and reads it once), and,
+when the file had settled, its inode and ctime (`sig`, see `settled`): a re-run that finds the same
+size, mtime, inode and ctime takes the recorded hash instead of reading the file again. The ctime
+is what an edit in place cannot keep: every write and every `utime` sets it to the clock's now, and
+no call sets it back. The manifest also records,
 per session group (pipeline/batch/batches.py) its files, its sessions (which locate its rows in every
 output: blocks, decisions, calls, call_messages; its quarantined lines by file; its requests/ by
 thread key) and the accounting the summary sums (file loads, loader stats, threads, violations,
@@ -22,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,15 +48,39 @@ FACTS_FILE = "call_facts.parquet"
 MANIFEST_VERSION = 5
 
 
-def stat_file(path: Path) -> dict[str, Any]:
-    """size and mtime_ns of a listed file (no byte read); {} when it is not a regular file."""
+# How long before a run's stat a file's ctime must be for its stat to stand in for its bytes at the
+# next run (`settled`): more than a file system's timestamp step (ext4 and xfs: a clock tick of a
+# few ms; some network and older file systems: 1-2 s)
+SETTLE_NS = 3_000_000_000
+
+
+def settled(ctime_ns: int, now_ns: int) -> bool:
+    """Whether a file whose ctime is `ctime_ns`, stat'ed at `now_ns` (the run's clock, read before
+    the stat), would show any later write in its ctime. A write after the stat gets a ctime of at
+    least now less one timestamp step; a file changed within SETTLE_NS of the stat might get the
+    very ctime it has (a coarse clock), so its stat is not trusted and the next run reads it."""
+    return ctime_ns <= now_ns - SETTLE_NS
+
+
+def stat_file(path: Path, now_ns: int | None = None) -> dict[str, Any]:
+    """size and mtime_ns of a listed file (no byte read), and `sig` (its inode and ctime) when it
+    has settled at `now_ns` (see `settled`); {} when it is not a regular file."""
     try:
         st = os.stat(path)
     except OSError:
         return {}
     if not stat.S_ISREG(st.st_mode):
         return {}
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    out: dict[str, Any] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if now_ns is not None and settled(st.st_ctime_ns, now_ns):
+        out["sig"] = f"{st.st_ino}:{st.st_ctime_ns}"
+    return out
+
+
+def same_stat(f: dict[str, Any], old: dict[str, Any]) -> bool:
+    """The file is as the previous run recorded it, by its stat alone: the same size, mtime and
+    settled inode and ctime (a previous run records `sig` only for a settled file)."""
+    return bool(f.get("sig")) and all(f.get(k) == old.get(k) for k in ("sig", "size", "mtime_ns"))
 
 
 def content_sha256(path: Path) -> str | None:
@@ -73,10 +102,16 @@ def fingerprint(path: Path) -> dict[str, Any]:
     return {**st, "fp": fp} if fp else {}
 
 
-def group_files(group: Group) -> list[dict[str, Any]]:
-    """The group's files with their sizes and mtimes; their content hashes are added when a re-run
-    compares them (Prior.reusable) or when the run loads them (with_content)."""
-    return [{"path": path_str(f), **stat_file(f)} for f in group.files]
+def now_ns() -> int:
+    """The clock a run reads before it stats its files (`settled`)."""
+    return time.time_ns()
+
+
+def group_files(group: Group, now: int | None = None) -> list[dict[str, Any]]:
+    """The group's files with their sizes, mtimes and settled stats (stat'ed after the clock read
+    `now`); their content hashes are added when a re-run compares them (Prior.reusable) or when the
+    run loads them (with_content)."""
+    return [{"path": path_str(f), **stat_file(f, now)} for f in group.files]
 
 
 def with_content(files: list[dict[str, Any]], loads: list[dict[str, Any]], paths: dict[str, Path]) -> list[dict[str, Any]]:
@@ -87,8 +122,9 @@ def with_content(files: list[dict[str, Any]], loads: list[dict[str, Any]], paths
     out = []
     for f in files:
         ld = by_path.get(f["path"])
-        if ld is not None:
-            out.append({**f, "size": ld["bytes"], "fp": ld["sha256"]})
+        if ld is not None:  # the stat stands for these bytes only if the loader read as many
+            keep = {k: v for k, v in f.items() if k != "sig" or ld["bytes"] == f.get("size")}
+            out.append({**keep, "size": ld["bytes"], "fp": ld["sha256"]})
         elif f.get("fp") or "size" not in f:  # hashed already; or not a regular file when listed
             out.append(f)
         else:
@@ -125,7 +161,8 @@ class Prior:
     def reusable(self, key: str, files: list[dict[str, Any]], paths: dict[str, Path]) -> dict[str, Any] | None:
         """The previous record of this group when its files are unchanged: the same paths and
         sizes (compared first, nothing read), then the same content (each file hashed once; the
-        hashes are put in `files`). An mtime does not count either way (issue 23, item 10)."""
+        hashes are put in `files`), or, for a file whose settled stat is the recorded one
+        (`same_stat`), the recorded hash. An mtime alone does not count either way (issue 23, item 10)."""
         rec = self.groups.get(key)
         if rec is None:
             return None
@@ -135,7 +172,7 @@ class Prior:
         if not all(x.get("fp") for x in old) or any(x.get("size") is None for x in files):
             return None
         for f, o in zip(files, old, strict=True):
-            fp = f.get("fp") or content_sha256(paths[f["path"]])
+            fp = f.get("fp") or (o["fp"] if same_stat(f, o) else content_sha256(paths[f["path"]]))
             if fp is None:
                 return None
             f["fp"] = fp
@@ -147,7 +184,8 @@ class Prior:
 def hash_candidates(prior: Prior, files: dict[str, list[dict[str, Any]]], paths: dict[str, Path]) -> None:
     """The content hashes Prior.reusable will compare, taken beforehand on a few threads (hashlib
     lets go of the GIL while it hashes): every file of a group whose paths and sizes are those of
-    the previous run. A file that cannot be read gets no hash (reusable then says no)."""
+    the previous run, less those whose settled stat is the recorded one (they take the recorded
+    hash, nothing read). A file that cannot be read gets no hash (reusable then says no)."""
     from concurrent.futures import ThreadPoolExecutor
 
     todo = []
@@ -156,6 +194,9 @@ def hash_candidates(prior: Prior, files: dict[str, list[dict[str, Any]]], paths:
         if rec is None or any(x.get("size") is None for x in fs):
             continue
         if [(x["path"], x.get("size")) for x in rec["files"]] == [(x["path"], x.get("size")) for x in fs]:
+            for f, o in zip(fs, rec["files"], strict=True):
+                if not f.get("fp") and o.get("fp") and same_stat(f, o):
+                    f["fp"] = o["fp"]
             todo.extend(f for f in fs if not f.get("fp") and f["path"] in paths)
     if len(todo) < 2:
         return
@@ -214,5 +255,6 @@ def write_manifest(run_dir: Path, conf: dict[str, Any], groups: list[dict[str, A
     os.replace(tmp, run_dir / MANIFEST_FILE)
 
 
-__all__ = ["FACTS_FILE", "MANIFEST_FILE", "Prior", "config", "content_sha256", "fingerprint", "group_files", "hash_candidates",
-           "load_from_dict", "load_to_dict", "prior", "same_files", "stat_file", "with_content", "write_manifest"]
+__all__ = ["FACTS_FILE", "MANIFEST_FILE", "SETTLE_NS", "Prior", "config", "content_sha256", "fingerprint", "group_files",
+           "hash_candidates", "load_from_dict", "load_to_dict", "now_ns", "prior", "same_files", "same_stat", "settled",
+           "stat_file", "with_content", "write_manifest"]

@@ -301,7 +301,8 @@ class _Plan:
 
     @classmethod
     def make(cls, batches: list[Any], prior: manifest.Prior | None, why: str) -> _Plan:
-        files = {g.key: manifest.group_files(g) for b in batches for g in b.groups}
+        now = manifest.now_ns()  # before any stat (manifest.settled)
+        files = {g.key: manifest.group_files(g, now) for b in batches for g in b.groups}
         paths = {path_str(f): f for b in batches for g in b.groups for f in g.files}
         reused = {}
         if prior is not None:
