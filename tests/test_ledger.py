@@ -91,15 +91,33 @@ def test_seq_is_unique_and_contiguous_per_namespace(tmp_path: Path) -> None:
         assert sorted(part["seq"].to_list()) == list(range(part.height))
 
 
+def test_queued_token_counts_are_each_counted_once_and_written_by_the_commit(tmp_path: Path) -> None:
+    """What the live engine's flush (`_tokens_due`) reads: the distinct counts queued, per counter;
+    a count queued twice is one row; the commit writes them and the queue is empty after it."""
+    a, b = "ab" * 32, "cd" * 32
+    led = Ledger(tmp_path / "l.duckdb")
+    led.store_tokens("c", {a: 3})
+    led.store_tokens("c", {a: 3, b: 5})
+    led.store_tokens("d", {a: 4})
+    led.store_tokens("d", {})
+    assert led.pending_tokens == 3
+    led.commit_run(None, {}, "s")
+    assert led.pending_tokens == 0
+    assert led.con.execute("SELECT counter, sha256, tokens FROM token_cache ORDER BY ALL").fetchall() == [
+        ("c", a, 3), ("c", b, 5), ("d", a, 4)]
+    assert led.cached_tokens("d", [a, b]) == {a: 4}
+    led.close()
+
+
 def test_cached_tokens_finds_what_was_committed_after_it_was_first_asked(tmp_path: Path) -> None:
-    """The cache is looked up only for shas whose first 64 bits it holds (read at the first lookup):
-    counts committed after that lookup are found by the same ledger and by a fresh one; a sha that
-    shares those bits with a cached one but is another text is not found; other counters see none."""
+    """The counter's cached counts are read at its first lookup: counts committed after it are found
+    by the same ledger and by a fresh one; a sha that shares its first 64 bits with a cached one is
+    another text and is not found; other counters see none."""
     path = tmp_path / "l.duckdb"
     a, b = "ab" * 32, "cd" * 32
     twin = a[:16] + "0" * 48  # the same first 64 bits as `a`, another sha
     led = Ledger(path)
-    assert led.cached_tokens("c", [a, b]) == {}  # nothing cached yet (the prefixes are read here)
+    assert led.cached_tokens("c", [a, b]) == {}  # nothing cached yet (the counts are read here)
     led.store_tokens("c", {a: 3})
     assert led.cached_tokens("c", [a]) == {}  # queued, not committed
     led.commit_run(None, {}, "s")

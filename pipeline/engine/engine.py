@@ -389,7 +389,7 @@ class Engine:
         self._closed = True
         try:
             try:
-                if self.ledger._pending_tokens:  # the token counts not written yet (a cache: see _tokens_due)
+                if self.ledger.pending_tokens:  # the token counts not written yet (a cache: see _tokens_due)
                     self._commit()
             finally:
                 self.ledger.close()
@@ -629,7 +629,7 @@ class Engine:
         """Whether the token counts made since the last commit are many enough to write now. They
         are a cache (a text is counted again when its count is lost): written with the next
         decisions, when this many are waiting, or at close(), not at every pass."""
-        return sum(t.num_rows for t in self.ledger._pending_tokens) >= TOKEN_FLUSH
+        return self.ledger.pending_tokens >= TOKEN_FLUSH
 
     def _commit(self) -> None:
         """Write what the ledger holds queued (decisions, token counts, the spec) in one transaction."""

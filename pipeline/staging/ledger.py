@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
-import numpy as np
 import orjson
 import polars as pl
 import pyarrow as pa
@@ -133,11 +132,6 @@ def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _prefixes_of(shas: list[str]) -> np.ndarray:
-    """The first 64 bits of each sha256 (hex), as the token cache's prefixes (`Ledger.cached_tokens`)."""
-    return np.fromiter((int(s[:16], 16) for s in shas), np.uint64, len(shas))
-
-
 class Ledger:
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
@@ -181,14 +175,14 @@ class Ledger:
                                   f"--ledger") from exc
         self._pending: list[pa.Table] = []
         self._pending_calls: list[pa.Table] = []
-        self._pending_tokens: list[pa.Table] = []
+        self._pending_tokens: dict[str, dict[str, int]] = {}  # counter -> sha256 -> tokens, not written yet
         self._earlier_all: tuple[tuple[Any, ...], pl.DataFrame] | None = None  # the last earlier_all, with its stamp
         # True when no one else writes this file while this object lives (the live engine holds the
         # ledger's lock): what it read stays true until its own next commit (`earlier_all`)
         self.exclusive = False
         self._commits = 0  # commits made through this object
-        # per counter, the first 64 bits of every sha256 its token_cache rows hold, sorted (`cached_tokens`)
-        self._cached_prefixes: dict[str, np.ndarray] = {}
+        # per counter, every count its token_cache rows hold, by sha256 (read once: `cached_tokens`)
+        self._token_maps: dict[str, dict[str, int]] = {}
 
     def _identify(self) -> str:
         """"ours" (a ctxreplay ledger) or "new" (a database without any table or view); a
@@ -326,7 +320,9 @@ class Ledger:
                 con.register(f"_call{i}", t)
                 con.execute(f"INSERT INTO decision_calls SELECT spec_sha256, seq, call_key FROM _call{i}")
                 con.unregister(f"_call{i}")
-            for i, t in enumerate(self._pending_tokens):
+            for i, (counter, counts) in enumerate(self._pending_tokens.items()):
+                t = pa.table({"counter": [counter] * len(counts), "sha256": list(counts),
+                              "tokens": pa.array(list(counts.values()), pa.int64())})
                 con.register(f"_tok{i}", t)
                 con.execute(f"INSERT OR IGNORE INTO token_cache SELECT counter, sha256, tokens FROM _tok{i}")
                 con.unregister(f"_tok{i}")
@@ -359,7 +355,7 @@ class Ledger:
         finally:
             self._pending = []
             self._pending_calls = []
-            self._pending_tokens = []
+            self._pending_tokens = {}
 
     def _where(self, stage: str | None, session_id: str | None) -> tuple[str, dict[str, str]]:
         conds, params = [], {}
@@ -397,49 +393,36 @@ class Ledger:
 
     @_reads
     def cached_tokens(self, counter: str, shas: list[str]) -> dict[str, int]:
-        """The cached counts of these texts (by sha256) that the cache holds. Only the shas whose first
-        64 bits some row of the counter holds are looked up: a live step's few new texts are almost
-        never there, and a query for them cost more than counting them (~4 ms a query)."""
+        """The cached counts of these texts (by sha256) that the cache holds, from the counter's rows
+        read once into memory (`_token_map`): a lookup is a dict's, not a query (a query for a few
+        texts, as a live step or a snip marker asks, cost 1-3 ms, more than counting them)."""
         if not shas:
             return {}
-        known = self._prefixes(counter)
-        if not len(known):
-            return {}
-        p = _prefixes_of(shas)
-        maybe = known[np.searchsorted(known, p).clip(max=len(known) - 1)] == p
-        if not maybe.any():
-            return {}
-        self.con.register("_q", pa.table({"sha256": [s for s, m in zip(shas, maybe.tolist(), strict=True) if m]}))
-        try:
-            rows = self.con.execute(
-                "SELECT t.sha256, t.tokens FROM token_cache t JOIN _q USING (sha256) WHERE t.counter = ?",
-                [counter]).fetchall()
-        finally:
-            self.con.unregister("_q")
-        return {s: int(n) for s, n in rows}
+        known = self._token_map(counter)
+        return {s: known[s] for s in shas if s in known} if known else {}
 
-    def _prefixes(self, counter: str) -> np.ndarray:
-        """The sorted first 64 bits of the counter's cached sha256s (read once; commits add theirs)."""
-        got = self._cached_prefixes.get(counter)
+    def _token_map(self, counter: str) -> dict[str, int]:
+        """The counter's token_cache rows, sha256 -> tokens (read at the first lookup; commits add theirs)."""
+        got = self._token_maps.get(counter)
         if got is None:
-            got = self.con.execute(
-                "SELECT ('0x' || sha256[1:16])::UBIGINT AS p FROM token_cache WHERE counter = ? ORDER BY p",
-                [counter]).fetchnumpy()["p"]
-            got = self._cached_prefixes[counter] = np.asarray(got, dtype=np.uint64)
+            r = self.con.execute("SELECT sha256, tokens FROM token_cache WHERE counter = ?", [counter]).fetchnumpy()
+            got = self._token_maps[counter] = dict(zip(r["sha256"].tolist(), r["tokens"].tolist(), strict=True))
         return got
 
     def _committed(self) -> None:
         """After a commit: one more commit of this object's, and the token counts it wrote join the
-        prefixes read before (`store_tokens` queues one counter per table; the others are read when asked)."""
+        counts read before (the other counters' are read when asked)."""
         self._commits += 1
-        for t in self._pending_tokens:
-            counter = t.column("counter")[0].as_py()
-            if counter in self._cached_prefixes:
-                new = _prefixes_of(t.column("sha256").to_pylist())
-                self._cached_prefixes[counter] = np.union1d(self._cached_prefixes[counter], new)
+        for counter, counts in self._pending_tokens.items():
+            if counter in self._token_maps:
+                self._token_maps[counter].update(counts)
+
+    @property
+    def pending_tokens(self) -> int:
+        """How many token counts are queued, not written yet."""
+        return sum(len(c) for c in self._pending_tokens.values())
 
     def store_tokens(self, counter: str, counts: dict[str, int]) -> None:
         """Queue new token counts; written with the run's commit (same transaction)."""
         if counts:
-            self._pending_tokens.append(pa.table({"counter": [counter] * len(counts), "sha256": list(counts),
-                                                  "tokens": pa.array(list(counts.values()), pa.int64())}))
+            self._pending_tokens.setdefault(counter, {}).update(counts)
