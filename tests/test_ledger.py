@@ -106,7 +106,28 @@ def test_queued_token_counts_are_each_counted_once_and_written_by_the_commit(tmp
     assert led.con.execute("SELECT counter, sha256, tokens FROM token_cache ORDER BY ALL").fetchall() == [
         ("c", a, 3), ("c", b, 5), ("d", a, 4)]
     assert led.cached_tokens("d", [a, b]) == {a: 4}
+    led.store_tokens("d", {a: 99, b: 7})  # `a` is cached already: the cache keeps its count
+    led.commit_run(None, {}, "s")
+    assert led.cached_tokens("d", [a, b]) == {a: 4, b: 7}
+    assert led.con.execute("SELECT tokens FROM token_cache WHERE counter = 'd' ORDER BY sha256").fetchall() == [
+        (4,), (7,)]
     led.close()
+
+
+def test_cached_tokens_tells_apart_shas_that_end_in_zero_bytes(tmp_path: Path) -> None:
+    """The counts are looked up as 32-byte digests: one ending in zero bytes is found, and neither a
+    sha that differs from it only there nor one that is its prefix padded otherwise is."""
+    zeros, near, other = "ab" * 30 + "0000", "ab" * 30 + "00ab", "ab" * 30 + "ab00"
+    path = tmp_path / "l.duckdb"
+    led = Ledger(path)
+    led.store_tokens("c", {zeros: 1, other: 2})
+    led.commit_run(None, {}, "s")
+    assert led.cached_tokens("c", [near, zeros, other]) == {zeros: 1, other: 2}
+    led.close()
+    fresh = Ledger(path, read_only=True)
+    assert fresh.cached_tokens("c", [near, other, zeros]) == {other: 2, zeros: 1}
+    assert fresh.cached_tokens("c", [near]) == {}
+    fresh.close()
 
 
 def test_cached_tokens_finds_what_was_committed_after_it_was_first_asked(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
+import numpy as np
 import orjson
 import polars as pl
 import pyarrow as pa
@@ -132,6 +133,11 @@ def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _digests(shas: list[str]) -> np.ndarray:
+    """sha256s (hex) as their 32-byte digests, one numpy bytes value each (`Ledger.cached_tokens`)."""
+    return np.frombuffer(bytes.fromhex("".join(shas)), dtype="S32") if shas else np.empty(0, dtype="S32")
+
+
 class Ledger:
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
@@ -181,8 +187,8 @@ class Ledger:
         # ledger's lock): what it read stays true until its own next commit (`earlier_all`)
         self.exclusive = False
         self._commits = 0  # commits made through this object
-        # per counter, every count its token_cache rows hold, by sha256 (read once: `cached_tokens`)
-        self._token_maps: dict[str, dict[str, int]] = {}
+        # per counter, every count its token_cache rows hold, by sha256 (read once: `_token_table`)
+        self._token_tables: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def _identify(self) -> str:
         """"ours" (a ctxreplay ledger) or "new" (a database without any table or view); a
@@ -394,28 +400,49 @@ class Ledger:
     @_reads
     def cached_tokens(self, counter: str, shas: list[str]) -> dict[str, int]:
         """The cached counts of these texts (by sha256) that the cache holds, from the counter's rows
-        read once into memory (`_token_map`): a lookup is a dict's, not a query (a query for a few
-        texts, as a live step or a snip marker asks, cost 1-3 ms, more than counting them)."""
+        read once into memory (`_token_table`): a lookup is a search in sorted arrays, not a query
+        (a query for a few texts, as a live step or a snip marker asks, cost 1-3 ms, more than
+        counting them)."""
         if not shas:
             return {}
-        known = self._token_map(counter)
-        return {s: known[s] for s in shas if s in known} if known else {}
+        digests, tokens = self._token_table(counter)
+        if not len(digests):
+            return {}
+        q = _digests(shas)
+        at = np.searchsorted(digests, q).clip(max=len(digests) - 1)
+        hit = (digests[at] == q).tolist()
+        return {s: int(tokens[i]) for s, i, h in zip(shas, at.tolist(), hit, strict=True) if h}
 
-    def _token_map(self, counter: str) -> dict[str, int]:
-        """The counter's token_cache rows, sha256 -> tokens (read at the first lookup; commits add theirs)."""
-        got = self._token_maps.get(counter)
+    def _token_table(self, counter: str) -> tuple[np.ndarray, np.ndarray]:
+        """The counter's token_cache rows as (sha256 digests, 32 bytes each, sorted; their counts),
+        read at the first lookup (40 bytes a row); commits add theirs."""
+        got = self._token_tables.get(counter)
         if got is None:
             r = self.con.execute("SELECT sha256, tokens FROM token_cache WHERE counter = ?", [counter]).fetchnumpy()
-            got = self._token_maps[counter] = dict(zip(r["sha256"].tolist(), r["tokens"].tolist(), strict=True))
+            digests = _digests(r["sha256"].tolist())
+            order = np.argsort(digests, kind="stable")
+            got = self._token_tables[counter] = (digests[order], np.asarray(r["tokens"], dtype=np.int64)[order])
         return got
 
     def _committed(self) -> None:
         """After a commit: one more commit of this object's, and the token counts it wrote join the
-        counts read before (the other counters' are read when asked)."""
+        counts read before, those the cache held already left as they were (INSERT OR IGNORE); the
+        other counters' are read when asked."""
         self._commits += 1
         for counter, counts in self._pending_tokens.items():
-            if counter in self._token_maps:
-                self._token_maps[counter].update(counts)
+            if counter not in self._token_tables:
+                continue
+            digests, tokens = self._token_tables[counter]
+            new = _digests(list(counts))
+            vals = np.fromiter(counts.values(), np.int64, len(counts))
+            order = np.argsort(new, kind="stable")
+            new, vals = new[order], vals[order]
+            if len(digests):
+                at = np.searchsorted(digests, new).clip(max=len(digests) - 1)
+                fresh = digests[at] != new
+                new, vals = new[fresh], vals[fresh]
+            at = np.searchsorted(digests, new)
+            self._token_tables[counter] = (np.insert(digests, at, new), np.insert(tokens, at, vals))
 
     @property
     def pending_tokens(self) -> int:
