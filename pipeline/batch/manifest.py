@@ -95,13 +95,6 @@ def content_sha256(path: Path) -> str | None:
     return h.hexdigest()
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
-    """size, mtime_ns and fp (the sha256 of the whole file); {} when unreadable."""
-    st = stat_file(path)
-    fp = content_sha256(path) if st else None
-    return {**st, "fp": fp} if fp else {}
-
-
 def now_ns() -> int:
     """The clock a run reads before it stats its files (`settled`)."""
     return time.time_ns()
@@ -131,12 +124,6 @@ def with_content(files: list[dict[str, Any]], loads: list[dict[str, Any]], paths
             fp = content_sha256(paths[f["path"]]) if f["path"] in paths else None
             out.append({**f, "fp": fp} if fp else {k: v for k, v in f.items() if k != "fp"})
     return out
-
-
-def same_files(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
-    """The same files with the same sizes and content hashes (an mtime alone does not count)."""
-    key = [(x["path"], x.get("size"), x.get("fp")) for x in a]
-    return bool(a) and all(x.get("fp") for x in a) and key == [(x["path"], x.get("size"), x.get("fp")) for x in b]
 
 
 def config(spec_sha256: str, target: str, token_counter: str, all_calls: bool, validate: bool,
@@ -255,6 +242,6 @@ def write_manifest(run_dir: Path, conf: dict[str, Any], groups: list[dict[str, A
     os.replace(tmp, run_dir / MANIFEST_FILE)
 
 
-__all__ = ["FACTS_FILE", "MANIFEST_FILE", "SETTLE_NS", "Prior", "config", "content_sha256", "fingerprint", "group_files",
-           "hash_candidates", "load_from_dict", "load_to_dict", "now_ns", "prior", "same_files", "same_stat", "settled",
-           "stat_file", "with_content", "write_manifest"]
+__all__ = ["FACTS_FILE", "MANIFEST_FILE", "SETTLE_NS", "Prior", "config", "content_sha256", "group_files",
+           "hash_candidates", "load_from_dict", "load_to_dict", "now_ns", "prior", "same_stat", "settled", "stat_file",
+           "with_content", "write_manifest"]
